@@ -1,0 +1,28 @@
+# The whole set-up is two commands on a fresh machine (see README):
+#   make run    installs into .venv and runs the main job
+#   make test   installs into .venv and runs the tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install run test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[all]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) examples/quickstart.py
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,60 @@
+"""Sharding constraints for intermediate values, written once in model code.
+
+Both functions return their input untouched outside an ``sjit`` / ``get_context`` context, so
+the same code runs on one device.
+
+>>> h = with_sharding_annotation(h, "activations")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from shardax.mesh import current_context
+from shardax.rules import match_specs_flat
+
+__all__ = ["with_sharding_constraint", "with_sharding_annotation"]
+
+
+def with_sharding_constraint(pytree: Any, rule_or_spec: Any, *, what: str = "constraint") -> Any:
+    """Constrains ``pytree`` to the sharding a rule, a spec, or a prefix tree of them gives.
+
+    >>> x = with_sharding_constraint(x, PartitionSpec("fsdp", None))  # doctest: +SKIP
+    """
+    context = current_context()
+    if context is None:
+        return pytree
+    mesh = context.mesh_helper.mesh
+    _, leaves, specs = match_specs_flat(rule_or_spec, pytree, mesh, what=what)
+    constrained = [
+        leaf if spec is None else jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
+        for leaf, spec in zip(leaves, specs)
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pytree), constrained)
+
+
+def with_sharding_annotation(pytree: Any, name: str) -> Any:
+    """Constrains ``pytree`` to whatever ``annotation_shardings[name]`` of the active sjit says.
+
+    The model code names the value; the call site decides how it is sharded. A name the
+    context does not know is left unconstrained, with one warning per trace.
+    """
+    context = current_context()
+    if context is None:
+        return pytree
+    rule = context.annotation_shardings.get(name)
+    if rule is None:
+        if name not in context.warned_annotations and name not in context.annotation_shardings:
+            context.warned_annotations.add(name)
+            warnings.warn(
+                f"sharding annotation {name!r} is not in annotation_shardings "
+                f"(known: {sorted(context.annotation_shardings)}); leaving it unconstrained",
+                UserWarning,
+                stacklevel=2,
+            )
+        return pytree
+    return with_sharding_constraint(pytree, rule, what=f"annotation {name!r}")

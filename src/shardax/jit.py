@@ -1,0 +1,367 @@
+"""``sjit``: ``jax.jit`` whose shardings come from rules resolved against the actual arguments.
+
+Data flows one way: rules + argument tree + mesh -> PartitionSpecs -> NamedShardings -> jax.jit.
+Each distinct call signature (static values, tree structure, shapes, dtypes) resolves its rules
+once and keeps its own ``jax.jit`` object.
+
+>>> step = mesh.sjit(train_step, in_shardings=(FSDPShardingRule(), None),
+...                  out_shardings=(FSDPShardingRule(), None))  # doctest: +SKIP
+>>> state, metrics = step(state, batch)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect as _inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from shardax.mesh import MeshShardingHelper, get_global_mesh_helper
+from shardax.rules import match_specs_flat
+
+__all__ = ["sjit", "ShardedFunction"]
+
+_SCALARS = (bool, int, float, complex)
+
+
+def _as_tuple(x: int | str | Sequence[Any] | None) -> tuple:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+def _rule_tuple(rules: Any) -> Any:
+    """scalax accepted lists for per-argument rules; jax trees treat lists and tuples alike
+    only when both sides agree, so lists become tuples."""
+    return tuple(rules) if isinstance(rules, list) else rules
+
+
+def _leaf_key(path: str, x: Any) -> tuple:
+    """What a leaf contributes to the cache key: its abstract value."""
+    if isinstance(x, _SCALARS):
+        return (type(x),)
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        kind = "a function" if callable(x) else f"of type {type(x).__name__}"
+        raise TypeError(
+            f"argument {path!r} is {kind}, which is not a valid JAX array; pass it as a static "
+            f"argument (static_argnums / static_argnames) or close over it"
+        )
+    return (tuple(shape), dtype, bool(getattr(x, "weak_type", False)))
+
+
+@dataclass
+class _Compiled:
+    """One resolved call signature."""
+
+    jitted: Any  # the jax.jit object, taking the flat dynamic leaves
+    in_paths: list[str]
+    in_specs: list[Any]
+    in_shardings: list[NamedSharding | None]
+
+
+class ShardedFunction:
+    """What ``sjit`` returns: call it like the function; ``lower`` and ``plan`` to inspect it."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        mesh: MeshShardingHelper | None = None,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
+        static_argnums: int | Sequence[int] | None = None,
+        args_sharding_constraint: Any = None,
+        annotation_shardings: dict[str, Any] | None = None,
+        static_argnames: str | Sequence[str] | None = None,
+        donate_argnums: int | Sequence[int] | None = None,
+        donate_argnames: str | Sequence[str] | None = None,
+        **jit_kwargs: Any,
+    ):
+        if not callable(fun):
+            raise TypeError(f"sjit expects a function, got {type(fun).__name__}")
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.mesh_helper = mesh
+        self.in_shardings = _rule_tuple(in_shardings)
+        self.out_shardings = _rule_tuple(out_shardings)
+        self.args_sharding_constraint = _rule_tuple(args_sharding_constraint)
+        self.annotation_shardings = annotation_shardings
+        self.static_argnums = tuple(sorted(_as_tuple(static_argnums)))
+        self.static_argnames = frozenset(_as_tuple(static_argnames))
+        self.donate_argnums = frozenset(_as_tuple(donate_argnums))
+        self.donate_argnames = frozenset(_as_tuple(donate_argnames))
+        self.jit_kwargs = jit_kwargs
+        self._cache: dict[tuple, _Compiled] = {}
+        try:
+            self._signature = _inspect.signature(fun)
+        except (TypeError, ValueError):
+            self._signature = None
+
+    def __repr__(self) -> str:
+        return f"<sjit {getattr(self.fun, '__qualname__', self.fun)!r} on {self._helper()!r}>"
+
+    # ------------------------------------------------------------------ argument handling
+
+    def _helper(self) -> MeshShardingHelper:
+        helper = self.mesh_helper or get_global_mesh_helper()
+        if helper is None:
+            raise ValueError(
+                "this sjit function has no mesh: create it with mesh.sjit(...) or call it inside "
+                "`with mesh.get_context():`"
+            )
+        return helper
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple, dict]:
+        """Splits arguments into (static positional, static keyword, dynamic args, kwargs)."""
+        n = len(args)
+        static_nums = tuple(i if i >= 0 else i + n for i in self.static_argnums)
+        for i in static_nums:
+            if not 0 <= i < n:
+                raise ValueError(
+                    f"static_argnums {self.static_argnums} refers to argument {i} but the "
+                    f"function was called with {n} positional arguments"
+                )
+        static_args = tuple((i, args[i]) for i in static_nums)
+        dynamic_args = tuple(a for i, a in enumerate(args) if i not in static_nums)
+        static_kwargs = tuple(
+            sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)
+        )
+        dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        for _, value in static_args + static_kwargs:
+            try:
+                hash(value)
+            except TypeError:
+                raise TypeError(
+                    f"static argument {value!r} of type {type(value).__name__} is not hashable; "
+                    f"static arguments must be hashable (as in jax.jit)"
+                ) from None
+        return static_args, static_kwargs, dynamic_args, dynamic_kwargs
+
+    def _resolve(self, args: tuple, kwargs: dict) -> tuple[_Compiled, list, Any]:
+        helper = self._helper()
+        static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        flat, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        try:
+            leaf_keys = tuple(_leaf_key("", x) for x in flat)
+        except TypeError:  # say which argument it was
+            for path, x in zip(self._paths(dyn_args, dyn_kwargs, static_args), flat):
+                _leaf_key(path, x)
+            raise
+        key = (id(helper), static_args, static_kwargs, treedef, leaf_keys)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(helper, static_args, static_kwargs, dyn_args, dyn_kwargs, treedef)
+            self._cache[key] = entry
+        return entry, flat, helper
+
+    def _paths(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> list[str]:
+        """Human names for every dynamic leaf: the parameter name, then the path inside it."""
+        static_nums = {i for i, _ in static_args}
+        positions = [i for i in range(len(dyn_args) + len(static_nums)) if i not in static_nums]
+        names = list(self._signature.parameters) if self._signature is not None else []
+
+        def arg_name(i: int) -> str:
+            kinds = [p.kind for p in self._signature.parameters.values()] if names else []
+            if i < len(names) and kinds[i] in (
+                _inspect.Parameter.POSITIONAL_ONLY,
+                _inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            ):
+                return names[i]
+            return f"args[{i}]"
+
+        out = []
+        for pos, arg in zip(positions, dyn_args):
+            for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]:
+                out.append(_join(arg_name(pos), path))
+        for name, value in dyn_kwargs.items():
+            for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]:
+                out.append(_join(name, path))
+        return out
+
+    def _build(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs, treedef):
+        mesh = helper.mesh
+        n_args = len(jax.tree_util.tree_leaves(dyn_args))
+        n_kwargs = len(jax.tree_util.tree_leaves(dyn_kwargs))
+        paths = self._paths(dyn_args, dyn_kwargs, static_args)
+
+        if self.in_shardings is None:
+            arg_specs: list[Any] = [None] * n_args
+        else:
+            rules = self._per_arg(self.in_shardings, dyn_args, "in_shardings")
+            _, _, arg_specs = match_specs_flat(
+                rules, dyn_args, mesh, what="in_shardings", paths=paths[:n_args]
+            )
+        in_specs = arg_specs + [None] * n_kwargs
+        in_shardings = [None if s is None else NamedSharding(mesh, s) for s in in_specs]
+
+        body = self._body(helper, static_args, static_kwargs, treedef, n_args)
+        donate = self._donated_leaves(dyn_args, dyn_kwargs, static_args)
+        out_shardings = None
+        if self.out_shardings is not None:
+            with helper.get_context(self.annotation_shardings):
+                out_shape = jax.eval_shape(body, *_abstract(dyn_args, dyn_kwargs))
+            rules = self.out_shardings
+            _, _, out_specs = match_specs_flat(rules, out_shape, mesh, what="out_shardings")
+            out_shardings = jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(out_shape),
+                [None if s is None else NamedSharding(mesh, s) for s in out_specs],
+            )
+        jitted = jax.jit(
+            body,
+            in_shardings=tuple(in_shardings),
+            out_shardings=out_shardings,
+            donate_argnums=donate,
+            **self.jit_kwargs,
+        )
+        return _Compiled(jitted, paths, in_specs, in_shardings)
+
+    def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
+        """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
+        if isinstance(rules, tuple) and len(rules) != len(dyn_args):
+            raise ValueError(
+                f"{what} has {len(rules)} entries but the function was called with "
+                f"{len(dyn_args)} dynamic positional arguments (static ones excluded; keyword "
+                f"arguments are never covered by {what})"
+            )
+        return rules
+
+    def _donated_leaves(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> tuple:
+        static_nums = {i for i, _ in static_args}
+        positions = [i for i in range(len(dyn_args) + len(static_nums)) if i not in static_nums]
+        donated, start = [], 0
+        for pos, arg in zip(positions, dyn_args):
+            count = len(jax.tree_util.tree_leaves(arg))
+            if pos in self.donate_argnums:
+                donated.extend(range(start, start + count))
+            start += count
+        for name, value in dyn_kwargs.items():
+            count = len(jax.tree_util.tree_leaves(value))
+            if name in self.donate_argnames:
+                donated.extend(range(start, start + count))
+            start += count
+        return tuple(donated)
+
+    def _body(self, helper, static_args, static_kwargs, treedef, n_args) -> Callable:
+        """The traced function: flat dynamic leaves in, the user's output out."""
+        fun, constraint = self.fun, self.args_sharding_constraint
+
+        def body(*flat):
+            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
+            if constraint is not None:
+                from shardax.constraints import with_sharding_constraint
+
+                rules = self._per_arg(constraint, dyn_args, "args_sharding_constraint")
+                dyn_args = with_sharding_constraint(
+                    dyn_args, rules, what="args_sharding_constraint"
+                )
+            args = list(dyn_args)
+            for i, value in static_args:
+                args.insert(i, value)
+            return fun(*args, **dyn_kwargs, **dict(static_kwargs))
+
+        body.__name__ = getattr(fun, "__name__", "sjit_body")
+        return body
+
+    # ------------------------------------------------------------------ public
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entry, flat, helper = self._resolve(args, kwargs)
+        with helper.get_context(self.annotation_shardings):
+            try:
+                return entry.jitted(*flat)
+            except ValueError as e:
+                if "does not match the sharding" not in str(e):
+                    raise
+            # A committed input lives on another sharding than its rule asks for: move it
+            # there (what jit does for uncommitted inputs) rather than refuse.
+            flat = [
+                jax.device_put(x, s) if s is not None and isinstance(x, jax.Array) else x
+                for x, s in zip(flat, entry.in_shardings)
+            ]
+            return entry.jitted(*flat)
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """``jax.stages.Lowered`` for these arguments (``.as_text()``, ``.compile()``...).
+
+        Arrays may be replaced by ``jax.ShapeDtypeStruct``s.
+        """
+        entry, flat, helper = self._resolve(args, kwargs)
+        with helper.get_context(self.annotation_shardings):
+            return entry.jitted.lower(*flat)
+
+    def plan(self, *args: Any, **kwargs: Any):
+        """The ``ShardingPlan``: per-leaf specs and bytes, collectives and memory of the step.
+
+        >>> print(step.plan(state, batch))  # doctest: +SKIP
+        """
+        from shardax.inspect import ShardingPlan
+
+        entry, flat, helper = self._resolve(args, kwargs)
+        with helper.get_context(self.annotation_shardings):
+            compiled = entry.jitted.lower(*flat).compile()
+        return ShardingPlan.from_compiled(compiled, entry.in_paths, flat, helper.mesh)
+
+
+def _join(name: str, path: tuple) -> str:
+    from shardax.utils import tree_path_to_string
+
+    rest = tree_path_to_string(path)
+    return f"{name}/{rest}" if rest else name
+
+
+def _abstract(dyn_args: tuple, dyn_kwargs: dict) -> list:
+    """Flat abstract values for eval_shape (keeps tracing free of device transfers)."""
+    return [
+        x
+        if isinstance(x, _SCALARS)
+        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
+        for x in jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+    ]
+
+
+def sjit(
+    fun: Callable[..., Any] | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    static_argnums: int | Sequence[int] | None = None,
+    args_sharding_constraint: Any = None,
+    annotation_shardings: dict[str, Any] | None = None,
+    *,
+    mesh: MeshShardingHelper | None = None,
+    **jit_kwargs: Any,
+) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:
+    """``jax.jit`` with sharding *rules* for inputs, outputs, arguments and annotations.
+
+    Args:
+      fun: the single-device function; leave it out to get a decorator.
+      in_shardings: a tree prefix of the dynamic positional arguments whose leaves are
+        ``ShardingRule``s, ``PartitionSpec``s or None (XLA decides).
+      out_shardings: the same for the output, resolved from ``jax.eval_shape``.
+      static_argnums: positional arguments that are compile-time constants.
+      args_sharding_constraint: rules applied to the dynamic positional arguments as the
+        first thing inside the function.
+      annotation_shardings: ``{name: rule_or_spec}`` for ``with_sharding_annotation`` calls.
+      mesh: the ``MeshShardingHelper``; defaults to the innermost active context's.
+      **jit_kwargs: passed to ``jax.jit`` (``static_argnames``, ``donate_argnums``,
+        ``donate_argnames``...).
+
+    >>> @partial(mesh.sjit, in_shardings=(FSDPShardingRule(), None))  # doctest: +SKIP
+    ... def train_step(state, batch): ...
+    """
+    options = dict(
+        mesh=mesh,
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
+        static_argnums=static_argnums,
+        args_sharding_constraint=args_sharding_constraint,
+        annotation_shardings=annotation_shardings,
+        **jit_kwargs,
+    )
+    if fun is None:
+        return lambda f: ShardedFunction(f, **options)
+    return ShardedFunction(fun, **options)

@@ -1,0 +1,388 @@
+"""Sharding rules: turn any pytree into a tree of ``PartitionSpec``s.
+
+A rule looks only at the tree (paths, shapes, framework metadata) and at the active mesh, so the
+same rule serves parameters, optimizer states and activations alike.
+
+>>> FSDPShardingRule(fsdp_axis_size=8, min_fsdp_size=0).apply({"w": jnp.zeros((16, 4))})
+{'w': P('fsdp', None)}
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardax import _compat, frameworks
+from shardax.utils import leaf_shape, tree_path_to_string
+
+__all__ = [
+    "ShardingRule",
+    "FSDPShardingRule",
+    "TreePathShardingRule",
+    "PolicyShardingRule",
+    "LogicalAxisRules",
+    "match_specs",
+    "specs_to_shardings",
+    "check_spec",
+]
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+class ShardingRule(abc.ABC):
+    """A rule maps a pytree to a tree of ``PartitionSpec`` with the same structure.
+
+    Framework parameter boxes (NNX ``Variable``s, linen ``Partitioned``) count as single leaves,
+    so their specs sit where the box sits.
+    """
+
+    @abc.abstractmethod
+    def apply(self, pytree: Any) -> Any:
+        """Returns the ``PartitionSpec`` tree for ``pytree``."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def _is_rule_leaf(x: Any) -> bool:
+    return frameworks.is_box(x)
+
+
+def _map_leaves(f: Callable[[str, Any], Any], pytree: Any) -> Any:
+    """Maps ``f(path, leaf)`` over leaves, treating framework boxes as leaves."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: f(tree_path_to_string(path), x), pytree, is_leaf=_is_rule_leaf
+    )
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return leaf_shape(frameworks.unbox(leaf))
+
+
+# ----------------------------------------------------------------------------- the active mesh
+
+_resolving = threading.local()
+
+
+@contextlib.contextmanager
+def _resolving_on(mesh: Any) -> Iterator[None]:
+    """Makes ``mesh`` the one rules consult (axis sizes, axis names) while matching."""
+    previous = getattr(_resolving, "mesh", None)
+    _resolving.mesh = mesh
+    try:
+        yield
+    finally:
+        _resolving.mesh = previous
+
+
+def active_mesh() -> Any | None:
+    """The mesh rules consult: the one being matched against, else the ambient one."""
+    mesh = getattr(_resolving, "mesh", None)
+    if mesh is not None:
+        return mesh
+    from shardax.mesh import get_global_mesh
+
+    return get_global_mesh() or _compat.abstract_mesh()
+
+
+def _axis_size(axes: MeshAxes, mesh: Any) -> int | None:
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if mesh is not None else {}
+    if not names or any(n not in sizes for n in names):
+        return None
+    return math.prod(sizes[n] for n in names)
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+class FSDPShardingRule(ShardingRule):
+    """Fully sharded data parallelism: shard each large leaf along one dimension.
+
+    Leaves with fewer than ``min_fsdp_size`` elements are replicated. Otherwise the largest
+    dimension divisible by the FSDP axis size is sharded (first one on ties); if none divides,
+    the leaf is replicated. The axis size is ``fsdp_axis_size`` if given, else read from the
+    active mesh (``fsdp_axis_name`` may be a tuple of mesh axes), else the largest power of two
+    dividing some dimension (scalax's guess).
+
+    >>> FSDPShardingRule(fsdp_axis_size=4, min_fsdp_size=0).apply(jnp.zeros((3, 8)))
+    P(None, 'fsdp')
+    """
+
+    def __init__(
+        self,
+        fsdp_axis_name: MeshAxes = "fsdp",
+        fsdp_axis_size: int | None = None,
+        min_fsdp_size: int = 1048576,
+    ):
+        self.fsdp_axis_name = fsdp_axis_name
+        self.fsdp_axis_size = fsdp_axis_size
+        self.min_fsdp_size = min_fsdp_size
+
+    def _spec(self, shape: tuple[int, ...], size: int | None) -> PartitionSpec:
+        if not shape or math.prod(shape) < self.min_fsdp_size:
+            return PartitionSpec()
+        if size is None:  # no mesh to ask: shard the dim with the largest power-of-two factor
+            twos = [-(n & -n) if n > 1 else 0 for n in shape]
+            order = np.argsort(twos, kind="stable")
+            candidates = [i for i in order if shape[i] > 1]
+        else:
+            order = np.argsort([-n for n in shape], kind="stable")
+            candidates = [i for i in order if shape[i] % size == 0 and shape[i] >= size]
+        if not candidates:
+            return PartitionSpec()
+        entries: list[MeshAxes] = [None] * len(shape)
+        entries[int(candidates[0])] = self.fsdp_axis_name
+        return PartitionSpec(*entries)
+
+    def apply(self, pytree: Any) -> Any:
+        size = self.fsdp_axis_size
+        if size is None:
+            size = _axis_size(self.fsdp_axis_name, active_mesh())
+        return _map_leaves(lambda _, leaf: self._spec(_shape(leaf), size), pytree)
+
+
+class TreePathShardingRule(ShardingRule):
+    """Regular expressions on leaf paths (keys joined by ``/``); the first match wins.
+
+    A value is a ``PartitionSpec`` or another ``ShardingRule`` applied to that leaf, so rules
+    compose. Scalars and size-1 leaves are always replicated. With ``strict`` an unmatched
+    path is an error; otherwise it is replicated.
+
+    >>> rule = TreePathShardingRule(("norm", PartitionSpec()), (".*", FSDPShardingRule()))
+    """
+
+    def __init__(self, *rules: tuple[str, PartitionSpec | ShardingRule], strict: bool = True):
+        for rule in rules:
+            if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+                raise ValueError(f"each rule must be a (regex, spec_or_rule) pair, got {rule!r}")
+            pattern, value = rule
+            if not isinstance(value, (PartitionSpec, ShardingRule)):
+                raise ValueError(
+                    f"rule {pattern!r} maps to {value!r}; expected a PartitionSpec or ShardingRule"
+                )
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"rule pattern {pattern!r} is not a valid regex: {e}") from None
+        self.rules = tuple((p, v) for p, v in rules)
+        self.strict = strict
+
+    def _spec(self, path: str, leaf: Any) -> PartitionSpec:
+        shape = _shape(leaf)
+        if not shape or math.prod(shape) == 1:
+            return PartitionSpec()
+        for pattern, value in self.rules:
+            if re.search(pattern, path) is None:
+                continue
+            spec = value.apply(leaf) if isinstance(value, ShardingRule) else value
+            if len(spec) > len(shape):
+                raise ValueError(
+                    f"rule {pattern!r} gives spec {spec} with {len(spec)} entries to leaf "
+                    f"{path!r} of shape {shape} (rank {len(shape)})"
+                )
+            return spec
+        if self.strict:
+            raise ValueError(
+                f"no sharding rule matches leaf {path!r} (shape {shape}); rules are "
+                f"{[p for p, _ in self.rules]}. Add a pattern for it (e.g. ('.*', PartitionSpec()) "
+                f"last) or pass strict=False to replicate unmatched leaves"
+            )
+        return PartitionSpec()
+
+    def apply(self, pytree: Any) -> Any:
+        return _map_leaves(self._spec, pytree)
+
+
+class PolicyShardingRule(ShardingRule):
+    """A rule from a callable ``policy(path, leaf) -> PartitionSpec``.
+
+    >>> PolicyShardingRule(lambda path, x: PartitionSpec("tp") if "w" in path else PartitionSpec())
+    """
+
+    def __init__(self, policy: Callable[[str, Any], PartitionSpec]):
+        self.policy = policy
+
+    def apply(self, pytree: Any) -> Any:
+        return _map_leaves(self.policy, pytree)
+
+
+class LogicalAxisRules(ShardingRule):
+    """Maps logical axis names (``"embed"``, ``"mlp"``...) to mesh axes, in priority order.
+
+    For each dimension the rules are tried in order and the first whose mesh axes are all
+    unused in this spec wins, so a name may appear several times as fallbacks. Unknown names,
+    and names whose mesh axes are all absent from the active mesh, map to None; mesh axes that
+    the active mesh lacks are dropped, so one preset serves meshes with and without ``dp``.
+    ``apply`` reads names from framework metadata (NNX ``out_sharding``, linen ``Partitioned``);
+    leaves without names are replicated.
+
+    >>> rules = LogicalAxisRules([("batch", ("dp", "fsdp")), ("embed", "fsdp"), ("mlp", "tp")])
+    >>> rules.spec_for(("embed", "mlp"))
+    P('fsdp', 'tp')
+    """
+
+    def __init__(self, rules: Sequence[tuple[str, MeshAxes]] | Mapping[str, MeshAxes]):
+        items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+        for item in items:
+            ok = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+            if not ok:
+                raise ValueError(f"each logical rule is a (name, mesh_axes) pair, got {item!r}")
+        self.rules: tuple[tuple[str, MeshAxes], ...] = tuple(
+            (name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in items
+        )
+
+    def __iter__(self) -> Iterator[tuple[str, MeshAxes]]:
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def spec_for(self, names: Sequence[str | None], mesh: Any | None = None) -> PartitionSpec:
+        """The ``PartitionSpec`` for one array whose dimensions have logical ``names``."""
+        mesh = mesh if mesh is not None else active_mesh()
+        present = set(mesh.axis_names) if mesh is not None else None
+        used: set[str] = set()
+        entries: list[MeshAxes] = []
+        for name in names:
+            chosen: MeshAxes = None
+            for rule_name, axes in self.rules:
+                if rule_name != name or axes is None:
+                    continue
+                candidate = (axes,) if isinstance(axes, str) else tuple(axes)
+                if present is not None:
+                    candidate = tuple(a for a in candidate if a in present)
+                if not candidate or used.intersection(candidate):
+                    continue
+                used.update(candidate)
+                chosen = candidate[0] if len(candidate) == 1 else candidate
+                break
+            entries.append(chosen)
+        return PartitionSpec(*entries)
+
+    def _spec(self, path: str, leaf: Any) -> PartitionSpec:
+        names = frameworks.logical_names(leaf)
+        if names is None:
+            return PartitionSpec()
+        shape = _shape(leaf)
+        if len(names) != len(shape):
+            raise ValueError(
+                f"leaf {path!r} of shape {shape} has {len(names)} logical names {names}; "
+                f"give one name (or None) per dimension"
+            )
+        return self.spec_for(names)
+
+    def apply(self, pytree: Any) -> Any:
+        return _map_leaves(self._spec, pytree)
+
+
+# ----------------------------------------------------------------------------- matching
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, ShardingRule))
+
+
+def check_spec(
+    path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Any, what: str = "sharding"
+) -> None:
+    """Raises ``ValueError`` naming path, shape, spec and mesh if ``spec`` cannot shard it."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    where = f"{what}: leaf {path!r} of shape {tuple(shape)} with spec {spec} on mesh {sizes}"
+    if not isinstance(spec, PartitionSpec):
+        raise ValueError(f"{where}: expected a PartitionSpec, got {type(spec).__name__}")
+    if len(spec) > len(shape):
+        raise ValueError(f"{where}: the spec has {len(spec)} entries but the leaf rank is "
+                         f"{len(shape)}")
+    used: set[str] = set()
+    for dim, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        axes = (entry,) if isinstance(entry, str) else tuple(entry)
+        for axis in axes:
+            if axis not in sizes:
+                raise ValueError(
+                    f"{where}: unknown mesh axis {axis!r}; the mesh axes are {tuple(sizes)}"
+                )
+            if axis in used:
+                raise ValueError(f"{where}: mesh axis {axis!r} is used for more than one dim")
+            used.add(axis)
+        split = math.prod(sizes[a] for a in axes)
+        if shape[dim] % split:
+            raise ValueError(
+                f"{where}: dim {dim} of size {shape[dim]} is not divisible by mesh axes "
+                f"{axes} of total size {split}"
+            )
+
+
+def match_specs_flat(
+    rules: Any,
+    pytree: Any,
+    mesh: Any,
+    *,
+    what: str = "sharding",
+    paths: list[str] | None = None,
+) -> tuple[list[str], list[Any], list[PartitionSpec | None]]:
+    """Paths, leaves and checked specs (None = unspecified) for every leaf of ``pytree``.
+
+    ``rules`` is a tree prefix of ``pytree`` whose leaves are rules, specs or None. Error
+    messages say ``what`` was being matched and name leaves by ``paths`` (default: tree paths).
+    """
+    path_leaves, _ = jax.tree_util.tree_flatten_with_path(pytree)
+    if paths is None:
+        paths = [tree_path_to_string(p) for p, _ in path_leaves]
+    leaves = [leaf for _, leaf in path_leaves]
+    rule_leaves, rule_def = jax.tree_util.tree_flatten(rules, is_leaf=_is_spec_leaf)
+    try:
+        subtrees = rule_def.flatten_up_to(pytree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{what}: the rules {rules!r} do not match the structure of the tree they are "
+            f"applied to (rules must be a tree prefix of it): {e}"
+        ) from None
+    specs: list[PartitionSpec | None] = []
+    with _resolving_on(mesh):
+        for rule, subtree in zip(rule_leaves, subtrees):
+            count = len(jax.tree_util.tree_leaves(subtree))
+            if rule is None or isinstance(rule, PartitionSpec):
+                specs.extend([rule] * count)
+                continue
+            applied = rule.apply(subtree)
+            applied_leaves, applied_def = jax.tree_util.tree_flatten(applied, is_leaf=_is_spec_leaf)
+            for spec, part in zip(applied_leaves, applied_def.flatten_up_to(subtree)):
+                specs.extend([spec] * len(jax.tree_util.tree_leaves(part)))
+    for path, leaf, spec in zip(paths, leaves, specs):
+        if spec is not None:
+            check_spec(path, leaf_shape(leaf), spec, mesh, what)
+    return paths, leaves, specs
+
+
+def match_specs(rules: Any, pytree: Any, mesh: Any = None) -> Any:
+    """The checked ``PartitionSpec`` tree (None where unspecified) for ``pytree``.
+
+    >>> match_specs((FSDPShardingRule(), None), (params, batch), mesh)  # doctest: +SKIP
+    """
+    mesh = mesh if mesh is not None else active_mesh()
+    if mesh is None:
+        raise ValueError("match_specs needs a mesh: pass one or call it inside a mesh context")
+    _, _, specs = match_specs_flat(rules, pytree, mesh)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pytree), specs)
+
+
+def specs_to_shardings(spec_tree: Any, mesh: Any) -> Any:
+    """Turns a spec tree into ``NamedSharding``s; None stays None (unspecified)."""
+    return jax.tree.map(
+        lambda s: None if s is None else NamedSharding(mesh, s),
+        spec_tree,
+        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec),
+    )

@@ -1,0 +1,48 @@
+"""The scalax-compatible face of shardax: ``from shardax.sharding import ...``.
+
+>>> from shardax.sharding import MeshShardingHelper, PartitionSpec, FSDPShardingRule
+>>> mesh = MeshShardingHelper([-1], ["fsdp"])
+"""
+
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.constraints import with_sharding_annotation, with_sharding_constraint
+from shardax.inspect import ShardingPlan
+from shardax.jit import ShardedFunction, sjit
+from shardax.mesh import (
+    MeshShardingHelper,
+    ShardingContext,
+    get_global_annotation_shardings,
+    get_global_mesh,
+    get_global_mesh_helper,
+)
+from shardax.rules import (
+    FSDPShardingRule,
+    LogicalAxisRules,
+    PolicyShardingRule,
+    ShardingRule,
+    TreePathShardingRule,
+    match_specs,
+)
+
+__all__ = [
+    "Mesh",
+    "NamedSharding",
+    "PartitionSpec",
+    "MeshShardingHelper",
+    "ShardingContext",
+    "ShardedFunction",
+    "ShardingPlan",
+    "sjit",
+    "ShardingRule",
+    "FSDPShardingRule",
+    "TreePathShardingRule",
+    "PolicyShardingRule",
+    "LogicalAxisRules",
+    "match_specs",
+    "with_sharding_constraint",
+    "with_sharding_annotation",
+    "get_global_mesh_helper",
+    "get_global_mesh",
+    "get_global_annotation_shardings",
+]
