@@ -9,6 +9,7 @@ XLA actually chose, not what was asked for), collectives from its optimized HLO,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable
@@ -242,27 +243,24 @@ class ShardingPlan:
     mesh_shape: dict[str, int]
     rows: list[PlanRow]
     collectives: dict[str, CollectiveStats]
+    argument_bytes_per_device: int
+    output_bytes_per_device: int
     collective_ops: list[CollectiveOp] = field(repr=False, default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     hlo: str = field(repr=False, default="")
 
-    @property
-    def argument_bytes_per_device(self) -> int:
-        return sum(r.bytes_per_device for r in self.rows if r.kind == "input")
 
-    @property
-    def output_bytes_per_device(self) -> int:
-        return sum(r.bytes_per_device for r in self.rows if r.kind == "output")
 
     @classmethod
     def from_compiled(
-        cls, compiled: jax.stages.Compiled, in_paths: list[str], flat_args: list[Any], mesh: Any
+        cls, compiled: jax.stages.Compiled, in_paths: list[str], mesh: Any
     ) -> ShardingPlan:
         """Builds the plan of an executable whose flat inputs are named by ``in_paths``."""
         arg_shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+        avals = jax.tree_util.tree_leaves(compiled.in_avals[0])  # what the device holds
         rows = [
-            _row("input", path, np.shape(x), getattr(x, "dtype", np.result_type(x)), sharding)
-            for path, x, sharding in zip(in_paths, flat_args, arg_shardings)
+            _row("input", path, aval.shape, aval.dtype, sharding)
+            for path, aval, sharding in zip(in_paths, avals, arg_shardings)
         ]
         out_leaves = jax.tree_util.tree_flatten_with_path(compiled.out_info)[0]
         rows += [
@@ -278,8 +276,24 @@ class ShardingPlan:
             for name in dir(analysis)
             if name.endswith("_in_bytes") and not name.startswith("_")
         } if analysis is not None else {}
-        return cls(dict(zip(mesh.axis_names, mesh.axis_sizes)), rows,
-                   summarize_collectives(ops), ops, memory, hlo)
+        return cls(
+            mesh_shape=dict(zip(mesh.axis_names, mesh.axis_sizes)),
+            rows=rows,
+            collectives=summarize_collectives(ops),
+            argument_bytes_per_device=sum(r.bytes_per_device for r in rows if r.kind == "input"),
+            output_bytes_per_device=sum(r.bytes_per_device for r in rows if r.kind == "output"),
+            collective_ops=ops,
+            memory=memory,
+            hlo=hlo,
+        )
+
+    def where(self, keep: Any) -> ShardingPlan:
+        """The same plan showing only the rows for which ``keep(row)`` is true (totals and
+        collectives are kept whole).
+
+        >>> print(plan.where(lambda row: "params" in row.path))  # doctest: +SKIP
+        """
+        return dataclasses.replace(self, rows=[r for r in self.rows if keep(r)])
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready summary (no HLO)."""

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardax.mesh import MeshShardingHelper, get_global_mesh_helper
-from shardax.rules import match_specs_flat
+from shardax.rules import LogicalAxisRules, ShardingRule, match_specs_flat
 
 __all__ = ["sjit", "ShardedFunction"]
 
@@ -80,6 +80,7 @@ class ShardedFunction:
         static_argnames: str | Sequence[str] | None = None,
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Sequence[str] | None = None,
+        logical_axis_rules: LogicalAxisRules | None = None,
         **jit_kwargs: Any,
     ):
         if not callable(fun):
@@ -91,21 +92,43 @@ class ShardedFunction:
         self.out_shardings = _rule_tuple(out_shardings)
         self.args_sharding_constraint = _rule_tuple(args_sharding_constraint)
         self.annotation_shardings = annotation_shardings
-        self.static_argnums = tuple(sorted(_as_tuple(static_argnums)))
-        self.static_argnames = frozenset(_as_tuple(static_argnames))
-        self.donate_argnums = frozenset(_as_tuple(donate_argnums))
-        self.donate_argnames = frozenset(_as_tuple(donate_argnames))
+        self.logical_axis_rules = logical_axis_rules or _find_logical_rules(
+            self.in_shardings, self.out_shardings, self.args_sharding_constraint
+        )
         self.jit_kwargs = jit_kwargs
         self._cache: dict[tuple, _Compiled] = {}
         try:
             self._signature = _inspect.signature(fun)
         except (TypeError, ValueError):
             self._signature = None
+        # As in jax.jit, a parameter named by position is also static / donated when passed by
+        # keyword, and the other way round.
+        self.static_argnums, self.static_argnames = self._both_ways(static_argnums, static_argnames)
+        donate_nums, self.donate_argnames = self._both_ways(donate_argnums, donate_argnames)
+        self.donate_argnums = frozenset(donate_nums)
 
     def __repr__(self) -> str:
         return f"<sjit {getattr(self.fun, '__qualname__', self.fun)!r} on {self._helper()!r}>"
 
     # ------------------------------------------------------------------ argument handling
+
+    def _both_ways(self, argnums: Any, argnames: Any) -> tuple[tuple[int, ...], frozenset]:
+        """Completes argument numbers with their names and names with their numbers."""
+        nums, names = set(_as_tuple(argnums)), set(_as_tuple(argnames))
+        if self._signature is not None:
+            positional = [
+                p.name for p in self._signature.parameters.values()
+                if p.kind in (_inspect.Parameter.POSITIONAL_ONLY,
+                              _inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            ]
+            keyword_ok = {
+                p.name for p in self._signature.parameters.values()
+                if p.kind is not _inspect.Parameter.POSITIONAL_ONLY
+            }
+            nums |= {i for i, name in enumerate(positional) if name in names}
+            names |= {positional[i] for i in nums
+                      if 0 <= i < len(positional) and positional[i] in keyword_ok}
+        return tuple(sorted(nums)), frozenset(names)
 
     def _helper(self) -> MeshShardingHelper:
         helper = self.mesh_helper or get_global_mesh_helper()
@@ -119,13 +142,10 @@ class ShardedFunction:
     def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple, dict]:
         """Splits arguments into (static positional, static keyword, dynamic args, kwargs)."""
         n = len(args)
-        static_nums = tuple(i if i >= 0 else i + n for i in self.static_argnums)
-        for i in static_nums:
-            if not 0 <= i < n:
-                raise ValueError(
-                    f"static_argnums {self.static_argnums} refers to argument {i} but the "
-                    f"function was called with {n} positional arguments"
-                )
+        # Like jax.jit: a static parameter not passed positionally is static by keyword (or
+        # keeps its default).
+        static_nums = tuple(i for i in (j if j >= 0 else j + n for j in self.static_argnums)
+                            if 0 <= i < n)
         static_args = tuple((i, args[i]) for i in static_nums)
         dynamic_args = tuple(a for i, a in enumerate(args) if i not in static_nums)
         static_kwargs = tuple(
@@ -203,7 +223,7 @@ class ShardedFunction:
         donate = self._donated_leaves(dyn_args, dyn_kwargs, static_args)
         out_shardings = None
         if self.out_shardings is not None:
-            with helper.get_context(self.annotation_shardings):
+            with self._context(helper):
                 out_shape = jax.eval_shape(body, *_abstract(dyn_args, dyn_kwargs))
             rules = self.out_shardings
             _, _, out_specs = match_specs_flat(rules, out_shape, mesh, what="out_shardings")
@@ -267,11 +287,14 @@ class ShardedFunction:
         body.__name__ = getattr(fun, "__name__", "sjit_body")
         return body
 
+    def _context(self, helper: MeshShardingHelper):
+        return helper.get_context(self.annotation_shardings, self.logical_axis_rules)
+
     # ------------------------------------------------------------------ public
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry, flat, helper = self._resolve(args, kwargs)
-        with helper.get_context(self.annotation_shardings):
+        with self._context(helper):
             try:
                 return entry.jitted(*flat)
             except ValueError as e:
@@ -291,7 +314,7 @@ class ShardedFunction:
         Arrays may be replaced by ``jax.ShapeDtypeStruct``s.
         """
         entry, flat, helper = self._resolve(args, kwargs)
-        with helper.get_context(self.annotation_shardings):
+        with self._context(helper):
             return entry.jitted.lower(*flat)
 
     def plan(self, *args: Any, **kwargs: Any):
@@ -302,9 +325,20 @@ class ShardedFunction:
         from shardax.inspect import ShardingPlan
 
         entry, flat, helper = self._resolve(args, kwargs)
-        with helper.get_context(self.annotation_shardings):
+        with self._context(helper):
             compiled = entry.jitted.lower(*flat).compile()
-        return ShardingPlan.from_compiled(compiled, entry.in_paths, flat, helper.mesh)
+        return ShardingPlan.from_compiled(compiled, entry.in_paths, helper.mesh)
+
+
+def _find_logical_rules(*rule_trees: Any) -> LogicalAxisRules | None:
+    """The first ``LogicalAxisRules`` among the rule trees: by default it also maps the
+    logical names of activations (``with_logical_constraint``)."""
+    for tree in rule_trees:
+        leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ShardingRule))
+        for leaf in leaves:
+            if isinstance(leaf, LogicalAxisRules):
+                return leaf
+    return None
 
 
 def _join(name: str, path: tuple) -> str:
@@ -347,6 +381,8 @@ def sjit(
         first thing inside the function.
       annotation_shardings: ``{name: rule_or_spec}`` for ``with_sharding_annotation`` calls.
       mesh: the ``MeshShardingHelper``; defaults to the innermost active context's.
+      logical_axis_rules: maps the names given to ``with_logical_constraint`` inside the
+        function; defaults to the first ``LogicalAxisRules`` among the rules above.
       **jit_kwargs: passed to ``jax.jit`` (``static_argnames``, ``donate_argnums``,
         ``donate_argnames``...).
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ def _resolve_dims(axis_dims: Sequence[int], axis_names: Sequence[str], device_co
     if len(dims) != len(names):
         raise ValueError(
             f"mesh has {len(dims)} dims {tuple(dims)} but {len(names)} axis names "
-            f"{tuple(names)}; give one name per dim"
+            f"{tuple(names)}; give one name per dim (the device count is {device_count})"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"mesh axis names must be unique, got {tuple(names)}")
@@ -175,14 +176,17 @@ class MeshShardingHelper:
         return f"MeshShardingHelper({axes})"
 
     def get_context(
-        self, annotation_shardings: Mapping[str, Any] | None = None
+        self,
+        annotation_shardings: Mapping[str, Any] | None = None,
+        logical_axis_rules: Any = None,
     ) -> ShardingContext:
         """A context manager making this mesh (and its annotation rules) the global one.
 
-        Inside it ``with_sharding_constraint``/``with_sharding_annotation`` take effect and
-        ``jax.set_mesh`` is set, so bare ``PartitionSpec``s in user code work too.
+        Inside it ``with_sharding_constraint``/``with_sharding_annotation`` take effect,
+        ``with_logical_constraint`` maps names by ``logical_axis_rules``, and ``jax.set_mesh``
+        is set, so bare ``PartitionSpec``s in user code work too.
         """
-        return ShardingContext(self, annotation_shardings)
+        return ShardingContext(self, annotation_shardings, logical_axis_rules)
 
     def sjit(self, fun=None, **kwargs: Any) -> ShardedFunction:
         """``jax.jit`` with sharding rules; see :func:`shardax.jit.sjit`."""
@@ -281,27 +285,39 @@ class MeshShardingHelper:
 
 
 class ShardingContext:
-    """The active mesh helper and its named annotation rules (see ``get_context``)."""
+    """The active mesh helper, its named annotation rules and logical axis rules.
+
+    Entering it also sets ``jax.set_mesh`` and turns off Flax NNX's eager sharding of new
+    variables: inside ``sjit`` the output rules place them, so a model written with logical
+    names is created directly in its sharded layout.
+    """
 
     def __init__(
         self,
         mesh_helper: MeshShardingHelper,
         annotation_shardings: Mapping[str, Any] | None = None,
+        logical_axis_rules: Any = None,
     ):
         self.mesh_helper = mesh_helper
         self.annotation_shardings = dict(annotation_shardings or {})
+        self.logical_axis_rules = logical_axis_rules
         self.warned_annotations: set[str] = set()
-        self._set_mesh: Any = None
+        self._exit_stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> ShardingContext:
+        from shardax import frameworks
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(_compat.set_mesh(self.mesh_helper.mesh))
+        for context in frameworks.tracing_contexts():
+            stack.enter_context(context)
         _stack().append(self)
-        self._set_mesh = _compat.set_mesh(self.mesh_helper.mesh)
-        self._set_mesh.__enter__()
+        self._exit_stack = stack
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._set_mesh.__exit__(*exc)
         _stack().pop()
+        self._exit_stack.__exit__(*exc)
 
 
 _local = threading.local()

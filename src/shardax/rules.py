@@ -220,9 +220,9 @@ class PolicyShardingRule(ShardingRule):
 class LogicalAxisRules(ShardingRule):
     """Maps logical axis names (``"embed"``, ``"mlp"``...) to mesh axes, in priority order.
 
-    For each dimension the rules are tried in order and the first whose mesh axes are all
-    unused in this spec wins, so a name may appear several times as fallbacks. Unknown names,
-    and names whose mesh axes are all absent from the active mesh, map to None; mesh axes that
+    Rules are tried in order (earlier rules have priority) and a rule only applies if its mesh
+    axes are all unused in this spec, so a name may appear several times as fallbacks. Unknown
+    names, and names whose mesh axes are all absent from the active mesh, map to None; axes that
     the active mesh lacks are dropped, so one preset serves meshes with and without ``dp``.
     ``apply`` reads names from framework metadata (NNX ``out_sharding``, linen ``Partitioned``);
     leaves without names are replicated.
@@ -249,15 +249,22 @@ class LogicalAxisRules(ShardingRule):
         return len(self.rules)
 
     def spec_for(self, names: Sequence[str | None], mesh: Any | None = None) -> PartitionSpec:
-        """The ``PartitionSpec`` for one array whose dimensions have logical ``names``."""
+        """The ``PartitionSpec`` for one array whose dimensions have logical ``names``.
+
+        Rules are read in order (as Flax's ``logical_to_mesh_axes`` does): a rule assigns its
+        mesh axes to every still-unassigned dimension of that name if none of those axes is
+        taken yet; ``(name, None)`` assigns "replicated". What stays unassigned is replicated.
+        """
         mesh = mesh if mesh is not None else active_mesh()
         present = set(mesh.axis_names) if mesh is not None else None
+        unassigned = object()
+        result: list[Any] = [unassigned] * len(names)
         used: set[str] = set()
-        entries: list[MeshAxes] = []
-        for name in names:
-            chosen: MeshAxes = None
-            for rule_name, axes in self.rules:
-                if rule_name != name or axes is None:
+        for rule_name, axes in self.rules:
+            dims = [i for i, n in enumerate(names) if n == rule_name and result[i] is unassigned]
+            for dim in dims:
+                if axes is None:
+                    result[dim] = None
                     continue
                 candidate = (axes,) if isinstance(axes, str) else tuple(axes)
                 if present is not None:
@@ -265,10 +272,8 @@ class LogicalAxisRules(ShardingRule):
                 if not candidate or used.intersection(candidate):
                     continue
                 used.update(candidate)
-                chosen = candidate[0] if len(candidate) == 1 else candidate
-                break
-            entries.append(chosen)
-        return PartitionSpec(*entries)
+                result[dim] = candidate[0] if len(candidate) == 1 else candidate
+        return PartitionSpec(*(None if r is unassigned else r for r in result))
 
     def _spec(self, path: str, leaf: Any) -> PartitionSpec:
         names = frameworks.logical_names(leaf)

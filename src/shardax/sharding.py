@@ -6,7 +6,11 @@
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.constraints import with_sharding_annotation, with_sharding_constraint
+from shardax.constraints import (
+    with_logical_constraint,
+    with_sharding_annotation,
+    with_sharding_constraint,
+)
 from shardax.inspect import ShardingPlan
 from shardax.jit import ShardedFunction, sjit
 from shardax.mesh import (
@@ -42,6 +46,7 @@ __all__ = [
     "match_specs",
     "with_sharding_constraint",
     "with_sharding_annotation",
+    "with_logical_constraint",
     "get_global_mesh_helper",
     "get_global_mesh",
     "get_global_annotation_shardings",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["is_box", "unbox", "logical_names"]
+__all__ = ["is_box", "unbox", "logical_names", "tracing_contexts"]
 
 # Metadata keys under which Flax NNX has stored logical axis names, newest first.
 _NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -62,3 +62,15 @@ def logical_names(x: Any) -> tuple[str | None, ...] | None:
         if isinstance(names, (tuple, list)):
             return tuple(names)
     return None
+
+
+def tracing_contexts() -> list[Any]:
+    """Context managers every shardax context enters, one per loaded framework.
+
+    Flax NNX (0.12+) shards a variable carrying logical names as it is created, which needs
+    those names to be mesh axes. Inside a shardax context the rules place every output, so
+    eager sharding is switched off there.
+    """
+    nnx = sys.modules.get("flax.nnx")
+    use_eager_sharding = getattr(nnx, "use_eager_sharding", None)
+    return [use_eager_sharding(False)] if use_eager_sharding is not None else []

@@ -1,0 +1,95 @@
+"""The ``shardax`` command: ``train``, ``generate`` and ``plan``.
+
+    shardax train --mesh dp=2,fsdp=2,tp=2 --steps 200 --out runs/a
+    shardax generate --out runs/a --prompt "def "
+
+Arguments are read before JAX starts a backend, because ``--devices`` (emulated CPU devices
+when there is no accelerator) must be set before that. Bad input is one line on stderr and
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["main"]
+
+# Set by `shardax launch` for its workers; takes precedence over --devices.
+DEVICES_ENV = "SHARDAX_DEVICES_PER_PROCESS"
+
+
+def _set_devices(count: int) -> None:
+    """Emulates ``count`` CPU devices. The flag only affects the CPU platform, so on a machine
+    with GPUs or TPUs they are used as they are."""
+    count = int(os.environ.get(DEVICES_ENV, count))
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a byte-level language model, sharded")
+    from shardax.train.loop import TrainConfig
+
+    defaults = TrainConfig()
+    train.add_argument("--model", default=defaults.model, help="model name (default %(default)s)")
+    train.add_argument("--mesh", default=defaults.mesh,
+                       help="mesh axes, e.g. fsdp=-1 or dp=2,fsdp=2,tp=2 (default %(default)s)")
+    train.add_argument("--rules", default=defaults.rules,
+                       help="rule preset: dp, fsdp, tp, fsdp_tp (default %(default)s)")
+    train.add_argument("--steps", type=int, default=defaults.steps)
+    train.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    train.add_argument("--seq-len", type=int, default=defaults.seq_len)
+    train.add_argument("--lr", type=float, default=defaults.lr)
+    train.add_argument("--precision", default=defaults.precision,
+                       help="float32, bfloat16 or params=float32,compute=bfloat16,output=float32")
+    train.add_argument("--remat", default=defaults.remat, help="none, full, save_dots, offload")
+    train.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--optimizer", default=defaults.optimizer, choices=["adamw", "sgd"])
+    train.add_argument("--devices", type=int, default=8,
+                       help="emulated CPU devices when there is no accelerator (default 8)")
+    train.add_argument("--out", default=defaults.out, help="run directory (default %(default)s)")
+    train.add_argument("--ckpt-every", type=int, default=defaults.ckpt_every)
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint in --out (any --mesh)")
+    train.add_argument("--log-every", type=int, default=defaults.log_every)
+    train.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    train.add_argument("--data", nargs="+", default=[], metavar="PATH",
+                       help="text files or directories (default: the Python standard library)")
+
+    generate = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    generate.add_argument("--out", required=True, help="run directory of a shardax train run")
+    generate.add_argument("--prompt", default="", help="text to continue")
+    generate.add_argument("--max-tokens", type=int, default=200)
+    generate.add_argument("--temperature", type=float, default=0.8)
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--devices", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _set_devices(args.devices)
+    from shardax.train.loop import TrainConfig, UsageError, generate, train
+
+    try:
+        if args.command == "train":
+            fields = {k: v for k, v in vars(args).items() if k not in ("command", "devices")}
+            train(TrainConfig(**fields))
+        elif args.command == "generate":
+            print(generate(args.out, args.prompt, args.max_tokens, args.temperature, args.seed))
+    except UsageError as e:
+        print(f"shardax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Explicit parallelism building blocks under ``jax.shard_map`` (need only JAX).
+
+Each block is manual over its own mesh axis only (``tp``, ``pp``, ``cp``, ``ep``) and leaves
+the others to XLA, so blocks compose with each other and with rule-based sharding inside
+``sjit``. Without a mesh, or when its axis is absent or of size 1, each computes the plain
+single-device result.
+"""
+
+from shardax.parallel.context import attention, load_balance, ring_attention, unload_balance
+from shardax.parallel.tensor import Mode, column_parallel, row_parallel, tp_mlp, tp_size
+
+__all__ = [
+    "Mode",
+    "column_parallel",
+    "row_parallel",
+    "tp_mlp",
+    "tp_size",
+    "attention",
+    "ring_attention",
+    "load_balance",
+    "unload_balance",
+]

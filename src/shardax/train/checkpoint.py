@@ -1,0 +1,347 @@
+"""Sharded checkpoints with orbax: save on one mesh, restore onto any other.
+
+A checkpoint step holds three orbax items: ``state`` (the train-state pytree, each process
+writing its own shards), ``extra`` (user JSON: data position, RNG seed, config, mesh string)
+and ``meta`` (a 32-bit, position-sensitive fingerprint per array leaf). Restoring takes a
+target tree of ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``; each array is read
+straight into the target's sharding, so the mesh may differ from the one that saved it.
+
+Example::
+
+    ckpt = Checkpointer("/tmp/run", max_to_keep=3, save_every=100)
+    ckpt.save(step, state, extra={"data": batches.state()})
+    ...
+    target = abstract_state(state_shapes, shardings)       # shardings on the new mesh
+    step, state, extra = ckpt.restore(target=target)         # latest committed step
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint import checkpoint_managers as policies
+
+__all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state"]
+
+# Written inside a step directory just before orbax commits it (atomic rename on local and
+# POSIX file systems, the commit marker itself on GCS); a step without it never finished.
+_COMMIT_FILE = "commit_success.txt"
+_FORMAT = 1
+
+log = logging.getLogger(__name__)
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A committed checkpoint step could not be read back intact."""
+
+
+class Restored(NamedTuple):
+    """What `Checkpointer.restore` returns."""
+
+    step: int
+    state: Any
+    extra: dict
+
+
+def _key_str(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(_key_str(k) for k in path)
+
+
+def _short(e: Exception, limit: int = 400) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _is_key(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    return {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _as_words(x: jax.Array) -> jax.Array:
+    """The bits of ``x`` as uint32 words (64-bit elements give two words)."""
+    if _is_key(x):
+        x = jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([x.real, x.imag], axis=-1)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    size = x.dtype.itemsize
+    if size >= 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+
+
+def _leaf_fingerprint(x: jax.Array) -> jax.Array:
+    w = _as_words(x)
+    # Flat position from per-dimension iotas: no reshape, so no data moves between shards.
+    index = jnp.zeros(w.shape, jnp.uint32)
+    for d in range(w.ndim):
+        index = index * jnp.uint32(w.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d)
+    h = w ^ (index * jnp.uint32(0x9E3779B1))
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)  # murmur3 finaliser
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    h = h ^ (h >> 16)
+    # uint32 addition wraps, so the sum is exact whatever the reduction order (= any mesh).
+    return jnp.sum(h, dtype=jnp.uint32)
+
+
+_fingerprints_jit = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
+
+
+def _fingerprints(tree: Any) -> dict[str, int]:
+    flat = {k: v for k, v in _flat(tree).items() if isinstance(v, jax.Array)}
+    # One jit call per device set: a jit cannot mix arrays committed to different devices.
+    groups: dict[frozenset, list[str]] = {}
+    for k, v in flat.items():
+        groups.setdefault(frozenset(v.sharding.device_set), []).append(k)
+    out = {}
+    for keys in groups.values():
+        values = _fingerprints_jit([flat[k] for k in keys])
+        # Outputs are replicated: read this process's copy (works across processes too).
+        for k, v in zip(keys, values, strict=True):
+            out[k] = int(np.asarray(v.addressable_data(0)))
+    return dict(sorted(out.items()))
+
+
+def abstract_state(tree: Any, shardings: Any = None) -> Any:
+    """A restore target: ``jax.ShapeDtypeStruct`` leaves carrying the wanted shardings.
+
+    ``tree`` holds arrays or ``ShapeDtypeStruct`` s (e.g. from ``jax.eval_shape``);
+    ``shardings`` is a matching tree of ``Sharding`` s, or None to keep each leaf's own.
+
+    Example::
+
+        target = abstract_state(jax.eval_shape(init, key), shardings_on_new_mesh)
+    """
+    def one(x, sharding=None):
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=sharding if sharding is not None else x.sharding
+        )
+
+    if shardings is None:
+        return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, shardings)
+
+
+def _check_target(target: Any, saved_tree: Any, where: str) -> None:
+    want, have = _flat(target), _flat(saved_tree)
+    for path in want:
+        if path not in have:
+            raise ValueError(
+                f"restore target leaf {path!r} is not in the checkpoint at {where} "
+                f"(checkpoint has {len(have)} leaves, e.g. {list(have)[:5]})"
+            )
+    for path in have:
+        if path not in want:
+            raise ValueError(
+                f"checkpoint leaf {path!r} at {where} is missing from the restore target "
+                f"(target has {len(want)} leaves)"
+            )
+    for path, leaf in want.items():
+        found = have[path]
+        if not hasattr(leaf, "shape") or not hasattr(found, "shape"):
+            continue
+        expect = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+        if tuple(expect.shape) != tuple(found.shape) or np.dtype(expect.dtype) != np.dtype(
+            found.dtype
+        ):
+            raise ValueError(
+                f"restore target leaf {path!r} does not match the checkpoint at {where}: "
+                f"target expects shape {tuple(expect.shape)} dtype {np.dtype(expect.dtype)}, "
+                f"checkpoint has shape {tuple(found.shape)} dtype {np.dtype(found.dtype)}"
+            )
+
+
+class Checkpointer:
+    """Saves and restores train state + JSON extras under ``directory`` with orbax.
+
+    ``save_every=K`` keeps only saves at steps divisible by K (``force=True`` overrides);
+    ``max_to_keep=N`` deletes all but the newest N committed steps. With ``async_save`` the
+    arrays are copied off the devices before `save` returns and written in the background, so
+    the caller may donate or overwrite them at once. All processes must call `save` and
+    `restore` together; each writes and reads only its own shards.
+
+    Example::
+
+        with Checkpointer(path, max_to_keep=2) as ckpt:
+            ckpt.save(10, {"params": params, "opt": opt_state}, extra={"data_step": 10})
+            step, state, extra = ckpt.restore(target=abstract_state(state, new_shardings))
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        max_to_keep: int | None = None,
+        save_every: int = 1,
+        async_save: bool = True,
+    ):
+        if save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {save_every}")
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        self.directory = epath.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            save_decision_policy=policies.AnySavePolicy([
+                policies.FixedIntervalPolicy(save_every),
+                policies.PreemptionCheckpointingPolicy(),
+            ]),
+            preservation_policy=policies.LatestN(max_to_keep),
+            enable_async_checkpointing=async_save,
+            # Leftover tmp dirs of an interrupted save are never read; remove them on start.
+            cleanup_tmp_directories=True,
+        )
+        # Registering the items up front lets a fresh manager read steps it did not write.
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("state", ocp.args.StandardSave)
+        registry.add("state", ocp.args.StandardRestore)
+        for item in ("extra", "meta"):
+            registry.add(item, ocp.args.JsonSave)
+            registry.add(item, ocp.args.JsonRestore)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, handler_registry=registry
+        )
+
+    def _committed(self, step: int) -> bool:
+        return (self.directory / str(step) / _COMMIT_FILE).exists()
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, oldest first (saves still being written are not listed)."""
+        return sorted(s for s in self._manager.all_steps() if self._committed(s))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int, state: Any, extra: dict | None = None, *, force: bool = False
+             ) -> bool:
+        """Saves ``state`` (any pytree of arrays) and ``extra`` (JSON) as ``step``.
+
+        Returns False (and writes nothing) when ``save_every`` skips this step or ``step`` is
+        not newer than the latest saved one; ``force=True`` saves regardless, and raises
+        orbax's ``StepAlreadyExistsError`` (a ValueError) if ``step`` exists.
+        """
+        extra = {} if extra is None else extra
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise TypeError(f"checkpoint extra must be JSON-serialisable: {e}") from None
+        if not (force or self._manager.should_save(step)):
+            return False
+        meta = {"format": _FORMAT, "fingerprints": _fingerprints(state)}
+        return self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                extra=ocp.args.JsonSave(extra),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+
+    def restore(self, step: int | None = None, target: Any = None, *, verify: bool = True,
+                fallback: bool = False) -> Restored:
+        """Restores ``step`` (default: the latest committed) onto ``target`` 's shardings.
+
+        ``target`` is a tree of ``jax.ShapeDtypeStruct`` (see `abstract_state`) or arrays; its
+        structure, shapes and dtypes must match the checkpoint (ValueError naming the first
+        differing leaf). ``target=None`` restores onto the shardings saved (same devices only).
+        ``verify`` checks every array against the fingerprint taken at save time. A step that
+        cannot be read raises `CorruptCheckpointError`, or with ``fallback=True`` the
+        next older committed step is tried.
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no committed checkpoint in {str(self.directory)!r}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise FileNotFoundError(
+                f"step {step} is not a committed checkpoint in {str(self.directory)!r} "
+                f"(committed steps: {steps})"
+            )
+        older = [s for s in reversed(steps) if s < step] if fallback else []
+        for s in older:
+            try:
+                return self._restore_step(step, target, verify)
+            except CorruptCheckpointError as e:
+                log.warning("skipping unreadable checkpoint step %d: %s", step, e)
+                step = s
+        return self._restore_step(step, target, verify)
+
+    def _restore_step(self, step: int, target: Any, verify: bool) -> Restored:
+        where = f"{str(self.directory / str(step))!r}"
+        try:
+            saved_tree = self._manager.item_metadata(step)["state"].tree
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"cannot read the metadata of checkpoint step {step} at {where}: {_short(e)}"
+            ) from e
+        if target is not None:
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                if isinstance(x, jax.Array) else x,
+                target,
+            )
+            _check_target(target, saved_tree, where)
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(target),
+                    extra=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except Exception as e:
+            raise CorruptCheckpointError(
+                f"checkpoint step {step} at {where} is committed but cannot be read "
+                f"(corrupted or truncated files?): {_short(e)}"
+            ) from e
+        if verify:
+            expected = (out["meta"] or {}).get("fingerprints")
+            if expected is None:
+                raise CorruptCheckpointError(f"checkpoint step {step} at {where} has no "
+                                             "fingerprints; pass verify=False to load it")
+            found = _fingerprints(out["state"])
+            # Only leaves that were jax.Arrays at save time have fingerprints.
+            for path in expected:
+                if expected[path] != found.get(path):
+                    raise CorruptCheckpointError(
+                        f"checkpoint step {step} at {where}: leaf {path!r} does not match its "
+                        f"fingerprint (saved {expected.get(path)}, read {found.get(path)}); "
+                        "the stored data is corrupted"
+                    )
+        return Restored(step, out["state"], out["extra"] or {})
+
+    def wait(self) -> None:
+        """Blocks until background saves are committed (re-raises their errors)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

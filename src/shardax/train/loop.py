@@ -1,0 +1,394 @@
+"""``shardax train``: train a byte-level language model, sharded by rules, with checkpoints.
+
+A run directory holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step),
+``loss.png`` and ``checkpoints/``. Everything that decides the numbers (model, seed, data order,
+optimizer state, step) is in the checkpoint, so ``--resume`` continues bit for bit, on the same
+mesh or, resharded, on another one.
+
+>>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from shardax import models
+from shardax.mesh import MeshShardingHelper
+from shardax.precision import Policy
+from shardax.rules import LogicalAxisRules
+from shardax.train import data as data_lib
+from shardax.train.checkpoint import Checkpointer, abstract_state
+from shardax.train.step import eval_loss, init_state, make_optimizer, train_step
+from shardax.utils import flatten_tree
+
+__all__ = ["TrainConfig", "UsageError", "train", "generate"]
+
+CHECKPOINT_DIR = "checkpoints"
+# Settings a resumed run must share with the run it continues (the mesh may change).
+_FIXED_ON_RESUME = ("model", "seed", "batch_size", "seq_len", "data", "optimizer", "lr",
+                    "grad_accum", "precision")
+
+
+class UsageError(ValueError):
+    """Bad input from the user: the CLI prints it as one line and exits with code 2."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``shardax train`` takes; field names are the CLI flags."""
+
+    model: str = "llama-tiny"
+    mesh: str = "fsdp=-1"
+    rules: str = "fsdp_tp"
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    lr: float = 3e-3
+    precision: str = "float32"
+    remat: str = "none"
+    grad_accum: int = 1
+    seed: int = 0
+    optimizer: str = "adamw"
+    out: str = "runs/latest"
+    ckpt_every: int = 100
+    resume: bool = False
+    log_every: int = 10
+    eval_every: int = 100
+    data: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Run:
+    """What ``prepare`` resolved from a config: the pieces the loop needs."""
+
+    config: TrainConfig
+    mesh: MeshShardingHelper
+    rules: LogicalAxisRules
+    model_config: Any
+    policy: Policy
+    tx: Any
+    train_data: data_lib.TokenBatches
+    val_data: list
+    out: Path
+
+
+def _usage(check: bool, message: str) -> None:
+    if not check:
+        raise UsageError(message)
+
+
+def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        if config.data:
+            tokens = data_lib.load_bytes(data_lib.list_text_files(config.data))
+            return data_lib.split_tokens(tokens)
+        return (data_lib.load_bytes(data_lib.default_corpus("train")),
+                data_lib.load_bytes(data_lib.default_corpus("val")))
+    except FileNotFoundError as e:
+        raise UsageError(f"--data: {e}") from None
+    except ValueError as e:
+        raise UsageError(f"--data: {e}") from None
+
+
+def prepare(config: TrainConfig) -> _Run:
+    """Checks the config against the machine and builds the run; bad input is a UsageError."""
+    for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
+                 "ckpt_every"):
+        _usage(getattr(config, name) > 0, f"--{name.replace('_', '-')} must be positive")
+    try:
+        mesh = MeshShardingHelper.from_string(config.mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh {config.mesh!r}: {e}") from None
+    _usage(config.rules in models.PRESETS,
+           f"unknown --rules {config.rules!r}; known presets: {sorted(models.PRESETS)}")
+    _usage(config.model in models.CONFIGS,
+           f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
+    try:
+        policy = Policy.from_string(config.precision)
+        model_config = models.get_config(
+            config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
+            max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
+        )
+        tx = make_optimizer(config.optimizer, config.lr, config.steps, warmup=config.steps // 20)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    rules = LogicalAxisRules(models.PRESETS[config.rules])
+    batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
+    batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
+                                                  else batch_axes or ()))
+    _usage(config.batch_size % (batch_split * config.grad_accum) == 0,
+           f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
+           f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}")
+    _usage(config.batch_size % jax.process_count() == 0,
+           f"--batch-size {config.batch_size} must be divisible by the process count "
+           f"{jax.process_count()}")
+
+    out = Path(config.out)
+    ckpt_dir = out / CHECKPOINT_DIR
+    has_checkpoint = ckpt_dir.exists() and Checkpointer(ckpt_dir).latest_step() is not None
+    if config.resume:
+        _usage(has_checkpoint, f"--resume: no checkpoint in {ckpt_dir}")
+        saved = json.loads((out / "config.json").read_text())
+        changed = [k for k in _FIXED_ON_RESUME if saved.get(k) != getattr(config, k)]
+        _usage(not changed, "--resume: these settings differ from the run being resumed: " +
+               ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)!r} (was {saved.get(k)!r})"
+                         for k in changed))
+    else:
+        _usage(not has_checkpoint,
+               f"{out} already holds checkpoints of another run; pass --resume to continue it "
+               f"or choose another --out")
+
+    train_tokens, val_tokens = _load_tokens(config)
+    try:
+        batches = data_lib.TokenBatches(
+            train_tokens, config.seq_len, config.batch_size, seed=config.seed,
+            process_index=jax.process_index(), process_count=jax.process_count())
+        val = data_lib.val_batches(
+            val_tokens, config.seq_len, config.batch_size, num_batches=4,
+            process_index=jax.process_index(), process_count=jax.process_count())
+    except ValueError as e:
+        raise UsageError(f"data: {e}") from None
+    return _Run(config, mesh, rules, model_config, policy, tx, batches, val, out)
+
+
+def _create(run: _Run):
+    return init_state(lambda: models.create(run.model_config, nnx.Rngs(run.config.seed)), run.tx)
+
+
+def _abstract(run: _Run) -> tuple[Any, Any]:
+    """The model's graphdef and the train state's shapes, without computing anything."""
+    graphdefs = []
+
+    def state_only():
+        graphdef, state = _create(run)
+        graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
+        return state
+
+    with run.mesh.get_context():
+        state_shape = jax.eval_shape(state_only)
+    return graphdefs[0], state_shape
+
+
+def _flat(state: Any) -> dict[str, Any]:
+    """The checkpointed form of a state: a flat ``{path: array}`` dict, independent of the
+    pytree node classes (NNX, optax) that hold the arrays."""
+    return flatten_tree(state, sep=".")
+
+
+def _restore(ckpt: Checkpointer, state_shape: Any, shardings: Any, like: Any):
+    target = abstract_state(_flat(state_shape), _flat(shardings))
+    restored = ckpt.restore(target=target)
+    leaves = [restored.state[k] for k in _flat(state_shape)]
+    return restored.step, jax.tree_util.tree_unflatten(jax.tree.structure(like), leaves), \
+        restored.extra
+
+
+class _Progress:
+    """A rich progress bar with loss, tokens/s and step time; plain lines when not a TTY."""
+
+    def __init__(self, total: int, start: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.console = Console(stderr=False)
+        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), console=self.console,
+                            disable=not self.console.is_terminal)
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.__exit__(*exc)
+
+    def update(self, step: int, info: str | None = None, line: str | None = None) -> None:
+        self.bar.update(self.task, completed=step, **({"info": info} if info else {}))
+        if line:
+            self.console.print(line, highlight=False)
+
+
+def _plot(out: Path, records: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=100)
+    plt.close(fig)
+
+
+def _read_metrics(path: Path, up_to: int) -> list[dict]:
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= up_to]
+
+
+def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
+    """Runs (or resumes) training; returns the metric records written to ``metrics.jsonl``."""
+    run = run or prepare(config)
+    mesh, rules = run.mesh, run.rules
+    is_main = jax.process_index() == 0
+    run.out.mkdir(parents=True, exist_ok=True)
+
+    graphdef, state_shape = _abstract(run)
+    init = mesh.sjit(lambda: _create(run)[1], out_shardings=rules)
+    shardings = mesh.match_sharding_rule(rules, state_shape)
+    batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
+
+    step_fn = mesh.sjit(
+        partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
+                grad_accum=config.grad_accum, param_rules=rules),
+        in_shardings=(rules, batch_spec),
+        out_shardings=(rules, None),
+        donate_argnums=0,
+    )
+    eval_fn = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
+                        in_shardings=(rules, batch_spec))
+
+    ckpt = Checkpointer(run.out / CHECKPOINT_DIR, max_to_keep=3)
+    metrics_path = run.out / "metrics.jsonl"
+    if config.resume:
+        start, state, extra = _restore(ckpt, state_shape, shardings, state_shape)
+        run.train_data.restore(extra["data"])
+        records = _read_metrics(metrics_path, start)
+    else:
+        state, start, records = init(), 0, []
+        if is_main:
+            (run.out / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+
+    def to_global(batch):
+        return _global_batch(mesh, batch, batch_spec)
+
+    first = to_global(run.train_data.batch(start))
+    plan = step_fn.plan(state, first)
+    n_params = sum(x.size for x in jax.tree.leaves(state_shape["params"]))
+    if is_main:
+        print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "
+              f"{jax.device_count()} devices, mesh {mesh.shape}, rules {config.rules!r}, "
+              f"precision {run.policy}")
+        print(plan.where(lambda row: row.kind == "input" and "/params/" in f"/{row.path}/"))
+
+    if is_main:
+        with open(metrics_path, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    tokens_per_step = config.batch_size * config.seq_len
+    last_time, last_step = time.perf_counter(), start
+    with _Progress(config.steps, start) as progress:
+        for step in range(start, config.steps):
+            batch = first if step == start else to_global(run.train_data.batch(step))
+            state, metrics = step_fn(state, batch)
+            done = step + 1
+            record: dict[str, Any] = {}
+            if done % config.log_every == 0 or done == config.steps or done == start + 1:
+                loss = float(metrics["loss"])  # waits for the step
+                now = time.perf_counter()
+                dt = (now - last_time) / max(done - last_step, 1)
+                record = {"step": done, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                          "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+                last_time, last_step = now, done
+            if done % config.eval_every == 0 or done == config.steps:
+                val = [float(eval_fn(state, to_global(b))) for b in run.val_data]
+                record = {"step": done, **record, "val_loss": float(np.mean(val))}
+            if record:
+                records.append(record)
+                if is_main:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                info = " ".join(
+                    f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
+                if "tokens_per_s" in record:
+                    info += (f" | {record['tokens_per_s']:,.0f} tok/s"
+                             f" | {record['step_time_s'] * 1000:.0f} ms/step")
+                progress.update(done, info, line=f"step {done:5d}  {info}" if is_main else None)
+            else:
+                progress.update(done)
+            if done % config.ckpt_every == 0 or done == config.steps:
+                position = {**run.train_data.state(), "step": done}
+                ckpt.save(done, _flat(state), extra={"data": position,
+                                                     "config": config.to_json()}, force=True)
+    ckpt.wait()
+    ckpt.close()
+    if is_main:
+        _plot(run.out, records)
+        print(f"wrote {metrics_path}, {run.out / 'loss.png'} and checkpoints in "
+              f"{run.out / CHECKPOINT_DIR}")
+    return records
+
+
+def _global_batch(mesh: MeshShardingHelper, batch: tuple, spec: Any) -> tuple:
+    """Each process's rows -> one global array per batch field, sharded like ``spec``."""
+    sharding = jax.sharding.NamedSharding(mesh.mesh, spec)
+    return tuple(
+        jax.make_array_from_process_local_data(
+            sharding, x, (x.shape[0] * jax.process_count(), *x.shape[1:]))
+        for x in batch
+    )
+
+
+def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
+             seed: int = 0) -> str:
+    """Samples ``max_tokens`` bytes after ``prompt`` from the latest checkpoint in ``out``."""
+    out_path = Path(out)
+    ckpt_dir = out_path / CHECKPOINT_DIR
+    if not (out_path / "config.json").exists() or not ckpt_dir.exists():
+        raise UsageError(f"{out} holds no shardax run (no config.json / checkpoints)")
+    ckpt = Checkpointer(ckpt_dir)
+    if ckpt.latest_step() is None:
+        raise UsageError(f"no checkpoint in {ckpt_dir}")
+    config = TrainConfig(**json.loads((out_path / "config.json").read_text()))
+    config.mesh = f"dp={jax.device_count()}"  # sampling is small: replicate the model
+    config.resume = True
+    run = prepare(config)
+    graphdef, state_shape = _abstract(run)
+    replicated = jax.tree.map(lambda _: jax.sharding.NamedSharding(run.mesh.mesh,
+                                                                   jax.sharding.PartitionSpec()),
+                              state_shape)
+    _, state, _ = _restore(ckpt, state_shape, replicated, state_shape)
+    ckpt.close()
+    model = nnx.merge(graphdef, state["params"], state["rest"])
+    length = run.model_config.max_seq_len
+
+    @jax.jit
+    def next_token(model, tokens, position, key):
+        logits = model(tokens)[0, position].astype(np.float32)
+        return jax.random.categorical(key, logits / max(temperature, 1e-4))
+
+    data = list(prompt.encode("utf-8"))
+    key = jax.random.key(seed)
+    for _ in range(max_tokens):
+        window = data[-length:]
+        tokens = np.zeros((1, length), np.int32)
+        tokens[0, : len(window)] = window
+        key, sub = jax.random.split(key)
+        data.append(int(next_token(model, tokens, len(window) - 1, sub)))
+    return bytes(data).decode("utf-8", errors="replace")
