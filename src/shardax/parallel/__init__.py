@@ -7,6 +7,7 @@ single-device result.
 """
 
 from shardax.parallel.context import attention, load_balance, ring_attention, unload_balance
+from shardax.parallel.expert import expert_capacity, init_moe_params, moe_mlp, moe_param_specs
 from shardax.parallel.tensor import Mode, column_parallel, row_parallel, tp_mlp, tp_size
 
 __all__ = [
@@ -19,4 +20,8 @@ __all__ = [
     "ring_attention",
     "load_balance",
     "unload_balance",
+    "moe_mlp",
+    "init_moe_params",
+    "moe_param_specs",
+    "expert_capacity",
 ]
