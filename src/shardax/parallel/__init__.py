@@ -8,6 +8,16 @@ single-device result.
 
 from shardax.parallel.context import attention, load_balance, ring_attention, unload_balance
 from shardax.parallel.expert import expert_capacity, init_moe_params, moe_mlp, moe_param_specs
+from shardax.parallel.pipeline import (
+    Schedule,
+    bubble_fraction,
+    from_stage_layout,
+    pipeline,
+    pipeline_size,
+    sequential,
+    stage_specs,
+    to_stage_layout,
+)
 from shardax.parallel.tensor import Mode, column_parallel, row_parallel, tp_mlp, tp_size
 
 __all__ = [
@@ -24,4 +34,12 @@ __all__ = [
     "init_moe_params",
     "moe_param_specs",
     "expert_capacity",
+    "Schedule",
+    "pipeline",
+    "sequential",
+    "bubble_fraction",
+    "to_stage_layout",
+    "from_stage_layout",
+    "stage_specs",
+    "pipeline_size",
 ]
