@@ -14,8 +14,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
 
-from functools import partial  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

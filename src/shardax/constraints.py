@@ -9,17 +9,15 @@ the same code runs on one device.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-from shardax import _compat
 from shardax.mesh import current_context
 from shardax.rules import match_specs_flat
 
-__all__ = ["with_sharding_constraint", "with_sharding_annotation", "with_logical_constraint"]
+__all__ = ["with_sharding_constraint", "with_sharding_annotation"]
 
 
 def with_sharding_constraint(pytree: Any, rule_or_spec: Any, *, what: str = "constraint") -> Any:
@@ -61,34 +59,3 @@ def with_sharding_annotation(pytree: Any, name: str) -> Any:
         return pytree
     return with_sharding_constraint(pytree, rule, what=f"annotation {name!r}")
 
-
-def with_logical_constraint(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Constrains ``x`` by logical axis names, mapped by the context's ``LogicalAxisRules``.
-
-    Model code states what each dimension *is* (``("batch", "length", "embed")``); the rules
-    of the running ``sjit`` decide where it lives. Without a context or rules, ``x`` is
-    returned as is. Inside ``jax.shard_map``, axes that are manual there are left out.
-
-    >>> h = with_logical_constraint(h, ("batch", "length", "embed"))  # doctest: +SKIP
-    """
-    context = current_context()
-    rules = None if context is None else context.logical_axis_rules
-    if rules is None:
-        return x
-    if len(names) != x.ndim:
-        raise ValueError(
-            f"with_logical_constraint: {len(names)} names {tuple(names)} for an array of "
-            f"shape {tuple(x.shape)}; give one name (or None) per dimension"
-        )
-    mesh = context.mesh_helper.mesh
-    spec = rules.spec_for(names, mesh)
-    manual = set(getattr(_compat.abstract_mesh(), "manual_axes", ()) or ())
-    if manual:
-        spec = PartitionSpec(*(_without(entry, manual) for entry in spec))
-        return jax.lax.with_sharding_constraint(x, spec)
-    return with_sharding_constraint(x, spec, what=f"logical constraint {tuple(names)}")
-
-
-def _without(entry: Any, axes: set[str]) -> Any:
-    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept

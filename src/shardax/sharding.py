@@ -6,13 +6,10 @@
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.constraints import (
-    with_logical_constraint,
-    with_sharding_annotation,
-    with_sharding_constraint,
-)
+from shardax.constraints import with_sharding_annotation, with_sharding_constraint
 from shardax.inspect import ShardingPlan
 from shardax.jit import ShardedFunction, sjit
+from shardax.logical import use_logical_rules, with_logical_constraint
 from shardax.mesh import (
     MeshShardingHelper,
     ShardingContext,
@@ -47,6 +44,7 @@ __all__ = [
     "with_sharding_constraint",
     "with_sharding_annotation",
     "with_logical_constraint",
+    "use_logical_rules",
     "get_global_mesh_helper",
     "get_global_mesh",
     "get_global_annotation_shardings",

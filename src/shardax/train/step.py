@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardax.constraints import with_logical_constraint, with_sharding_constraint
+from shardax.constraints import with_sharding_constraint
+from shardax.logical import with_logical_constraint
 from shardax.models import cross_entropy
 from shardax.precision import Policy
 

@@ -1,0 +1,121 @@
+"""Logical axis names for activations: names -> ``with_sharding_constraint`` when rules are active.
+
+Model code calls ``with_logical_constraint(x, ('batch', 'length', 'embed'))``. The rules come
+from ``use_logical_rules(...)`` or from the running ``sjit`` (its ``LogicalAxisRules``). Without
+rules, or without a mesh set by ``jax.set_mesh``, it returns ``x`` unchanged, so the same model
+runs on one device. The rules object is duck-typed: anything with a
+``spec_for(names) -> PartitionSpec`` method (``shardax.rules.LogicalAxisRules`` is one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import jax
+from jax.sharding import AxisType, PartitionSpec
+
+
+class SpecFor(Protocol):
+    def spec_for(self, names: Sequence[str | None]) -> PartitionSpec: ...
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.rules: list[Any] = []
+
+
+_STACK = _Stack()
+
+
+@contextlib.contextmanager
+def use_logical_rules(rules: SpecFor) -> Iterator[SpecFor]:
+    """Make ``rules`` the logical-axis rules that ``constrain`` uses in this thread.
+
+    Example::
+
+        with jax.set_mesh(mesh), use_logical_rules(rules):
+            logits = jax.jit(lambda m, t: m(t))(model, tokens)
+    """
+    if not callable(getattr(rules, "spec_for", None)):
+        raise ValueError(
+            f"use_logical_rules needs an object with a spec_for(names) method, got {rules!r}"
+        )
+    _STACK.rules.append(rules)
+    try:
+        yield rules
+    finally:
+        _STACK.rules.pop()
+
+
+def current_logical_rules() -> SpecFor | None:
+    """The innermost rules of this thread: pushed by ``use_logical_rules``, else those of the
+    active ``sjit`` / ``get_context`` (its ``logical_axis_rules``), else ``None``."""
+    if _STACK.rules:
+        return _STACK.rules[-1]
+    from shardax.mesh import current_context
+
+    context = current_context()
+    return None if context is None else context.logical_axis_rules
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _fit_to_mesh(spec: PartitionSpec, names: Sequence[str | None], shape, mesh) -> PartitionSpec:
+    """Drop manual (shard_map) axes and check the rest exist in the mesh."""
+    manual = set(mesh.manual_axes)
+    entries = []
+    for dim, entry in enumerate(spec):
+        axes = tuple(a for a in _entry_axes(entry) if a not in manual)
+        unknown = [a for a in axes if a not in mesh.axis_names]
+        if unknown:
+            raise ValueError(
+                f"with_logical_constraint: logical axis {names[dim]!r} (dim {dim} of shape "
+                f"{tuple(shape)}) maps to mesh axes {unknown} that are not in the mesh "
+                f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}"
+            )
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def with_logical_constraint(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrain activation ``x`` to the sharding its logical ``names`` map to; else a no-op.
+
+    Mesh axes that are manual in the current ``jax.shard_map`` are left out of the spec. The
+    rules are read at trace time and ``jax.jit`` caches traces per mesh, not per rules: under one
+    mesh, wrap a fresh ``jax.jit`` when switching rules.
+
+    Example::
+
+        h = with_logical_constraint(h, ('batch', 'length', 'mlp'))
+    """
+    names = tuple(names)
+    if len(names) != x.ndim:
+        raise ValueError(
+            f"with_logical_constraint: {len(names)} logical names {names} for an array of rank "
+            f"{x.ndim} (shape {tuple(x.shape)})"
+        )
+    rules = current_logical_rules()
+    if rules is None:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = _fit_to_mesh(rules.spec_for(names), names, x.shape, mesh)
+    if len(spec) > x.ndim:
+        raise ValueError(
+            f"with_logical_constraint: rules gave spec {spec} with {len(spec)} entries for names "
+            f"{names} of an array of shape {tuple(x.shape)}"
+        )
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[a] == AxisType.Explicit for entry in spec for a in _entry_axes(entry)):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)

@@ -1,0 +1,93 @@
+"""Reference models (Flax NNX) with logical axis names on every parameter and key activation.
+
+Example::
+
+    from flax import nnx
+    from shardax import models
+
+    model = models.create(models.get_config('llama-tiny'), nnx.Rngs(0))
+    logits = model(tokens[:, :-1])
+    loss = models.cross_entropy(logits, tokens[:, 1:])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.models import gpt2, llama
+from shardax.models._annotate import constrain, current_logical_rules, use_logical_rules
+from shardax.models._layers import REMAT_POLICIES, stack_states
+from shardax.models.gpt2 import GPT2, GPT2Config
+from shardax.models.llama import Llama, LlamaConfig
+from shardax.models.mlp import MLP
+from shardax.models.presets import PRESETS
+
+CONFIGS: dict[str, LlamaConfig | GPT2Config] = {**llama.CONFIGS, **gpt2.CONFIGS}
+
+__all__ = [
+    "CONFIGS", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "MLP", "PRESETS", "REMAT_POLICIES",
+    "constrain", "create", "cross_entropy", "current_logical_rules", "get_config",
+    "param_count", "stack_states", "use_logical_rules",
+]
+
+
+def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
+    """A named config (see ``CONFIGS``) with fields replaced by ``overrides``.
+
+    Example::
+
+        cfg = get_config('llama-125m', scan_layers=True, remat='full', dtype=jnp.bfloat16)
+    """
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
+    return dataclasses.replace(CONFIGS[name], **overrides)
+
+
+def create(config: LlamaConfig | GPT2Config, rngs: nnx.Rngs) -> Llama | GPT2:
+    """Build the model a config describes."""
+    if isinstance(config, LlamaConfig):
+        return Llama(config, rngs)
+    if isinstance(config, GPT2Config):
+        return GPT2(config, rngs)
+    raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
+
+
+def param_count(config: LlamaConfig | GPT2Config) -> int:
+    """Analytic parameter count of the model a config describes."""
+    if isinstance(config, LlamaConfig):
+        return llama.param_count(config)
+    if isinstance(config, GPT2Config):
+        return gpt2.param_count(config)
+    raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
+
+
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Mean token cross-entropy in float32, over positions where ``mask`` is true.
+
+    ``logits``: [..., vocab]; ``targets``: integer [...]; ``mask``: [...] (bool or 0/1).
+
+    Example::
+
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {logits.shape} and targets {targets.shape} disagree on leading dims"
+        )
+    logits = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    nll = logz - picked
+    if mask is None:
+        return nll.mean()
+    if mask.shape != targets.shape:
+        raise ValueError(f"mask {mask.shape} must match targets {targets.shape}")
+    mask = mask.astype(jnp.float32)
+    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)

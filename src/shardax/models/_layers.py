@@ -1,0 +1,111 @@
+"""Shared building blocks: annotated parameters, layer stacks (scan or list) and remat policies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYERS = "layers"
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
+
+
+def param(
+    key: jax.Array,
+    init: Callable[..., jax.Array],
+    shape: Sequence[int],
+    names: Sequence[str | None],
+    dtype: Any = jnp.float32,
+) -> nnx.Param:
+    """An ``nnx.Param`` carrying logical axis names as ``out_sharding`` metadata.
+
+    Eager sharding is off: logical names are not mesh axes, so shardax turns them into
+    shardings at the ``jit`` boundary instead of at creation (the model needs no mesh to build).
+
+    Example::
+
+        w = param(rngs.params(), nnx.initializers.normal(0.02), (64, 256), ('embed', 'mlp'))
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
+    init = nnx.with_partitioning(init, tuple(names), eager_sharding=False)
+    return nnx.Param(init(key, tuple(shape), dtype))
+
+
+def remat_policy(name: str) -> Callable[..., bool] | None:
+    """The ``jax.checkpoint`` policy for a remat name (``'none'`` gives ``None``: no remat)."""
+    policies = jax.checkpoint_policies
+    if name == "none":
+        return None
+    if name == "full":
+        return policies.nothing_saveable
+    if name == "save_dots":
+        return policies.dots_with_no_batch_dims_saveable
+    if name == "offload":
+        return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {name!r}")
+
+
+def make_layers(
+    make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, scan: bool
+) -> nnx.Module | nnx.List:
+    """Build ``n`` layers, stacked on a leading ``'layers'`` axis (scan) or as a list.
+
+    Layer ``i`` is always built from the ``i``-th of ``n`` keys split from ``rngs.params()``,
+    so both layouts hold the same numbers: ``stacked[i] == listed[i]``.
+    """
+    keys = jax.random.split(rngs.params(), n)
+    if not scan:
+        return nnx.List([make(nnx.Rngs(params=k)) for k in keys])
+
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def build(key):
+        return make(nnx.Rngs(params=key))
+
+    return build(keys)
+
+
+def run_layers(
+    layers: nnx.Module | nnx.List,
+    x: jax.Array,
+    call: Callable[[nnx.Module, jax.Array], jax.Array],
+    scan: bool,
+    remat: str,
+) -> jax.Array:
+    """Apply ``call(layer, x)`` through every layer, under the remat policy ``remat``.
+
+    With ``scan`` the body is traced once, so compile time does not grow with depth.
+    """
+    policy = remat_policy(remat)
+    body = call
+    if remat != "none":
+        # Inside scan the loop already keeps XLA from CSE-ing the recomputation away.
+        body = nnx.remat(call, policy=policy, prevent_cse=not scan)
+    if not scan:
+        for layer in layers:
+            x = body(layer, x)
+        return x
+
+    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+              transform_metadata={nnx.PARTITION_NAME: LAYERS})
+    def step(layer, h):
+        return body(layer, h)
+
+    return step(layers, x)
+
+
+def stack_states(states: Sequence[Any]) -> dict[str, Any]:
+    """Stack per-layer states (list layout) into arrays with the scan layout's leading axis.
+
+    Returns a pure dict of arrays, ready for ``nnx.replace_by_pure_dict`` on a scanned model.
+
+    Example::
+
+        stacked = stack_states([nnx.state(layer) for layer in listed.layers])
+        nnx.replace_by_pure_dict(scan_state, stacked)   # scan_state = nnx.state(scanned.layers)
+    """
+    pure = [nnx.to_pure_dict(s) if isinstance(s, nnx.State) else s for s in states]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *pure)
