@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 run: install
+	$(PY) examples/quickstart.py
 	$(VENV)/bin/shardax train --out runs/main
 
 test: install
