@@ -29,6 +29,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from shardax.utils import flatten_tree
+
 __all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
@@ -51,17 +53,6 @@ class Restored(NamedTuple):
     extra: dict
 
 
-def _key_str(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _path_str(path: tuple) -> str:
-    return "/".join(_key_str(k) for k in path)
-
-
 def _short(e: Exception, limit: int = 400) -> str:
     text = f"{type(e).__name__}: {e}"
     return text if len(text) <= limit else text[:limit] + " ..."
@@ -72,7 +63,7 @@ def _is_key(x: Any) -> bool:
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-    return {_path_str(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return flatten_tree(tree)
 
 
 def _as_words(x: jax.Array) -> jax.Array:
