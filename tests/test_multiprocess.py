@@ -1,0 +1,376 @@
+"""Multi-process runs on one machine: `shardax launch` + `jax.distributed` with gloo on CPU.
+
+Real processes, as on a cluster: `shardax launch --nproc 2 --devices-per-proc 4 -- python -m
+shardax.cli train ...` (2 processes x 4 emulated CPU devices = the 8 devices of the
+single-process runs, which run in this pytest process). What is checked:
+
+- the global batch assembled from the processes' rows equals the single-process batch,
+  on meshes where the processes split the batch and where they share it (``tp=2,fsdp=4``);
+- 2 processes give the single-process per-step losses and gradient norms (SGD, rtol 1e-6:
+  float32 reduction order differs between gloo and in-process all-reduces; seen 1e-7);
+- a checkpoint written by 2 processes resumes in 1 process x 8 devices on another mesh, and in
+  2 processes on another mesh (same rtol);
+- killing a worker makes the launcher stop the other and exit non-zero within 30 s, leaving
+  no process behind; ``--resume`` then continues from the last committed checkpoint (an
+  uncommitted one planted in between is ignored) and every loss is bit-identical to the
+  uninterrupted 2-process run;
+- an unreachable coordinator, a process that never joins, and processes that disagree on the
+  process count fail with a clear message within a bounded time;
+- the launcher prefixes lines, propagates the failing status, and SIGKILLs what ignores SIGTERM.
+
+Runs are tiny (llama-tiny, 8 x 32 tokens, 6 steps, checkpoints at 3 and 6); the
+single-process ones run in this pytest process.
+"""
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardax.launch import free_port, launch
+from shardax.train.loop import TrainConfig, train
+
+pytestmark = pytest.mark.multiprocess
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+TINY = dict(steps=6, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
+            eval_every=100, ckpt_every=3)
+REL = 1e-6  # 1 vs 2 processes, or another mesh: float32 reduction order (seen 1.1e-7)
+BOUND_S = 300  # no subprocess may outlive this; a hang fails the test instead of CI
+
+
+def _flags(**overrides) -> list[str]:
+    return [s for k, v in {**TINY, **overrides}.items()
+            for s in ((f"--{k.replace('_', '-')}",) if v is True else
+                      (f"--{k.replace('_', '-')}", str(v)))]
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    """Environment of every subprocess: this source tree, CPU, no forced device count.
+
+    No persistent compilation cache: on CPU only process 0 can hit it (process 1's keys
+    differ and it may not write), so process 0 would race ahead and gloo's 30 s rendezvous
+    at the first collective would fail on a busy machine.
+    """
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "shardax.cli", *args]
+
+
+def _launch_train(env, out: Path, *flags: str, nproc: int = 2) -> list[str]:
+    return _cli("launch", "--nproc", str(nproc), "--devices-per-proc", str(8 // nproc), "--",
+                *_cli("train", *_flags(), *flags, "--out", str(out)))
+
+
+def _run(cmd: list[str], env, timeout: float = BOUND_S) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout\n"
+                                  f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _metrics(out: Path) -> list[dict]:
+    text = (out / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _series(records: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+def _committed(out: Path) -> list[int]:
+    """Committed checkpoint steps, read from the file system (a Checkpointer would clean up)."""
+    root = out / "checkpoints"
+    return sorted(int(d.name) for d in root.iterdir()
+                  if d.name.isdigit() and (d / "commit_success.txt").exists())
+
+
+def _resume_copy(run: Path, dest: Path, keep: int) -> Path:
+    """A copy of a finished run as it was right after checkpoint ``keep`` committed."""
+    shutil.copytree(run, dest)
+    for d in (dest / "checkpoints").iterdir():
+        if d.name.isdigit() and int(d.name) > keep:
+            shutil.rmtree(d)
+    assert _committed(dest) == [keep]
+    return dest
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], rtol: float = REL) -> None:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    steps = sorted(want)
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=rtol,
+                               atol=0, err_msg=f"steps {steps}")
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: 1 process x 8 devices, ``--mesh fsdp=-1``, in this pytest process."""
+    out = tmp_path_factory.mktemp("one_process") / "run"
+    train(TrainConfig(out=str(out), mesh="fsdp=-1", **TINY))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(env, tmp_path_factory):
+    """`shardax launch --nproc 2 --devices-per-proc 4 -- ... train --mesh fsdp=-1`."""
+    out = tmp_path_factory.mktemp("two_processes") / "run"
+    stdout = _ok(_run(_launch_train(env, out, "--mesh", "fsdp=-1"), env))
+    return out, stdout
+
+
+# ----------------------------------------------------------------------------- data
+
+
+BATCH_CHECK = """
+import sys
+import numpy as np
+from shardax import distributed
+distributed.initialize()
+distributed.initialize()  # a second call is a no-op
+try:
+    distributed.initialize(num_processes=3)
+    raise SystemExit("a conflicting second initialize() was accepted")
+except ValueError as e:
+    assert "already initialized with {'num_processes': 2" in str(e), e
+import jax
+from jax.experimental import multihost_utils
+from shardax.train import data as data_lib
+from shardax.train.loop import TrainConfig, _global_batch, prepare
+
+tokens = data_lib.load_bytes(data_lib.default_corpus("train"))
+for mesh in sys.argv[1:]:
+    run = prepare(TrainConfig(mesh=mesh, batch_size=8, seq_len=32, out=sys.argv[0] + ".none"))
+    spec = run.rules.spec_for(("batch", "length"), run.mesh.mesh)
+    local = run.train_data.batch(5)
+    for field, want in zip(_global_batch(run.mesh, local, spec, 8),
+                           data_lib.TokenBatches(tokens, 32, 8, seed=0).batch(5)):
+        got = np.asarray(multihost_utils.process_allgather(field, tiled=True))
+        assert np.array_equal(got, want), (mesh, jax.process_index())
+    print(f"process {jax.process_index()}: {mesh}: {len(local[0])} local rows, global batch ok")
+"""
+
+
+def test_global_batch_equals_the_single_process_batch(env, tmp_path):
+    script = tmp_path / "batch_check.py"
+    script.write_text(BATCH_CHECK)
+    meshes = ["fsdp=-1", "dp=2,fsdp=2,tp=2", "tp=2,fsdp=4"]
+    stdout = _ok(_run(_cli("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+                           str(script), *meshes), env))
+    for p in (0, 1):
+        # Split over the processes: 4 rows each; tp spanning the processes: all 8 rows each.
+        for mesh, rows in zip(meshes, (4, 4, 8)):
+            assert f"[{p}] process {p}: {mesh}: {rows} local rows, global batch ok" in stdout
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_two_processes_train_like_one_process(one_process, two_processes):
+    out, stdout = two_processes
+    ref, got = _metrics(one_process), _metrics(out)
+    for key in ("loss", "grad_norm", "val_loss"):
+        _assert_close(_series(got, key), _series(ref, key))
+    assert "[0] shardax train: llama-tiny" in stdout and "on 8 devices" in stdout
+    assert "[1] shardax train" not in stdout  # only process 0 reports
+    assert _committed(out) == [3, 6]
+
+
+def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_processes,
+                                                                        tmp_path):
+    straight = _metrics(two_processes[0])
+    out = _resume_copy(two_processes[0], tmp_path / "run", keep=3)
+    records = train(TrainConfig(out=str(out), mesh="dp=2,fsdp=4", resume=True, **TINY))
+    assert [r["step"] for r in records] == list(range(1, 7))
+    for key in ("loss", "grad_norm", "val_loss"):
+        _assert_close(_series(records, key), _series(straight, key))
+
+
+def test_two_process_checkpoint_resumes_in_two_processes_on_another_mesh(env, two_processes,
+                                                                          tmp_path):
+    straight = _metrics(two_processes[0])
+    out = _resume_copy(two_processes[0], tmp_path / "run", keep=3)
+    # tp spans the two processes: each one feeds the whole batch.
+    _ok(_run(_launch_train(env, out, "--mesh", "tp=2,fsdp=4", "--resume"), env))
+    for key in ("loss", "grad_norm", "val_loss"):
+        _assert_close(_series(_metrics(out), key), _series(straight, key))
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def test_killed_worker_stops_the_job_and_resume_is_bit_identical(env, two_processes,
+                                                                 tmp_path):
+    out = tmp_path / "run"
+    log = tmp_path / "killed.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_launch_train(env, out, "--mesh", "fsdp=-1"), env=env,
+                                stdout=f, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        pids = [int(p) for p in re.findall(r"\d+:(\d+)", first.split("pids", 1)[1])]
+        assert len(pids) == 2, first
+        deadline = time.monotonic() + BOUND_S
+        while not ((out / "checkpoints").exists() and _committed(out)):
+            assert proc.poll() is None, f"run ended early:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint committed"
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)  # the bound the launcher promises
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert f"process 1 (pid {pids[1]}) was killed by SIGKILL; stopping the others" in err
+    assert not any(_alive(p) for p in pids), "a worker outlived the launcher"
+
+    committed = _committed(out)
+    assert committed and committed[-1] < TINY["steps"], committed  # it really stopped mid-run
+    last = committed[-1]
+    # A checkpoint interrupted while being written: present, but without the commit marker.
+    torn = out / "checkpoints" / str(last + 1)
+    shutil.copytree(out / "checkpoints" / str(last), torn)
+    (torn / "commit_success.txt").unlink()
+
+    stdout = _ok(_run(_launch_train(env, out, "--mesh", "fsdp=-1", "--resume"), env))
+    first_step = int(re.search(r"\[0\] step\s+(\d+)", stdout).group(1))
+    assert first_step == last + 1, stdout[-3000:]  # resumed from the committed step
+    straight, resumed = _metrics(two_processes[0]), _metrics(out)
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert _series(resumed, key) == _series(straight, key)  # bit-identical
+    assert _committed(out)[-1] == TINY["steps"]
+
+
+def test_unreachable_coordinator_is_a_clear_error(env, tmp_path):
+    address = f"127.0.0.1:{free_port()}"  # nobody listens there
+    proc = _run(_cli("train", *_flags(), "--out", str(tmp_path / "run")),
+                {**env, "SHARDAX_COORDINATOR": address, "SHARDAX_NUM_PROCESSES": "2",
+                 "SHARDAX_PROCESS_ID": "1", "SHARDAX_INIT_TIMEOUT": "3"}, timeout=120)
+    assert proc.returncode == 1
+    assert (f"shardax train: error: process 1 of 2: cannot reach the coordinator at {address} "
+            "within 3 s") in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_process_that_never_joins_is_a_clear_error(env, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    proc = _run(_cli("train", *_flags(), "--out", str(tmp_path / "run")),
+                {**env, "SHARDAX_COORDINATOR": address, "SHARDAX_NUM_PROCESSES": "2",
+                 "SHARDAX_PROCESS_ID": "0", "SHARDAX_INIT_TIMEOUT": "3"}, timeout=120)
+    assert proc.returncode == 1
+    assert (f"process 0 of 2 (coordinator {address}): not all processes joined within 3 s"
+            in proc.stderr)
+
+
+def test_processes_that_disagree_on_the_count_fail_clearly(env, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(
+        _cli("train", *_flags(), "--out", str(tmp_path / "run")),
+        env={**env, "SHARDAX_COORDINATOR": address, "SHARDAX_NUM_PROCESSES": count,
+             "SHARDAX_PROCESS_ID": str(i), "SHARDAX_INIT_TIMEOUT": "60"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, count in enumerate(("2", "3"))]
+    try:
+        results = [p.communicate(timeout=BOUND_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 1, err[-3000:]
+        assert (f"error: processes disagree on the process count: 2 joined the coordinator at "
+                f"{address}, but they were told process 0: 2, process 1: 3") in err
+
+
+def test_initialize_without_a_set_up_is_a_clear_error(env):
+    clean = {k: v for k, v in env.items()
+             if not k.startswith(("SHARDAX_", "SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR"))
+             and k != "KUBERNETES_SERVICE_HOST"}
+    proc = _run([sys.executable, "-c", "from shardax import distributed\n"
+                 "try:\n    distributed.initialize()\n"
+                 "except ValueError as e:\n    print(e)"], clean, timeout=120)
+    assert _ok(proc).startswith("no multi-process set-up found: pass coordinator_address, ")
+    assert "SHARDAX_COORDINATOR" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+# launch() forks from this process, where JAX runs threads; the children exec at once.
+_fork_ok = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
+
+@_fork_ok
+def test_launch_sets_the_environment_and_prefixes_lines():
+    out = io.StringIO()
+    code = ("import os; e = os.environ; print(e['SHARDAX_PROCESS_ID'], e['SHARDAX_NUM_PROCESSES'],"
+            " e['SHARDAX_COORDINATOR'], e['SHARDAX_DEVICES_PER_PROCESS']); print('bye')")
+    assert launch(_py(code), 3, devices_per_proc=2, port=12345, out=out) == 0
+    lines = out.getvalue().splitlines()
+    for i in range(3):
+        assert f"[{i}] {i} 3 127.0.0.1:12345 2" in lines
+        assert f"[{i}] bye" in lines
+    assert len(lines) == 6
+
+
+@_fork_ok
+def test_launch_stops_everything_when_one_process_fails(capsys, tmp_path):
+    out = io.StringIO()
+    ready = tmp_path / "ready"
+    # Process 0 ignores SIGTERM (as a process stuck in C code would): it must get SIGKILL.
+    # Process 1 fails once process 0 is set up.
+    code = ("import os, signal, sys, time; print(os.getpid(), flush=True)\n"
+            "if os.environ['SHARDAX_PROCESS_ID'] == '1':\n"
+            f"    while not os.path.exists({str(ready)!r}): time.sleep(0.01)\n"
+            "    sys.exit(3)\n"
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
+    assert launch(_py(code), 2, grace_s=1.0, out=out) == 3
+    pids = [int(line.split()[1]) for line in out.getvalue().splitlines()]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    assert "process 1 (pid" in capsys.readouterr().err
+
+
+@_fork_ok
+def test_launch_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="no command"):
+        launch([], 2)
+    with pytest.raises(ValueError, match="--nproc must be >= 1, got 0"):
+        launch(["true"], 0)
+    assert launch([str(tmp_path / "missing")], 1, out=io.StringIO()) == 127
