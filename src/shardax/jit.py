@@ -367,6 +367,7 @@ def sjit(
     annotation_shardings: dict[str, Any] | None = None,
     *,
     mesh: MeshShardingHelper | None = None,
+    logical_axis_rules: LogicalAxisRules | None = None,
     **jit_kwargs: Any,
 ) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:
     """``jax.jit`` with sharding *rules* for inputs, outputs, arguments and annotations.
@@ -396,6 +397,7 @@ def sjit(
         static_argnums=static_argnums,
         args_sharding_constraint=args_sharding_constraint,
         annotation_shardings=annotation_shardings,
+        logical_axis_rules=logical_axis_rules,
         **jit_kwargs,
     )
     if fun is None:

@@ -309,7 +309,8 @@ class ShardingContext:
 
         stack = contextlib.ExitStack()
         stack.enter_context(_compat.set_mesh(self.mesh_helper.mesh))
-        for context in frameworks.tracing_contexts():
+        contexts = frameworks.tracing_contexts(self.logical_axis_rules, self.mesh_helper.mesh)
+        for context in contexts:
             stack.enter_context(context)
         _stack().append(self)
         self._exit_stack = stack

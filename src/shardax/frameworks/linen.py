@@ -1,0 +1,81 @@
+"""Flax linen: hand shardax's ``LogicalAxisRules`` to linen's own logical-axis machinery.
+
+Parameters need nothing from here: ``LogicalAxisRules`` reads the names that
+``nn.with_logical_partitioning`` stores in ``LogicallyPartitioned`` boxes, in ``params``, in a
+``flax.training.train_state.TrainState`` and in the optax state built from boxed params alike.
+
+Activations are different: ``nn.with_logical_constraint`` (and the constraint linen applies when
+it unboxes a parameter under a mesh) read *Flax's* rule context. Every shardax context whose
+``sjit`` has ``LogicalAxisRules`` sets it from those rules (``frameworks.tracing_contexts``), so
+one rule list decides parameters and activations, as ``with_logical_constraint`` does for NNX.
+``logical_axis_rules(rules)`` is the same thing by hand, for code traced outside ``sjit``.
+
+>>> rules = LogicalAxisRules([("batch", ("dp", "fsdp")), ("embed", "fsdp"), ("mlp", "tp")])
+>>> axis_rules(rules, mesh)  # doctest: +SKIP  (mesh without 'dp')
+(('batch', 'fsdp'), ('embed', 'fsdp'), ('mlp', 'tp'))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from shardax.rules import LogicalAxisRules, active_mesh
+
+__all__ = ["axis_rules", "logical_axis_rules"]
+
+FlaxRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+
+def axis_rules(
+    rules: LogicalAxisRules | Sequence[tuple[str, Any]], mesh: Any | None = None
+) -> FlaxRules:
+    """``rules`` in Flax's format, without the mesh axes ``mesh`` lacks.
+
+    Flax resolves names the way ``LogicalAxisRules.spec_for`` does (priority order, a mesh axis
+    used once per array, later entries as fallbacks) but would pass an absent mesh axis on to
+    ``with_sharding_constraint``; shardax drops it. A rule left with no axis is dropped too, so
+    the next rule for that name applies. ``mesh`` defaults to the active one (inside ``sjit`` or
+    ``mesh.get_context()``); with no mesh at all nothing is dropped.
+
+    >>> axis_rules([("batch", ("dp", "fsdp")), ("mlp", "tp")], mesh)  # doctest: +SKIP
+    """
+    rules = rules if isinstance(rules, LogicalAxisRules) else LogicalAxisRules(rules)
+    mesh = mesh if mesh is not None else active_mesh()
+    present = None if mesh is None else set(mesh.axis_names)
+    out = []
+    for name, axes in rules:
+        if axes is None:
+            out.append((name, None))
+            continue
+        kept = (axes,) if isinstance(axes, str) else tuple(axes)
+        if present is not None:
+            kept = tuple(a for a in kept if a in present)
+        if kept:
+            out.append((name, kept[0] if len(kept) == 1 else kept))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def logical_axis_rules(
+    rules: LogicalAxisRules | Sequence[tuple[str, Any]], mesh: Any | None = None
+) -> Iterator[FlaxRules]:
+    """Flax's ``nn.logical_axis_rules`` context, set from shardax rules.
+
+    Enter it around the calls that *trace* a linen model (the first call of an ``sjit``
+    function), so ``nn.with_logical_constraint`` inside the model follows the same rules as the
+    parameters. Outside any mesh, linen's constraints stay no-ops, so the model still runs on one
+    device.
+
+    Example::
+
+        step = mesh.sjit(train_step, in_shardings=(rules, batch_spec), out_shardings=(rules, None))
+        with logical_axis_rules(rules, mesh.mesh):
+            state, loss = step(state, batch)
+    """
+    import flax.linen as nn  # only users of linen get here
+
+    flax_rules = axis_rules(rules, mesh)
+    with nn.logical_axis_rules(flax_rules):
+        yield flax_rules

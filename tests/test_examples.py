@@ -1,0 +1,48 @@
+"""Every example runs as a user would run it (a fresh process, 8 emulated CPU devices) with a few
+steps, exits 0, prints what it promises and trains: the last printed loss is below the first."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 6  # every example prints the loss of step 0 and of step STEPS - 1
+
+# example -> text its output must contain (the sharding it claims to set up)
+EXAMPLES = {
+    "mlp_data_parallel.py": ["('dp', None)", "held-out loss"],
+    "llama_fsdp.py": ["state/params/layers/0/mlp/w_gate/value", "('fsdp', None)"],
+    "llama_fsdp_tp.py": ["('fsdp', 'tp')", "('tp', 'fsdp')"],
+    "gpt2_param_compute_mapping.py": ["-> P(None, 'data')", "-> P('data', None, None)",
+                                      "w_fc after training: float32, P('data', None)"],
+    "linen_logical.py": ["names ('layer', 'embed', 'hidden')", "P(None, None, 'model')",
+                         "Adam mu of W2: P(None, 'model', None)"],
+    "nnx_sharded_init.py": ["-> P(None, 'model')", "bit-identical to the single-device init: True"],
+    "equinox_fsdp.py": ["params/layers/1/weight", "('fsdp', None)"],
+}
+LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.]+)", re.MULTILINE)
+
+
+def run_example(name: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets it
+    env.update(PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu",
+               SHARDAX_EXAMPLE_STEPS=str(STEPS))
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / name)], env=env,
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_runs_and_trains(name):
+    out = run_example(name)
+    assert "8 devices" in out, out
+    for needle in EXAMPLES[name]:
+        assert needle in out, f"{needle!r} not in the output of {name}:\n{out}"
+    losses = [(int(s), float(v)) for s, v in LOSS.findall(out)]
+    assert [s for s, _ in losses][0] == 0 and losses[-1][0] == STEPS - 1, out
+    assert losses[-1][1] < losses[0][1], f"{name}: loss did not fall: {losses}"
