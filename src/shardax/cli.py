@@ -1,7 +1,8 @@
-"""The ``shardax`` command: ``train``, ``generate`` and ``plan``.
+"""The ``shardax`` command: ``train``, ``generate``, ``launch`` and ``plan``.
 
     shardax train --mesh dp=2,fsdp=2,tp=2 --steps 200 --out runs/a
     shardax generate --out runs/a --prompt "def "
+    shardax launch --nproc 2 --devices-per-proc 4 -- shardax train --out runs/b
 
 Arguments are read before JAX starts a backend, because ``--devices`` (emulated CPU devices
 when there is no accelerator) must be set before that. Bad input is one line on stderr and
@@ -39,9 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     train.add_argument("--model", default=defaults.model, help="model name (default %(default)s)")
     train.add_argument("--mesh", default=defaults.mesh,
-                       help="mesh axes, e.g. fsdp=-1 or dp=2,fsdp=2,tp=2 (default %(default)s)")
+                       help="mesh axes out of dp, fsdp, tp, pp, cp, ep, e.g. fsdp=-1 or "
+                            "pp=2,fsdp=2,tp=2 (default %(default)s)")
     train.add_argument("--rules", default=defaults.rules,
-                       help="rule preset: dp, fsdp, tp, fsdp_tp (default %(default)s)")
+                       help="rule preset: dp, fsdp, tp, fsdp_tp, nd; pp/cp/ep axes are added "
+                            "to any of them (default %(default)s)")
     train.add_argument("--steps", type=int, default=defaults.steps)
     train.add_argument("--batch-size", type=int, default=defaults.batch_size)
     train.add_argument("--seq-len", type=int, default=defaults.seq_len)
@@ -52,6 +55,19 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--grad-accum", type=int, default=defaults.grad_accum)
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--optimizer", default=defaults.optimizer, choices=["adamw", "sgd"])
+    train.add_argument("--tp-mode", default=defaults.tp_mode,
+                       choices=["none", "sync", "async", "async_bidi"],
+                       help="tensor parallelism over 'tp': none (XLA, from --rules), sync "
+                            "(Megatron), async / async_bidi (collective matmul; implies "
+                            "--sequence-parallel) (default %(default)s)")
+    train.add_argument("--sequence-parallel", action="store_true",
+                       help="Megatron sequence parallelism over 'tp' (sync TP if no --tp-mode)")
+    train.add_argument("--pp-schedule", default=defaults.pp_schedule,
+                       choices=["gpipe", "circular"], help="pipeline schedule over 'pp'")
+    train.add_argument("--microbatches", type=int, default=defaults.microbatches,
+                       help="pipeline microbatches (default: the 'pp' size)")
+    train.add_argument("--virtual-stages", type=int, default=defaults.virtual_stages,
+                       help="layer chunks per pipeline stage (circular schedule)")
     train.add_argument("--devices", type=int, default=8,
                        help="emulated CPU devices when there is no accelerator (default 8)")
     train.add_argument("--out", default=defaults.out, help="run directory (default %(default)s)")
@@ -70,13 +86,48 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.8)
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--devices", type=int, default=1)
+
+    launch = sub.add_parser(
+        "launch", help="run N local processes of a command as one multi-process JAX job",
+        usage="shardax launch --nproc N [--devices-per-proc K] [--port P] -- COMMAND ...")
+    launch.add_argument("--nproc", type=int, required=True, help="number of processes")
+    launch.add_argument("--devices-per-proc", type=int, default=None,
+                        help="emulated CPU devices per process (overrides train's --devices)")
+    launch.add_argument("--port", type=int, default=None,
+                        help="coordinator port on 127.0.0.1 (default: a free one)")
+    launch.add_argument("--timeout", type=float, default=None,
+                        help="seconds processes wait for each other to join (default 60)")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
+                        help="the program to run, e.g. shardax train ...")
     return parser
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from shardax.launch import launch
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    try:
+        return launch(command, args.nproc, devices_per_proc=args.devices_per_proc,
+                      port=args.port, timeout_s=args.timeout)
+    except ValueError as e:
+        print(f"shardax {e}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        return _launch(args)
     _set_devices(args.devices)
+    from shardax import distributed
+
+    if distributed.requested():  # under `shardax launch`, or SHARDAX_DISTRIBUTED=auto
+        try:
+            distributed.initialize()
+        except (ValueError, distributed.DistributedError) as e:
+            print(f"shardax {args.command}: error: {e}", file=sys.stderr)
+            return 1
     from shardax.train.loop import TrainConfig, UsageError, generate, train
 
     try:

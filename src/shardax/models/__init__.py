@@ -23,7 +23,7 @@ from shardax.models import gpt2, llama
 from shardax.models._annotate import constrain, current_logical_rules, use_logical_rules
 from shardax.models._layers import REMAT_POLICIES, stack_states
 from shardax.models.gpt2 import GPT2, GPT2Config
-from shardax.models.llama import Llama, LlamaConfig
+from shardax.models.llama import Llama, LlamaConfig, check_mesh
 from shardax.models.mlp import MLP
 from shardax.models.presets import PRESETS
 
@@ -31,7 +31,7 @@ CONFIGS: dict[str, LlamaConfig | GPT2Config] = {**llama.CONFIGS, **gpt2.CONFIGS}
 
 __all__ = [
     "CONFIGS", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "MLP", "PRESETS", "REMAT_POLICIES",
-    "constrain", "create", "cross_entropy", "current_logical_rules", "get_config",
+    "check_mesh", "constrain", "create", "cross_entropy", "current_logical_rules", "get_config",
     "param_count", "stack_states", "use_logical_rules",
 ]
 

@@ -1,8 +1,22 @@
 """Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in Flax NNX.
 
 Every parameter carries logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads',
-'head_dim', 'layers', 'norm'); key activations go through ``constrain`` with
+'head_dim', 'layers', 'norm', 'expert'); key activations go through ``constrain`` with
 ('batch', 'length', ...) names, so sharding rules alone decide how the model is split.
+
+The config also turns on explicit parallelism (``shardax.parallel``), read from the mesh at
+trace time, with the same parameters in every mode (checkpoints move freely between them):
+
+* ``tp_mode='sync'|'async'|'async_bidi'``: attention QKV/out and the MLP run as Megatron
+  column/row-parallel matmuls over 'tp' (async: collective matmul); ``sequence_parallel``
+  (implied by the async modes) keeps the residual stream split over the sequence on 'tp'.
+* a 'pp' axis: the stacked layers (``scan_layers=True``) run as a pipeline
+  (``pp_schedule``, ``pp_microbatches``, ``pp_virtual_stages``).
+* a 'cp' axis: attention is ``ring_attention`` (load-balanced when the caller passes tokens and
+  positions in ``load_balance`` order, as ``shardax.train.step`` does).
+* ``n_experts > 0``: the MLP is a mixture of experts (``llama_moe.MoE``), split over 'ep'.
+
+Without a mesh every path computes the plain single-device math.
 
 Example::
 
@@ -14,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -21,7 +36,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import REMAT_POLICIES, make_layers, param, run_layers
+from shardax.models._layers import REMAT_POLICIES, make_layers, param, remat_policy, run_layers
+from shardax.parallel import (
+    column_parallel,
+    pipeline,
+    pipeline_size,
+    ring_attention,
+    row_parallel,
+    to_stage_layout,
+    tp_size,
+)
+
+TP_MODES = ("none", "sync", "async", "async_bidi")
+PP_SCHEDULES = ("gpipe", "circular")
+# Mesh axes the sharded batch may span, major to minor (the order of the 'batch' rule).
+_BATCH_AXES = ("ep", "dp", "fsdp")
 
 _normal = nnx.initializers.normal
 
@@ -32,6 +61,13 @@ class LlamaConfig:
 
     ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``;
     ``remat`` is one of 'none', 'full', 'save_dots', 'offload' (a ``jax.checkpoint`` policy).
+
+    Parallelism (no effect without the matching mesh axis): ``tp_mode`` 'none' leaves tensor
+    parallelism to XLA and the rules, 'sync'/'async'/'async_bidi' use ``shardax.parallel``'s
+    column/row-parallel blocks; ``sequence_parallel`` needs one of those (the async modes
+    imply it). ``pp_*``: pipeline schedule, microbatches and virtual stages over 'pp' (needs
+    ``scan_layers``). ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with
+    ``mlp_dim`` hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
     """
 
     vocab_size: int = 256
@@ -48,6 +84,15 @@ class LlamaConfig:
     dtype: Any = jnp.float32
     scan_layers: bool = False
     remat: str = "none"
+    tp_mode: str = "none"
+    sequence_parallel: bool = False
+    pp_schedule: str = "gpipe"
+    pp_microbatches: int = 1
+    pp_virtual_stages: int = 1
+    n_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    moe_aux_weight: float = 0.01
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -60,10 +105,32 @@ class LlamaConfig:
             raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
+        if self.sequence_parallel and self.tp_mode == "none":
+            raise ValueError("sequence_parallel needs explicit tensor parallelism: "
+                             "tp_mode 'sync', 'async' or 'async_bidi'")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got "
+                             f"{self.pp_schedule!r}")
+        if self.pp_microbatches < 1 or self.pp_virtual_stages < 1:
+            raise ValueError(f"pp_microbatches={self.pp_microbatches} and pp_virtual_stages="
+                             f"{self.pp_virtual_stages} must be >= 1")
+        if self.pp_schedule == "gpipe" and self.pp_virtual_stages != 1:
+            raise ValueError(f"pp_virtual_stages={self.pp_virtual_stages} needs "
+                             "pp_schedule='circular' (gpipe has one stage per device)")
+        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
+            raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
+                             "in [1, n_experts]")
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def sp(self) -> bool:
+        """Sequence-parallel activations: asked for, or implied by an async TP mode."""
+        return self.sequence_parallel or self.tp_mode.startswith("async")
 
 
 CONFIGS: dict[str, LlamaConfig] = {
@@ -84,7 +151,63 @@ CONFIGS: dict[str, LlamaConfig] = {
         vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632,
         max_seq_len=2048,
     ),
+    # llama-tiny with a 4-expert, top-2 mixture-of-experts MLP in every layer.
+    "llama-moe-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2),
 }
+
+
+def check_mesh(
+    config: LlamaConfig, mesh_shape: Mapping[str, int], *, batch_size: int, seq_len: int
+) -> None:
+    """Raises ``ValueError`` (naming the axis and sizes) if ``config`` cannot run on a mesh of
+    ``mesh_shape`` with ``[batch_size, seq_len]`` batches; a shape check, nothing is built.
+
+    Example::
+
+        check_mesh(get_config('llama-tiny', tp_mode='async'), {'fsdp': 8}, batch_size=16,
+                   seq_len=128)   # ValueError: tp_mode='async' needs a 'tp' mesh axis ...
+    """
+    c, mesh = config, dict(mesh_shape)
+    tp, pp, cp, ep = (mesh.get(a, 1) for a in ("tp", "pp", "cp", "ep"))
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(f"{message} (mesh {mesh})")
+
+    if c.tp_mode != "none":
+        need(tp > 1, f"tp_mode={c.tp_mode!r} needs a 'tp' mesh axis of size > 1")
+        for what, n in (("n_heads", c.n_heads), ("n_kv_heads", c.n_kv_heads)):
+            need(n % tp == 0 or tp % n == 0,
+                 f"{what}={n} and 'tp' size {tp}: one must divide the other (whole heads per "
+                 "device, or each head replicated on tp/heads devices)")
+        need(c.mlp_dim % tp == 0, f"mlp_dim={c.mlp_dim} is not divisible by 'tp' size {tp}")
+        if c.sp:
+            need(seq_len % tp == 0, f"sequence parallelism splits --seq-len {seq_len} over "
+                 f"'tp' size {tp}, which does not divide it")
+            need(cp == 1, "sequence parallelism together with a 'cp' axis is not supported; "
+                 "use one of them")
+    if pp > 1:
+        v = c.pp_virtual_stages
+        need(c.scan_layers, "a 'pp' axis needs scan_layers=True (stacked layers)")
+        need(c.n_experts == 0, "pipeline parallelism does not support MoE models yet")
+        # Nested shard_maps (TP blocks, ring attention) inside the pipeline's shard_map fail
+        # to lower in JAX 0.10 (Shardy: manual axis after the free 'pp' axis).
+        need(c.tp_mode == "none", f"tp_mode={c.tp_mode!r} inside a pipeline is not supported "
+             "yet; with a 'pp' axis use tp_mode 'none' (XLA partitions 'tp' from the rules)")
+        need(cp == 1, "a 'cp' axis together with a 'pp' axis is not supported yet")
+        need(c.n_layers % (pp * v) == 0, f"n_layers={c.n_layers} is not divisible by 'pp' size "
+             f"{pp} x virtual stages {v}")
+        need(v == 1 or c.pp_microbatches >= pp, f"the circular schedule with {v} virtual stages "
+             f"needs microbatches >= 'pp' size {pp}, got {c.pp_microbatches}")
+        need(batch_size % c.pp_microbatches == 0, f"batch size {batch_size} is not divisible "
+             f"by {c.pp_microbatches} microbatches")
+    if cp > 1:
+        need(seq_len % (2 * cp) == 0, f"--seq-len {seq_len} must divide into 2 x 'cp' size "
+             f"{cp} = {2 * cp} load-balanced chunks")
+    if ep > 1:
+        need(c.n_experts > 0, f"an 'ep' axis of size {ep} needs a mixture-of-experts model "
+             "(n_experts > 0, e.g. llama-moe-tiny)")
+        need(c.n_experts % ep == 0, f"n_experts={c.n_experts} is not divisible by 'ep' size {ep}")
 
 
 def param_count(config: LlamaConfig) -> int:
@@ -97,6 +220,8 @@ def param_count(config: LlamaConfig) -> int:
     c = config
     attn = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
     mlp = 3 * c.dim * c.mlp_dim
+    if c.n_experts:
+        mlp = c.n_experts * mlp + c.dim * c.n_experts
     layer = attn + mlp + 2 * c.dim
     head = 0 if c.tie_embeddings else c.dim * c.vocab_size
     return c.vocab_size * c.dim + c.n_layers * layer + c.dim + head
@@ -151,10 +276,39 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
+def _head_repeat(heads: int, tp: int) -> int:
+    """Copies of each head so that 'tp' devices hold whole heads (1 when tp divides heads)."""
+    if heads % tp == 0:
+        return 1
+    if tp % heads == 0:
+        return tp // heads
+    raise ValueError(f"{heads} heads cannot be split over 'tp' of size {tp}: one of them must "
+                     "divide the other")
+
+
+def _tp_kwargs(c: LlamaConfig) -> dict[str, Any]:
+    """Keyword arguments of the column/row-parallel blocks for an explicit ``tp_mode``."""
+    sync_sp = c.tp_mode == "sync" and c.sp
+    # Only sync SP needs the batch axes manual (see shardax.parallel.tensor).
+    return dict(mode=c.tp_mode, sequence_parallel=c.sp,
+                batch_axes=_BATCH_AXES if sync_sp else ())
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False) -> jax.Array:
+    """Causal GQA attention; ring attention over 'cp' when the mesh has a 'cp' axis > 1.
+
+    ``load_balanced``: q, k, v are in ``shardax.parallel.load_balance`` order (cp only).
+    """
+    if tp_size("cp") > 1:
+        return ring_attention(q, k, v, causal=True, load_balanced=load_balanced)
+    return gqa_attention(q, k, v)
+
+
 class Attention(nnx.Module):
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
         hd, pd = c.head_dim, c.param_dtype
+        self.config = c
         self.dtype = c.dtype
         self.wq = param(rngs.params(), _normal(std), (c.dim, c.n_heads, hd),
                         ("embed", "heads", "head_dim"), pd)
@@ -165,7 +319,10 @@ class Attention(nnx.Module):
         self.wo = param(rngs.params(), _normal(out_std), (c.n_heads, hd, c.dim),
                         ("heads", "head_dim", "embed"), pd)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 load_balanced: bool = False) -> jax.Array:
+        if self.config.tp_mode != "none":
+            return self._tensor_parallel(x, cos, sin, load_balanced)
         dt = self.dtype
         q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dt))
         k = jnp.einsum("bse,ehd->bshd", x, self.wk[...].astype(dt))
@@ -173,8 +330,35 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = constrain(gqa_attention(q, k, v), ("batch", "length", "heads", "head_dim"))
+        out = constrain(attend(q, k, v, load_balanced), ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dt))
+
+    def _tensor_parallel(self, x, cos, sin, load_balanced):
+        """Megatron attention: one fused column-parallel QKV matmul (each 'tp' slice holds the
+        q, k and v of its heads), local attention, one row-parallel output matmul. Heads fewer
+        than 'tp' are repeated so that every device holds whole heads; the output weight is
+        repeated and divided by the copies, so the sum over devices counts each head once."""
+        c, dt = self.config, self.dtype
+        tp = tp_size("tp")
+        rq, rk = _head_repeat(c.n_heads, tp), _head_repeat(c.n_kv_heads, tp)
+        d, hd = c.dim, c.head_dim
+        wq, wk, wv = (jnp.repeat(w[...].astype(dt), r, axis=1)
+                      for w, r in ((self.wq, rq), (self.wk, rk), (self.wv, rk)))
+        heads, kv_heads = c.n_heads * rq, c.n_kv_heads * rk
+        w_qkv = jnp.concatenate([w.reshape(d, tp, -1) for w in (wq, wk, wv)], axis=-1)
+        kw = _tp_kwargs(c)
+        qkv = column_parallel(x, w_qkv.reshape(d, -1), **kw)
+        b, s = qkv.shape[:2]
+        qkv = qkv.reshape(b, s, tp, -1)
+        nq, nk = heads // tp * hd, kv_heads // tp * hd
+        q = qkv[..., :nq].reshape(b, s, heads, hd)
+        k = qkv[..., nq:nq + nk].reshape(b, s, kv_heads, hd)
+        v = qkv[..., nq + nk:].reshape(b, s, kv_heads, hd)
+        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced)
+        wo = jnp.repeat(self.wo[...].astype(dt), rq, axis=0)
+        if rq > 1:
+            wo = wo / rq
+        return row_parallel(out.reshape(b, s, heads * hd), wo.reshape(heads * hd, d), **kw)
 
 
 class SwiGLU(nnx.Module):
@@ -187,27 +371,45 @@ class SwiGLU(nnx.Module):
         self.w_down = param(rngs.params(), _normal(out_std), (c.mlp_dim, c.dim),
                             ("mlp", "embed"), pd)
 
+        self.config = c
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
+        dt, c = self.dtype, self.config
+        if c.tp_mode != "none":
+            # Gate and up columns interleaved so that each 'tp' slice holds both halves of its
+            # hidden units: one column-parallel matmul (one all-gather ring under SP/async).
+            w = jnp.stack([self.w_gate[...].astype(dt), self.w_up[...].astype(dt)], axis=-1)
+            kw = _tp_kwargs(c)
+            h = column_parallel(x, w.reshape(c.dim, 2 * c.mlp_dim), **kw)
+            h = h.reshape(*h.shape[:-1], c.mlp_dim, 2)
+            return row_parallel(jax.nn.silu(h[..., 0]) * h[..., 1], self.w_down[...].astype(dt),
+                                **kw)
         h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
         h = constrain(h, ("batch", "length", "mlp"))
         return h @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Returns ``(x, aux)``: ``aux`` is the MoE load-balancing loss (0 for a dense MLP).
+    """
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
+        from shardax.models.llama_moe import MoE
+
         self.attn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
         self.attn = Attention(c, rngs)
         self.mlp_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
-        self.mlp = SwiGLU(c, rngs)
+        self.mlp = MoE(c, rngs) if c.n_experts else SwiGLU(c, rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 load_balanced: bool = False) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, load_balanced)
         x = constrain(x, ("batch", "length", "embed"))
-        x = x + self.mlp(self.mlp_norm(x))
-        return constrain(x, ("batch", "length", "embed"))
+        y = self.mlp(self.mlp_norm(x))
+        y, aux = y if isinstance(y, tuple) else (y, jnp.zeros((), jnp.float32))
+        return constrain(x + y, ("batch", "length", "embed")), aux
 
 
 class Llama(nnx.Module):
@@ -229,7 +431,14 @@ class Llama(nnx.Module):
             self.lm_head = param(rngs.params(), _normal(0.02), (c.dim, c.vocab_size),
                                  ("embed", "vocab"), c.param_dtype)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                 load_balanced: bool = False, return_aux: bool = False):
+        """Logits ``[b, s, vocab]`` (float32); with ``return_aux``, ``(logits, aux)`` where
+        ``aux`` is the MoE load-balancing loss averaged over layers (0 for a dense model).
+
+        ``load_balanced``: ``tokens`` and ``positions`` are in ``load_balance(., cp)`` order
+        (then the logits are too); only meaningful on a mesh with a 'cp' axis.
+        """
         c = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -242,12 +451,48 @@ class Llama(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(c.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-        x = run_layers(self.layers, x, lambda layer, h: layer(h, cos, sin),
-                       c.scan_layers, c.remat)
+        aux = jnp.zeros((), jnp.float32)
+        if pipeline_size() > 1:
+            x = self._pipeline(x, cos, sin, load_balanced)
+        elif c.n_experts:
+            def call(layer, h):
+                y, a = layer(h[0], cos, sin, load_balanced)
+                return y, h[1] + a
+
+            x, aux = run_layers(self.layers, (x, aux), call, c.scan_layers, c.remat)
+            aux = aux / c.n_layers
+        else:
+            x = run_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, load_balanced)[0],
+                           c.scan_layers, c.remat)
         x = self.final_norm(x)
         if c.tie_embeddings:
             w, spec = self.embed[...].astype(c.dtype), "bse,ve->bsv"
         else:
             w, spec = self.lm_head[...].astype(c.dtype), "bse,ev->bsv"
         logits = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "length", "vocab"))
+        logits = constrain(logits, ("batch", "length", "vocab"))
+        return (logits, aux) if return_aux else logits
+
+    def _pipeline(self, x, cos, sin, load_balanced):
+        """The layer stack as a pipeline over 'pp'. The parameters stay in the sequential
+        layer order (portable checkpoints); ``to_stage_layout`` reorders them per step, which
+        is free for gpipe and ``V = 1`` and moves part of the stack between stages for
+        circular ``V > 1``. The outputs come back replicated over 'pp' (one all-reduce of
+        ``[b, s, dim]``), and norm, head and loss run after the pipeline on every stage."""
+        c = self.config
+        if not c.scan_layers:
+            raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
+        if c.n_experts:
+            raise ValueError("pipeline parallelism does not support MoE layers yet")
+        v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
+        graphdef, state = nnx.split(self.layers)
+        state = to_stage_layout(state, pipeline_size(), v)
+
+        def layer_fn(params, h):
+            y, _ = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced)
+            return y, h[1], h[2]
+
+        x, _, _ = pipeline(layer_fn, state, (x, cos, sin), num_microbatches=c.pp_microbatches,
+                           schedule=c.pp_schedule, virtual_stages=v, remat=True,
+                           remat_policy=remat_policy(c.remat))
+        return x

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from shardax import models
+from shardax.distributed import batch_part
 from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
@@ -60,6 +61,11 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     optimizer: str = "adamw"
+    tp_mode: str = "none"
+    sequence_parallel: bool = False
+    pp_schedule: str = "gpipe"
+    microbatches: int = 0  # 0: the 'pp' size
+    virtual_stages: int = 1
     out: str = "runs/latest"
     ckpt_every: int = 100
     resume: bool = False
@@ -104,6 +110,53 @@ def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
         raise UsageError(f"--data: {e}") from None
 
 
+_MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+
+
+def _pipelined(mesh: str) -> bool:
+    """Whether a ``--mesh`` string has a 'pp' axis of size > 1 (Llama layers then stacked)."""
+    sizes = dict(part.strip().partition("=")[::2] for part in mesh.split(","))
+    return sizes.get("pp", "1").strip() not in ("1", "")
+
+
+def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
+    """The model config with the parallelism flags applied, and the rules fitted to the mesh
+    and model (``models.presets.resolve``); a ValueError names the flag, axis and sizes."""
+    unknown = [a for a in mesh_shape if a not in _MESH_AXES]
+    if unknown:
+        raise ValueError(f"--mesh: unknown axes {unknown}; shardax train knows {_MESH_AXES}")
+    pp = mesh_shape.get("pp", 1)
+    if config.microbatches < 0 or config.virtual_stages < 1:
+        raise ValueError(f"--microbatches {config.microbatches} must be >= 0 (0: the 'pp' size) "
+                         f"and --virtual-stages {config.virtual_stages} >= 1")
+    if pp == 1 and (config.microbatches > 1 or config.virtual_stages > 1):
+        raise ValueError("--microbatches and --virtual-stages need a 'pp' mesh axis of size > 1 "
+                         f"(mesh {mesh_shape}); use --grad-accum to split the batch without one")
+    if pp == 1 and config.pp_schedule != "gpipe":
+        raise ValueError(f"--pp-schedule {config.pp_schedule} needs a 'pp' mesh axis of size > 1 "
+                         f"(mesh {mesh_shape})")
+    asked = {"tp_mode": config.tp_mode != "none", "sequence_parallel": config.sequence_parallel}
+    if not isinstance(model_config, models.LlamaConfig):
+        used = [k for k, v in asked.items() if v] + [a for a in ("pp", "cp", "ep")
+                                                      if mesh_shape.get(a, 1) > 1]
+        if used:
+            raise ValueError(f"{config.model} does not support {used}; use a llama model")
+        return model_config, models.PRESETS[config.rules]
+    tp_mode = config.tp_mode
+    if config.sequence_parallel and tp_mode == "none":
+        tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
+    model_config = dataclasses.replace(
+        model_config, tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
+        scan_layers=model_config.scan_layers or pp > 1, pp_schedule=config.pp_schedule,
+        pp_microbatches=config.microbatches or pp, pp_virtual_stages=config.virtual_stages)
+    models.check_mesh(model_config, mesh_shape, batch_size=config.batch_size,
+                      seq_len=config.seq_len)
+    rules = models.presets.resolve(
+        models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
+        kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
+    return model_config, rules
+
+
 def prepare(config: TrainConfig) -> _Run:
     """Checks the config against the machine and builds the run; bad input is a UsageError."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
@@ -124,25 +177,36 @@ def prepare(config: TrainConfig) -> _Run:
             max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
         )
         tx = make_optimizer(config.optimizer, config.lr, config.steps, warmup=config.steps // 20)
+        model_config, rule_list = _parallelism(config, mesh.shape, model_config)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    rules = LogicalAxisRules(models.PRESETS[config.rules])
+    rules = LogicalAxisRules(rule_list)
     batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
                                                   else batch_axes or ()))
-    _usage(config.batch_size % (batch_split * config.grad_accum) == 0,
+    micro = getattr(model_config, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
+    _usage(config.batch_size % (batch_split * config.grad_accum * micro) == 0,
            f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
-           f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}")
+           f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}"
+           + (f" times --microbatches {micro}" if micro > 1 else ""))
     _usage(config.batch_size % jax.process_count() == 0,
            f"--batch-size {config.batch_size} must be divisible by the process count "
            f"{jax.process_count()}")
 
     out = Path(config.out)
     ckpt_dir = out / CHECKPOINT_DIR
-    has_checkpoint = ckpt_dir.exists() and Checkpointer(ckpt_dir).latest_step() is not None
+    has_checkpoint = False
+    if ckpt_dir.exists():
+        with Checkpointer(ckpt_dir) as probe:
+            has_checkpoint = probe.latest_step() is not None
     if config.resume:
         _usage(has_checkpoint, f"--resume: no checkpoint in {ckpt_dir}")
+        _usage((out / "config.json").exists(),
+               f"--resume: {out} has checkpoints but no config.json; it is not a shardax run")
         saved = json.loads((out / "config.json").read_text())
+        _usage(_pipelined(saved["mesh"]) == _pipelined(config.mesh),
+               f"--resume: the run was trained on mesh {saved['mesh']!r}; a run with a 'pp' "
+               "axis keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
         changed = [k for k in _FIXED_ON_RESUME if saved.get(k) != getattr(config, k)]
         _usage(not changed, "--resume: these settings differ from the run being resumed: " +
                ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)!r} (was {saved.get(k)!r})"
@@ -154,12 +218,17 @@ def prepare(config: TrainConfig) -> _Run:
 
     train_tokens, val_tokens = _load_tokens(config)
     try:
+        # Each process reads only the rows its devices hold (all of them if a model axis spans
+        # the processes); with one process that is the whole batch.
+        part, parts = batch_part(
+            jax.sharding.NamedSharding(mesh.mesh, rules.spec_for(("batch", "length"), mesh.mesh)),
+            (config.batch_size, config.seq_len))
         batches = data_lib.TokenBatches(
             train_tokens, config.seq_len, config.batch_size, seed=config.seed,
-            process_index=jax.process_index(), process_count=jax.process_count())
+            process_index=part, process_count=parts)
         val = data_lib.val_batches(
             val_tokens, config.seq_len, config.batch_size, num_batches=4,
-            process_index=jax.process_index(), process_count=jax.process_count())
+            process_index=part, process_count=parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
     return _Run(config, mesh, rules, model_config, policy, tx, batches, val, out)
@@ -217,10 +286,33 @@ class _Progress:
     def __exit__(self, *exc):
         self.bar.__exit__(*exc)
 
-    def update(self, step: int, info: str | None = None, line: str | None = None) -> None:
-        self.bar.update(self.task, completed=step, **({"info": info} if info else {}))
-        if line:
-            self.console.print(line, highlight=False)
+    def update(self, step: int, record: dict | None = None) -> None:
+        """Advances the bar; a metrics record also updates its text and prints a line."""
+        if not record:
+            self.bar.update(self.task, completed=step)
+            return
+        info = " ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
+        if "tokens_per_s" in record:
+            info += (f" | {record['tokens_per_s']:,.0f} tok/s"
+                     f" | {record['step_time_s'] * 1000:.0f} ms/step")
+        self.bar.update(self.task, completed=step, info=info)
+        self.console.print(f"step {step:5d}  {info}", highlight=False)
+
+
+class _StepClock:
+    """Step time and tokens/s between logged steps (reading the loss waits for the step)."""
+
+    def __init__(self, tokens_per_step: int, start: int):
+        self.tokens_per_step = tokens_per_step
+        self.last_time, self.last_step = time.perf_counter(), start
+
+    def measure(self, step: int, metrics: dict) -> dict[str, float]:
+        loss = float(metrics["loss"])
+        now = time.perf_counter()
+        dt = (now - self.last_time) / max(step - self.last_step, 1)
+        self.last_time, self.last_step = now, step
+        return {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt,
+                "tokens_per_s": self.tokens_per_step / dt}
 
 
 def _plot(out: Path, records: list[dict]) -> None:
@@ -286,7 +378,7 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
             (run.out / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
 
     def to_global(batch):
-        return _global_batch(mesh, batch, batch_spec)
+        return _global_batch(mesh, batch, batch_spec, config.batch_size)
 
     first = to_global(run.train_data.batch(start))
     plan = step_fn.plan(state, first)
@@ -301,43 +393,32 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
         with open(metrics_path, "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
-    tokens_per_step = config.batch_size * config.seq_len
-    last_time, last_step = time.perf_counter(), start
-    with _Progress(config.steps, start) as progress:
-        for step in range(start, config.steps):
-            batch = first if step == start else to_global(run.train_data.batch(step))
-            state, metrics = step_fn(state, batch)
-            done = step + 1
-            record: dict[str, Any] = {}
-            if done % config.log_every == 0 or done == config.steps or done == start + 1:
-                loss = float(metrics["loss"])  # waits for the step
-                now = time.perf_counter()
-                dt = (now - last_time) / max(done - last_step, 1)
-                record = {"step": done, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                          "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-                last_time, last_step = now, done
-            if done % config.eval_every == 0 or done == config.steps:
-                val = [float(eval_fn(state, to_global(b))) for b in run.val_data]
-                record = {"step": done, **record, "val_loss": float(np.mean(val))}
-            if record:
-                records.append(record)
-                if is_main:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
-                info = " ".join(
-                    f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
-                if "tokens_per_s" in record:
-                    info += (f" | {record['tokens_per_s']:,.0f} tok/s"
-                             f" | {record['step_time_s'] * 1000:.0f} ms/step")
-                progress.update(done, info, line=f"step {done:5d}  {info}" if is_main else None)
-            else:
-                progress.update(done)
-            if done % config.ckpt_every == 0 or done == config.steps:
-                position = {**run.train_data.state(), "step": done}
-                ckpt.save(done, _flat(state), extra={"data": position,
-                                                     "config": config.to_json()}, force=True)
-    ckpt.wait()
-    ckpt.close()
+    clock = _StepClock(config.batch_size * config.seq_len, start)
+    try:
+        with _Progress(config.steps, start) as progress:
+            for step in range(start, config.steps):
+                batch = first if step == start else to_global(run.train_data.batch(step))
+                state, metrics = step_fn(state, batch)
+                done = step + 1
+                record: dict[str, Any] = {}
+                if done % config.log_every == 0 or done in (config.steps, start + 1):
+                    record = {"step": done, **clock.measure(done, metrics)}
+                if done % config.eval_every == 0 or done == config.steps:
+                    val = [float(eval_fn(state, to_global(b))) for b in run.val_data]
+                    record = {"step": done, **record, "val_loss": float(np.mean(val))}
+                if record:
+                    records.append(record)
+                    if is_main:
+                        with open(metrics_path, "a") as f:
+                            f.write(json.dumps(record) + "\n")
+                progress.update(done, record if is_main else None)
+                if done % config.ckpt_every == 0 or done == config.steps:
+                    position = {**run.train_data.state(), "step": done}
+                    ckpt.save(done, _flat(state), extra={"data": position,
+                                                         "config": config.to_json()}, force=True)
+    finally:  # an interrupted run still finishes (or abandons) its in-flight save
+        ckpt.wait()
+        ckpt.close()
     if is_main:
         _plot(run.out, records)
         print(f"wrote {metrics_path}, {run.out / 'loss.png'} and checkpoints in "
@@ -345,13 +426,12 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
     return records
 
 
-def _global_batch(mesh: MeshShardingHelper, batch: tuple, spec: Any) -> tuple:
-    """Each process's rows -> one global array per batch field, sharded like ``spec``."""
+def _global_batch(mesh: MeshShardingHelper, batch: tuple, spec: Any, rows: int) -> tuple:
+    """Each process's rows -> one global array of ``rows`` rows per batch field, sharded like
+    ``spec``."""
     sharding = jax.sharding.NamedSharding(mesh.mesh, spec)
     return tuple(
-        jax.make_array_from_process_local_data(
-            sharding, x, (x.shape[0] * jax.process_count(), *x.shape[1:]))
-        for x in batch
+        jax.make_array_from_process_local_data(sharding, x, (rows, *x.shape[1:])) for x in batch
     )
 
 
@@ -366,9 +446,14 @@ def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 
     if ckpt.latest_step() is None:
         raise UsageError(f"no checkpoint in {ckpt_dir}")
     config = TrainConfig(**json.loads((out_path / "config.json").read_text()))
+    stacked = _pipelined(config.mesh)  # a pipelined run saved its layers stacked
     config.mesh = f"dp={jax.device_count()}"  # sampling is small: replicate the model
     config.resume = True
+    config.tp_mode, config.sequence_parallel, config.pp_schedule = "none", False, "gpipe"
+    config.microbatches, config.virtual_stages = 0, 1
     run = prepare(config)
+    if stacked:
+        run.model_config = dataclasses.replace(run.model_config, scan_layers=True)
     graphdef, state_shape = _abstract(run)
     replicated = jax.tree.map(lambda _: jax.sharding.NamedSharding(run.mesh.mesh,
                                                                    jax.sharding.PartitionSpec()),

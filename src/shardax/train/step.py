@@ -4,6 +4,11 @@ The train state is ``{"params", "rest", "opt_state", "step"}``: NNX parameters (
 with their logical-name metadata, so one ``LogicalAxisRules`` shards parameters, gradients and
 optimizer moments alike), the model's other state, the optax state and the step counter.
 
+For a Llama model the loss also follows the mesh: on a 'cp' axis the tokens, targets and RoPE
+positions are put in ``load_balance`` order once (so ring attention gives every device equal
+work, and the mean loss needs no undoing), and an MoE model's load-balancing loss, weighted by
+``moe_aux_weight``, is added to the cross-entropy.
+
 >>> graphdef, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1))
 >>> state, metrics = train_step(state, batch, graphdef=graphdef, tx=optax.sgd(0.1))
 """
@@ -20,7 +25,8 @@ from flax import nnx
 
 from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
-from shardax.models import cross_entropy
+from shardax.models import Llama, cross_entropy
+from shardax.parallel import load_balance, tp_size
 from shardax.precision import Policy
 
 __all__ = ["init_state", "train_step", "eval_loss", "make_optimizer"]
@@ -52,9 +58,20 @@ def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformatio
 
 
 def _loss(params, rest, graphdef, inputs, targets, policy: Policy):
+    """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss."""
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    logits = policy.cast_to_output(model(inputs))
-    return cross_entropy(logits, targets)
+    if not isinstance(model, Llama):
+        ce = cross_entropy(policy.cast_to_output(model(inputs)), targets)
+        return ce, ce
+    cp = tp_size("cp")
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    if cp > 1:
+        inputs, targets, positions = (load_balance(a, cp) for a in (inputs, targets, positions))
+    logits, aux = model(inputs, positions, load_balanced=cp > 1, return_aux=True)
+    ce = cross_entropy(policy.cast_to_output(logits), targets)
+    if model.config.n_experts:
+        return ce + model.config.moe_aux_weight * aux, ce
+    return ce, ce
 
 
 def _microbatches(x: jax.Array, k: int) -> jax.Array:
@@ -74,18 +91,20 @@ def train_step(
     param_rules: Any = None,
 ) -> tuple[dict, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
-    microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding."""
+    microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
+    ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss)."""
     inputs, targets = batch
-    grad_fn = jax.value_and_grad(_loss)
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
     if grad_accum == 1:
-        loss, grads = grad_fn(state["params"], state["rest"], graphdef, inputs, targets, policy)
+        (loss, _), grads = grad_fn(state["params"], state["rest"], graphdef, inputs, targets,
+                                   policy)
     else:
         def accumulate(carry, micro):
             loss_sum, grad_sum = carry
             micro_in = with_logical_constraint(micro[0], ("batch", "length"))
             micro_tg = with_logical_constraint(micro[1], ("batch", "length"))
-            loss, grads = grad_fn(state["params"], state["rest"], graphdef, micro_in, micro_tg,
-                                  policy)
+            (loss, _), grads = grad_fn(state["params"], state["rest"], graphdef, micro_in,
+                                       micro_tg, policy)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             if param_rules is not None:
                 grad_sum = with_sharding_constraint(grad_sum, param_rules)
@@ -99,10 +118,10 @@ def train_step(
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
-    return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 def eval_loss(state: dict, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
               policy: Policy = FULL_PRECISION) -> jax.Array:
-    """Mean cross-entropy of ``batch`` under the current parameters."""
-    return _loss(state["params"], state["rest"], graphdef, *batch, policy)
+    """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss)."""
+    return _loss(state["params"], state["rest"], graphdef, *batch, policy)[1]

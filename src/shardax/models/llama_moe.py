@@ -1,0 +1,61 @@
+"""The mixture-of-experts MLP of the Llama MoE variant (``LlamaConfig(n_experts=...)``).
+
+Every layer's SwiGLU MLP becomes ``n_experts`` SwiGLU experts of ``mlp_dim`` hidden units and
+a top-``top_k`` router (``shardax.parallel.moe_mlp``). Expert weights carry the logical name
+'expert' first, so a rule ``('expert', 'ep')`` splits them over an 'ep' mesh axis and the
+tokens travel to their experts with ``all_to_all``. Routing groups are the batch rows (one
+sequence per group), so the routing, and so the numbers, do not depend on the mesh.
+
+Example::
+
+    model = Llama(CONFIGS['llama-moe-tiny'], nnx.Rngs(0))
+    logits, aux = model(tokens, return_aux=True)   # aux: load-balancing loss, 1 if balanced
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.models._layers import param
+from shardax.parallel import moe_mlp
+
+if TYPE_CHECKING:
+    from shardax.models.llama import LlamaConfig
+
+__all__ = ["MoE"]
+
+_normal = nnx.initializers.normal
+# Mesh axes that split the tokens next to 'ep' (the 'batch' rule's order, 'ep' major).
+_TOKEN_AXES = ("dp", "fsdp")
+
+
+class MoE(nnx.Module):
+    """``moe(x [b, s, dim]) -> (y, load_balancing_loss)``; ``y`` excludes the residual."""
+
+    def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
+        std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
+        e, pd = c.n_experts, c.param_dtype
+        self.config = c
+        self.router = param(rngs.params(), _normal(std), (c.dim, e), ("embed", None), pd)
+        self.w_gate = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
+                            ("expert", "embed", "mlp"), pd)
+        self.w_up = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
+                          ("expert", "embed", "mlp"), pd)
+        self.w_down = param(rngs.params(), _normal(out_std), (e, c.mlp_dim, c.dim),
+                            ("expert", "mlp", "embed"), pd)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c, dt = self.config, self.config.dtype
+        mesh = jax.sharding.get_abstract_mesh()
+        names = () if mesh.empty else mesh.axis_names
+        axes = tuple(a for a in _TOKEN_AXES if a in names) if "ep" in names else ()
+        y, aux = moe_mlp(
+            x, self.router[...], self.w_up[...].astype(dt), self.w_down[...].astype(dt),
+            self.w_gate[...].astype(dt), top_k=c.top_k, capacity_factor=c.capacity_factor,
+            num_groups=x.shape[0], batch_axes=axes, activation=jax.nn.silu,
+        )
+        return y.astype(x.dtype), aux["load_balancing_loss"].astype(jnp.float32)

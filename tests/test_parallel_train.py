@@ -1,0 +1,250 @@
+"""`shardax train` with explicit parallelism: every strategy trains like one device.
+
+Each case runs `train(TrainConfig(...))` in-process on 8 devices with plain SGD (a wrong
+gradient shows in the next loss) and compares its first losses with the same model trained on
+one device: `train_step` jitted without a mesh on `jax.devices()[0]`, where every
+`shardax.parallel` block falls back to single-device math. The dense reference is the plain
+`llama-tiny` (no parallelism options at all), so the check is "the parallel program equals the
+ordinary model". The compiled step of each run (recorded from `sjit.plan`) is then read for
+the collectives its strategy must produce. Bad flag combinations exit with code 2.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardax import models
+from shardax.cli import main
+from shardax.jit import ShardedFunction
+from shardax.train.loop import TrainConfig, prepare, train
+from shardax.train.step import init_state, train_step
+
+STEPS = 3
+TINY = dict(steps=STEPS, batch_size=8, seq_len=32, lr=0.05, optimizer="sgd", log_every=1,
+            eval_every=100, ckpt_every=100)
+# float32, same math in another reduction order (row-parallel sums, ring softmax, pipeline).
+RTOL = 2e-5
+
+
+def _config(tmp_path, **overrides) -> TrainConfig:
+    return TrainConfig(out=str(tmp_path / "run"), **{**TINY, **overrides})
+
+
+def _reference_losses(model: str, tmp_path) -> list[float]:
+    """SGD losses of ``model`` trained on one device with no mesh: the plain program."""
+    run = prepare(TrainConfig(**{**TINY, "model": model, "mesh": "dp=-1",
+                                 "out": str(tmp_path / "ref")}))
+    device = jax.devices()[0]
+    graphdefs = []
+
+    def init():
+        graphdef, state = init_state(
+            lambda: models.create(run.model_config, nnx.Rngs(run.config.seed)), run.tx)
+        graphdefs.append(graphdef)
+        return state
+
+    with jax.default_device(device):
+        state = jax.jit(init)()
+        step = jax.jit(partial(train_step, graphdef=graphdefs[0], tx=run.tx, policy=run.policy))
+        losses = []
+        for i in range(STEPS):
+            batch = tuple(jnp.asarray(x) for x in run.train_data.batch(i))
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def dense_reference(tmp_path_factory):
+    return _reference_losses("llama-tiny", tmp_path_factory.mktemp("dense_ref"))
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    return _reference_losses("llama-moe-tiny", tmp_path_factory.mktemp("moe_ref"))
+
+
+def _train(tmp_path, monkeypatch, **overrides):
+    """Losses of a real `train` run, and the `ShardingPlan` of its compiled train step."""
+    plans = []
+    plan = ShardedFunction.plan
+
+    def record(self, *args, **kwargs):
+        plans.append(plan(self, *args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(ShardedFunction, "plan", record)
+    records = train(_config(tmp_path, **overrides))
+    losses = [r["loss"] for r in records if "loss" in r][:STEPS]
+    assert len(losses) == STEPS and len(plans) == 1
+    return losses, plans[0]
+
+
+def _ops(plan, kind, shape=None):
+    """Collectives of one kind, optionally only those whose HLO result type has ``shape``."""
+    ops = [op for op in plan.collective_ops if op.kind == kind]
+    if shape is None:
+        return ops
+    return [op for op in ops if _has_shape(plan.hlo, op.name, shape)]
+
+
+def _has_shape(hlo: str, name: str, shape: tuple[int, ...]) -> bool:
+    dims = ",".join(map(str, shape))
+    for line in hlo.splitlines():
+        if f"%{name} = " in line:
+            return f"[{dims}]" in line.split("=", 1)[1].split("(", 1)[0]
+    return False
+
+
+def _count(ops) -> int:
+    return sum(op.multiplier for op in ops)
+
+
+def _close(got, want):
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=0)
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
+def test_pipeline_fsdp_tp_matches_one_device(schedule, dense_reference, tmp_path, monkeypatch):
+    extra = dict(virtual_stages=2) if schedule == "circular" else {}
+    losses, plan = _train(tmp_path, monkeypatch, mesh="pp=2,fsdp=2,tp=2", pp_schedule=schedule,
+                          microbatches=2, **extra)
+    _close(losses, dense_reference)
+    # Stage to stage: one permute per pipeline step forward and one backward, of one
+    # microbatch's activations [B/M/fsdp, s, dim] = [2, 32, 64] (plus its RoPE tables).
+    v = 2 if schedule == "circular" else 1
+    steps = v * 2 + 2 - 1
+    permutes = _ops(plan, "collective-permute", (2, 32, 64))
+    assert _count(permutes) == 2 * steps, [(op.name, op.multiplier) for op in permutes]
+
+
+
+def test_async_tensor_parallel_matches_one_device(dense_reference, tmp_path, monkeypatch):
+    # 4 heads / 2 kv heads on tp=8: each head is repeated on tp/heads devices.
+    losses, plan = _train(tmp_path, monkeypatch, mesh="tp=8", tp_mode="async")
+    _close(losses, dense_reference)
+    # Collective matmul: per layer 4 rings (QKV and MLP-in all-gather, out and MLP-out
+    # reduce-scatter) of tp - 1 = 7 hops of a [b, s/tp, dim] = [8, 4, 64] chunk, forward and
+    # backward: 4 layers x 4 x 7 x 2 = 224.
+    assert _count(_ops(plan, "collective-permute")) == 224
+    assert _count(_ops(plan, "collective-permute", (8, 4, 64))) == 224
+    # No all-gather of the activations inside the layers (the one full [b, s, dim] gather is
+    # the final norm's output going into the vocabulary-parallel head, as in Megatron-SP).
+    assert _count(_ops(plan, "all-gather", (8, 32, 64))) <= 1
+
+
+def test_sequence_parallel_matches_one_device(dense_reference, tmp_path, monkeypatch):
+    losses, plan = _train(tmp_path, monkeypatch, mesh="fsdp=4,tp=2", sequence_parallel=True)
+    _close(losses, dense_reference)
+    # Megatron-SP: per layer 2 all-gathers of [b/fsdp, s, dim] = [2, 32, 64] in front of the
+    # column-parallel matmuls and 2 reduce-scatters to [2, s/tp, dim] = [2, 16, 64] after the
+    # row-parallel ones; the backward swaps them. The CPU backend emits reduce-scatter only
+    # when asked to, so every one of them is a TP block's: 4 layers x (2 + 2) = 16. One more
+    # all-gather takes the final norm's output into the vocabulary-parallel head.
+    assert _count(_ops(plan, "reduce-scatter")) == 16
+    assert _count(_ops(plan, "reduce-scatter", (2, 16, 64))) == 16
+    assert _count(_ops(plan, "all-gather", (2, 32, 64))) == 16 + 1
+
+
+def test_context_parallel_matches_one_device(dense_reference, tmp_path, monkeypatch):
+    losses, plan = _train(tmp_path, monkeypatch, mesh="cp=4,fsdp=2")
+    _close(losses, dense_reference)
+    # Ring attention: cp - 1 = 3 hops of a K and a V block [b/fsdp, s/cp, kv_heads, d] =
+    # [4, 8, 2, 16] per layer, and their cotangents back: 4 layers x 3 x 2 x 2 = 48.
+    assert _count(_ops(plan, "collective-permute", (4, 8, 2, 16))) == 48
+
+
+def test_moe_expert_parallel_matches_one_device(moe_reference, tmp_path, monkeypatch):
+    losses, plan = _train(tmp_path, monkeypatch, model="llama-moe-tiny", mesh="ep=4,fsdp=2")
+    _close(losses, moe_reference)
+    # Dispatch and combine all-to-all per layer, forward and backward: 4 layers x 4 = 16.
+    assert _count(_ops(plan, "all-to-all")) == 16
+
+
+def test_sync_tensor_parallel_block_is_megatron():
+    """One decoder layer, tp_mode='sync' on (dp=4, tp=2): the same values and gradients as
+    on one device, and exactly Megatron's 2 all-reduces forward (attention out, MLP out) and 2
+    more backward (the gradients of the column-parallel inputs)."""
+    from jax.sharding import AxisType
+
+    from shardax.models.llama import Block, rope_tables
+    from shardax.rules import LogicalAxisRules
+
+    cfg = models.get_config("llama-tiny", tp_mode="sync")
+    block = Block(cfg, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 16, cfg.dim))
+    cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(16), (8, 16)), cfg.head_dim, 1e4)
+
+    def loss(block, x):
+        y, _ = block(x, cos, sin)
+        return jnp.sum(jnp.sin(y))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    (want, (want_block, want_x)) = grad(block, x)
+    mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    with jax.set_mesh(mesh), models.use_logical_rules(rules):
+        fresh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        got, (got_block, got_x) = fresh(block, x)
+        hlo = fresh.lower(block, x).compile().as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(nnx.state(got_block)), jax.tree.leaves(nnx.state(want_block))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    activation_reduces = [line for line in hlo.splitlines()
+                          if " all-reduce(" in line and "[2,16,64]" in line.split("=", 1)[1][:40]]
+    assert len(activation_reduces) == 4, activation_reduces
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "pp=3,fsdp=-1"], "pp=3"),
+    (["--mesh", "pp=2,fsdp=4", "--pp-schedule", "circular", "--virtual-stages", "4"],
+     "n_layers=4 is not divisible by 'pp' size 2 x virtual stages 4"),
+    (["--mesh", "fsdp=8", "--tp-mode", "async"], "needs a 'tp' mesh axis"),
+    (["--mesh", "pp=2,fsdp=4", "--microbatches", "3"], "not divisible by 3 microbatches"),
+    (["--mesh", "pp=2,fsdp=4", "--microbatches", "4"], "times --microbatches 4"),
+    (["--model", "llama-moe-tiny", "--mesh", "ep=8"], "n_experts=4 is not divisible by 'ep'"),
+    (["--mesh", "ep=8"], "needs a mixture-of-experts model"),
+    (["--mesh", "cp=8", "--seq-len", "24"], "2 x 'cp' size 8"),
+    (["--mesh", "fsdp=4,cp=2", "--sequence-parallel"], "needs a 'tp' mesh axis"),
+    (["--mesh", "fsdp=8", "--microbatches", "2"], "need a 'pp' mesh axis"),
+    (["--mesh", "xy=8"], "unknown axes ['xy']"),
+    (["--mesh", "pp=2,fsdp=2,tp=2", "--tp-mode", "sync"], "inside a pipeline is not supported"),
+    (["--mesh", "pp=2,cp=2,fsdp=2"], "'cp' axis together with a 'pp' axis"),
+    (["--model", "gpt2-tiny", "--mesh", "fsdp=4,tp=2", "--tp-mode", "sync"], "use a llama model"),
+])
+def test_bad_combinations_exit_2(flags, message, tmp_path, capsys):
+    assert main(["train", "--out", str(tmp_path / "run"), "--batch-size", "8", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
+
+
+def test_check_mesh_and_presets():
+    cfg = models.get_config("llama-tiny", tp_mode="sync")
+    with pytest.raises(ValueError, match="n_heads=4 and 'tp' size 3"):
+        models.check_mesh(cfg, {"tp": 3}, batch_size=8, seq_len=30)
+    rules = models.presets.resolve(models.PRESETS["fsdp_tp"], {"tp": 8}, heads=4, kv_heads=2)
+    names = [name for name, _ in rules]
+    assert "heads" not in names and "kv_heads" not in names
+    nd = models.presets.resolve(models.PRESETS["fsdp_tp"], {"tp": 2}, heads=4, kv_heads=2,
+                                sequence_parallel=True)
+    from shardax.rules import LogicalAxisRules
+
+    spec = LogicalAxisRules(nd).spec_for
+    mesh = {"ep": 2, "pp": 2, "cp": 2, "dp": 1, "fsdp": 2, "tp": 2}
+    jmesh = jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh))
+    P = jax.sharding.PartitionSpec
+    assert spec(("batch", "length", "embed"), jmesh) == P(("ep", "dp", "fsdp"), ("cp", "tp"), None)
+    assert spec(("batch", "length", "mlp"), jmesh) == P(("ep", "dp", "fsdp"), "cp", "tp")
+    assert spec(("layers", "embed", "mlp"), jmesh) == P("pp", "fsdp", "tp")
+    assert spec(("expert", "embed", "mlp"), jmesh) == P("ep", "fsdp", "tp")
