@@ -25,5 +25,10 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# CPU benchmarks (~10-15 min on 2 cores): writes benchmarks/RESULTS.md; scalax goes into
+# benchmarks/.peers, never into $(VENV).
+bench: install
+	$(PY) benchmarks/run.py
+
 clean:
 	rm -rf $(VENV) runs

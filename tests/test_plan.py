@@ -215,3 +215,15 @@ def test_hlo_parser_without_trip_count_counts_once():
     assert "known_trip_count" not in text
     stats = summarize_collectives(hlo_collectives(text))
     assert stats["all-reduce"].count == 1
+
+
+def test_unused_inputs_are_rows_with_no_bytes(fsdp8):
+    """jax.jit prunes unused arguments; the plan keeps every row aligned with its input."""
+    f = fsdp8.sjit(lambda state, x: x * 2, in_shardings=(FSDPShardingRule(min_fsdp_size=0), None))
+    state = {"a": np.ones((8, 4), np.float32), "b": np.ones((16,), np.float32)}
+    plan = f.plan(state, np.ones((8, 2), np.float32))
+    rows = {r.path: r for r in plan.rows if r.kind == "input"}
+    assert rows["state/a"].spec == "unused" and rows["state/a"].bytes_per_device == 0
+    assert rows["state/b"].spec == "unused"
+    assert rows["x"].shape == (8, 2) and rows["x"].bytes_per_device > 0
+    assert plan.argument_bytes_per_device == plan.memory["argument_size_in_bytes"]

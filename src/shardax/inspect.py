@@ -206,15 +206,14 @@ def _spec_text(sharding: Any, ndim: int) -> str:
         if all(entry is None for entry in spec):
             return "replicated"
         return str(tuple(spec) + (None,) * (ndim - len(spec)))
-    if sharding is None:
-        return "?"
     return "replicated" if sharding.is_fully_replicated else type(sharding).__name__
 
 
 def _row(kind: str, path: str, shape: tuple, dtype: Any, sharding: Any) -> PlanRow:
-    shard_shape = sharding.shard_shape(tuple(shape)) if sharding is not None else tuple(shape)
+    if sharding is None:  # an input the compiled program does not use
+        return PlanRow(kind, path, tuple(shape), str(dtype), "unused", 0)
     return PlanRow(kind, path, tuple(shape), str(dtype), _spec_text(sharding, len(shape)),
-                   array_nbytes(shard_shape, dtype))
+                   array_nbytes(sharding.shard_shape(tuple(shape)), dtype))
 
 
 def _human(n: float) -> str:
@@ -256,7 +255,10 @@ class ShardingPlan:
         cls, compiled: jax.stages.Compiled, in_paths: list[str], mesh: Any
     ) -> ShardingPlan:
         """Builds the plan of an executable whose flat inputs are named by ``in_paths``."""
-        arg_shardings = jax.tree_util.tree_leaves(compiled.input_shardings[0])
+        # None marks an argument jax.jit pruned as unused: it is never put on the devices.
+        arg_shardings = jax.tree_util.tree_leaves(
+            compiled.input_shardings[0], is_leaf=lambda x: x is None
+        )
         avals = jax.tree_util.tree_leaves(compiled.in_avals[0])  # what the device holds
         rows = [
             _row("input", path, aval.shape, aval.dtype, sharding)

@@ -180,6 +180,5 @@ class GPT2(nnx.Module):
         x = constrain(x.astype(c.dtype), ("batch", "length", "embed"))
         x = run_layers(self.layers, x, lambda layer, h: layer(h), c.scan_layers, c.remat)
         x = self.ln_f(x)
-        logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(c.dtype),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(c.dtype)).astype(jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))

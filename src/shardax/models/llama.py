@@ -469,7 +469,9 @@ class Llama(nnx.Module):
             w, spec = self.embed[...].astype(c.dtype), "bse,ve->bsv"
         else:
             w, spec = self.lm_head[...].astype(c.dtype), "bse,ev->bsv"
-        logits = jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+        # Computed in the compute dtype, then widened: with preferred_element_type=float32 the
+        # backward would gather and reduce the (tied) table in float32 under bf16 params.
+        logits = jnp.einsum(spec, x, w).astype(jnp.float32)
         logits = constrain(logits, ("batch", "length", "vocab"))
         return (logits, aux) if return_aux else logits
 

@@ -104,9 +104,7 @@ def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
             return data_lib.split_tokens(tokens)
         return (data_lib.load_bytes(data_lib.default_corpus("train")),
                 data_lib.load_bytes(data_lib.default_corpus("val")))
-    except FileNotFoundError as e:
-        raise UsageError(f"--data: {e}") from None
-    except ValueError as e:
+    except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"--data: {e}") from None
 
 
