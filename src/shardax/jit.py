@@ -63,6 +63,7 @@ class _Compiled:
     in_paths: list[str]
     in_specs: list[Any]
     in_shardings: list[NamedSharding | None]
+    executable: jax.stages.Compiled | None = None  # compiled at the first call
 
 
 class ShardedFunction:
@@ -292,21 +293,42 @@ class ShardedFunction:
 
     # ------------------------------------------------------------------ public
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, flat, helper = self._resolve(args, kwargs)
-        with self._context(helper):
-            try:
-                return entry.jitted(*flat)
-            except ValueError as e:
-                if "does not match the sharding" not in str(e):
-                    raise
-            # A committed input lives on another sharding than its rule asks for: move it
-            # there (what jit does for uncommitted inputs) rather than refuse.
-            flat = [
-                jax.device_put(x, s) if s is not None and isinstance(x, jax.Array) else x
+    def _executable(self, entry: _Compiled, flat: list, helper: MeshShardingHelper):
+        """The compiled program of a signature, traced once under the sharding context.
+
+        Later calls run it directly: no context to enter, no trace cache to consult.
+        """
+        if entry.executable is None:
+            # Leaves with a rule are lowered by shape, so a committed input on another
+            # sharding does not stop compilation (it is moved at the call).
+            args = [
+                x if s is None or isinstance(x, _SCALARS)
+                else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s,
+                                          weak_type=getattr(x, "weak_type", False))
                 for x, s in zip(flat, entry.in_shardings)
             ]
-            return entry.jitted(*flat)
+            with self._context(helper):
+                entry.executable = entry.jitted.lower(*args).compile()
+        return entry.executable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        entry, flat, helper = self._resolve(args, kwargs)
+        executable = self._executable(entry, flat, helper)
+        try:
+            return executable(*flat)
+        except ValueError as e:
+            if "disagree with the shardings" not in str(e) and "does not match" not in str(e):
+                raise
+        # A committed input lives on another sharding than the program takes: move it there
+        # (what jit does for uncommitted inputs) rather than refuse.
+        expected = jax.tree_util.tree_leaves(
+            executable.input_shardings[0], is_leaf=lambda x: x is None
+        )
+        flat = [
+            jax.device_put(x, s) if s is not None and isinstance(x, jax.Array) else x
+            for x, s in zip(flat, expected)
+        ]
+        return executable(*flat)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these arguments (``.as_text()``, ``.compile()``...).
@@ -325,9 +347,8 @@ class ShardedFunction:
         from shardax.inspect import ShardingPlan
 
         entry, flat, helper = self._resolve(args, kwargs)
-        with self._context(helper):
-            compiled = entry.jitted.lower(*flat).compile()
-        return ShardingPlan.from_compiled(compiled, entry.in_paths, helper.mesh)
+        executable = self._executable(entry, flat, helper)
+        return ShardingPlan.from_compiled(executable, entry.in_paths, helper.mesh)
 
 
 def _find_logical_rules(*rule_trees: Any) -> LogicalAxisRules | None:
