@@ -134,6 +134,13 @@ def mesh3d_run(single_device, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def dp_run(single_device, tmp_path_factory):
+    """3 SGD steps of pure data parallelism: ``--mesh dp=8 --rules dp`` (params replicated)."""
+    out = tmp_path_factory.mktemp("dp") / "run"
+    return out, train(_config(out, mesh="dp=8", rules="dp", steps=3))
+
+
+@pytest.fixture(scope="module")
 def resumed_same_mesh(fsdp_run, tmp_path_factory):
     """`fsdp_run` stopped after step 2 and resumed on the same mesh to step 4."""
     out = _resume_copy(fsdp_run[0], tmp_path_factory.mktemp("resume_same") / "run", 2)
@@ -176,7 +183,7 @@ def test_first_loss_is_mesh_invariant(fsdp_run, mesh3d_run, single_device):
     np.testing.assert_allclose(_by_step(mesh3d_run[1])[1], one, rtol=REL)
 
 
-@pytest.mark.parametrize("run", ["fsdp_run", "mesh3d_run"])
+@pytest.mark.parametrize("run", ["fsdp_run", "mesh3d_run", "dp_run"])
 def test_sharded_training_equals_single_device_training(run, request, single_device):
     records = request.getfixturevalue(run)[1]
     reference = single_device.records()
