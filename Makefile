@@ -4,6 +4,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Each `make run` trains into a fresh run directory (shardax never overwrites a run's
+# checkpoints); runs/latest points at the newest.
+ifndef RUN
+RUN := runs/$(shell date +%Y%m%d-%H%M%S)
+endif
 
 .PHONY: install run test lint bench clean
 
@@ -17,7 +22,8 @@ install: $(VENV)/.installed
 
 run: install
 	$(PY) examples/quickstart.py
-	$(VENV)/bin/shardax train --out runs/main
+	$(VENV)/bin/shardax train --out $(RUN)
+	ln -sfn $(notdir $(RUN)) runs/latest
 
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider tests

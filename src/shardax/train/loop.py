@@ -66,7 +66,7 @@ class TrainConfig:
     pp_schedule: str = "gpipe"
     microbatches: int = 0  # 0: the 'pp' size
     virtual_stages: int = 1
-    out: str = "runs/latest"
+    out: str = "runs/train"
     ckpt_every: int = 100
     resume: bool = False
     log_every: int = 10
