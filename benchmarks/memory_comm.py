@@ -11,6 +11,7 @@ the compiled program: per-device argument bytes (``ShardingPlan.rows`` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -56,12 +57,13 @@ CASES = [
     ("fsdp, scan_layers", "fsdp", "fsdp=-1", FP32, {"scan_layers": True}),
     ("fsdp, params=f32 compute=bf16", "fsdp", "fsdp=-1", MIXED, {}),
     ("fsdp, params=bf16", "fsdp", "fsdp=-1", BF16, {}),
+    ("pp, fsdp", "fsdp", "pp=2,fsdp=4", FP32, {"scan_layers": True, "pp_microbatches": 2}),
     ("dp, untied embeddings", "dp", "dp=-1", FP32, {"tie_embeddings": False}),
     ("fsdp, untied embeddings", "fsdp", "fsdp=-1", FP32, {"tie_embeddings": False}),
     ("fsdp, scan_layers, untied embeddings", "fsdp", "fsdp=-1", FP32,
      {"scan_layers": True, "tie_embeddings": False}),
 ]
-MEMORY_CASES = 7  # the first seven also go into the memory table
+MEMORY_CASES = 8  # the first eight also go into the memory table
 
 
 def _itemsize(dtype: Any) -> int:
@@ -69,9 +71,14 @@ def _itemsize(dtype: Any) -> int:
 
 
 def _state_split(preset: str, mesh: MeshShardingHelper) -> int:
-    """Over how many devices the preset splits (almost) every parameter."""
+    """Over how many devices the preset splits (almost) every parameter outside the layers."""
     axes = {"dp": (), "fsdp": ("fsdp",), "tp": ("tp",), "fsdp_tp": ("fsdp", "tp")}[preset]
     return math.prod(mesh.shape.get(a, 1) for a in axes)
+
+
+def _leaf_split(path: str, split: int, mesh: MeshShardingHelper) -> int:
+    """A pipeline also splits the stacked layers over 'pp' (and nothing else)."""
+    return split * mesh.shape.get("pp", 1) if "/layers/" in f"/{path}/" else split
 
 
 def _leaf_dtype(tree: Any, key: str) -> Any:
@@ -94,26 +101,32 @@ def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
     tx = adamw()
     graphdef, state = abstract_train_state(config, tx)
     mesh = MeshShardingHelper.from_string(mesh_text)
-    rules = LogicalAxisRules(models.PRESETS[preset])
+    # resolve() adds the parallel axes (layers -> pp) as `shardax train` does.
+    rules = LogicalAxisRules(models.presets.resolve(
+        models.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
     plan = llama_step(mesh, rules, graphdef, tx, policy).plan(state, batch_shape(BATCH, SEQ))
 
     psi = models.param_count(config)
+    psi_layers = psi - models.param_count(dataclasses.replace(config, n_layers=0))
     split = _state_split(preset, mesh)
+    pp = mesh.shape.get("pp", 1)
     p_bytes = _itemsize(policy.params)
     m_bytes = _itemsize(_leaf_dtype(state["opt_state"], "mu"))
     v_bytes = _itemsize(_leaf_dtype(state["opt_state"], "nu"))
     state_rows = [r for r in plan.rows if r.kind == "input" and r.path.startswith("state/")]
     measured = sum(r.bytes_per_device for r in state_rows)
-    formula = psi * (p_bytes + m_bytes + v_bytes) / split
+    formula = (psi - psi_layers + psi_layers / pp) * (p_bytes + m_bytes + v_bytes) / split
     excess: dict[str, float] = {}
     for r in state_rows:
-        extra = r.bytes_per_device - math.prod(r.shape) * _itemsize(r.dtype) / split
+        ways = _leaf_split(r.path, split, mesh)
+        extra = r.bytes_per_device - math.prod(r.shape) * _itemsize(r.dtype) / ways
         if extra > 0:
             excess[_group(r.path)] = excess.get(_group(r.path), 0) + extra
     ops = [(op.kind, op.dtype, op.bytes, op.multiplier) for op in plan.collective_ops]
     return {
         "label": label, "preset": preset, "mesh": plan.mesh_shape, "policy": str(policy),
-        "psi": psi, "split": split, "p_bytes": p_bytes, "m_bytes": m_bytes, "v_bytes": v_bytes,
+        "psi": psi, "psi_layers": psi_layers, "pp": pp, "split": split,
+        "p_bytes": p_bytes, "m_bytes": m_bytes, "v_bytes": v_bytes,
         "state_bytes": measured, "argument_bytes": plan.memory.get("argument_size_in_bytes"),
         "temp_bytes": plan.memory.get("temp_size_in_bytes"), "formula_bytes": formula,
         "excess": dict(sorted(excess.items(), key=lambda kv: -kv[1])),
@@ -246,6 +259,9 @@ def render_memory(cases: list[dict[str, Any]]) -> str:
     for c in cases:
         ratio = c["state_bytes"] / c["formula_bytes"]
         formula = f"({c['p_bytes']}+{c['m_bytes']}+{c['v_bytes']})Ψ/{c['split']}"
+        if c["pp"] > 1:
+            formula = (f"({c['p_bytes']}+{c['m_bytes']}+{c['v_bytes']})(Ψ_E + Ψ_L/{c['pp']})"
+                       f"/{c['split']}")
         mesh = ",".join(f"{k}={v}" for k, v in c["mesh"].items())
         lines.append(
             f"| {c['label']} | {mesh} | {c['policy']} | {formula} | {_mib(c['formula_bytes'])} | "
@@ -257,10 +273,14 @@ def render_memory(cases: list[dict[str, Any]]) -> str:
             notes.append(f"- {c['label']}: {extra / 1024:,.1f} KiB above the formula "
                          f"({(ratio - 1) * 100:.2f}%), from leaves not split {c['split']} ways: "
                          f"{top}.")
-    if "pp" not in models.PRESETS:
-        lines += ["", "Pipeline parallelism is not in the table: the models have no `pp` preset "
-                  f"yet (presets: {', '.join(sorted(models.PRESETS))}); `shardax.parallel."
-                  "pipeline` exists as a building block."]
+    pipelined = [c for c in cases if c["pp"] > 1]
+    if pipelined:
+        c = pipelined[0]
+        lines += ["", f"With a pipeline (`{c['label']}`) the stacked layers (Ψ_L = "
+                  f"{c['psi_layers']:,}) are split over `pp` x `fsdp` and everything else "
+                  f"(Ψ_E = {c['psi'] - c['psi_layers']:,}: embedding, final norm) over `fsdp` "
+                  "only, on every stage, as `shardax train` lays it out (torchtitan would put "
+                  "the embedding on the first stage only and the head on the last)."]
     lines += ["", "Where the excess comes from (leaves held whole, or split fewer ways than S):",
               "", *notes, ""]
     fsdp = next(c for c in cases if c["label"] == "fsdp")
@@ -419,7 +439,8 @@ def render_comm(cases, tp, tp_mlp_rows, dtypes) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     notes = []
-    for c in (c for c in cases if c["preset"] in ("dp", "fsdp") and "=" not in c["label"]):
+    for c in (c for c in cases
+              if c["preset"] in ("dp", "fsdp") and "=" not in c["label"] and c["pp"] == 1):
         row, ratio, note = _comm_row(c)
         lines.append(row)
         if note and ratio > GOAL:

@@ -80,7 +80,8 @@ def _failed(title: str, outcome: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="run these sections; the others keep the last run's results")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--timeout", type=float, default=600, help="per section, seconds")
     parser.add_argument("--render-only", action="store_true",
@@ -102,6 +103,10 @@ def main() -> None:
         [sys.executable, str(HERE / "_common.py")], cwd=ROOT, env=_env(), capture_output=True,
         text=True, check=True, timeout=300).stdout)
     outcomes: dict[str, dict] = {}
+    if set(args.only) != set(SECTIONS) and RAW.exists():
+        # A partial run refreshes its sections and keeps the last run's numbers for the rest.
+        outcomes = {k: v for k, v in json.loads(RAW.read_text())["outcomes"].items()
+                    if k not in args.only}
     for section in args.only:
         print(f"[bench] {section} ...", flush=True)
         if section == "dtypes":
@@ -120,7 +125,8 @@ def main() -> None:
         status = "ok" if "result" in outcomes[section] else outcomes[section]["error"][:200]
         print(f"[bench] {section}: {outcomes[section]['seconds']:.0f} s, {status}", flush=True)
 
-    total = time.perf_counter() - started
+    total = time.perf_counter() - started + sum(
+        v["seconds"] for k, v in outcomes.items() if k not in args.only)
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     RAW.write_text(json.dumps({"machine": machine, "outcomes": outcomes, "total_s": total,
                                "date": now}, default=str) + "\n")

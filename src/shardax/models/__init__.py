@@ -15,13 +15,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models import gpt2, llama
 from shardax.models._annotate import constrain, current_logical_rules, use_logical_rules
-from shardax.models._layers import REMAT_POLICIES, stack_states
+from shardax.models._layers import REMAT_POLICIES, cross_entropy, stack_states
 from shardax.models.gpt2 import GPT2, GPT2Config
 from shardax.models.llama import Llama, LlamaConfig, check_mesh
 from shardax.models.mlp import MLP
@@ -64,30 +62,3 @@ def param_count(config: LlamaConfig | GPT2Config) -> int:
     if isinstance(config, GPT2Config):
         return gpt2.param_count(config)
     raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
-
-
-def cross_entropy(
-    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
-) -> jax.Array:
-    """Mean token cross-entropy in float32, over positions where ``mask`` is true.
-
-    ``logits``: [..., vocab]; ``targets``: integer [...]; ``mask``: [...] (bool or 0/1).
-
-    Example::
-
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-    """
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {logits.shape} and targets {targets.shape} disagree on leading dims"
-        )
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    nll = logz - picked
-    if mask is None:
-        return nll.mean()
-    if mask.shape != targets.shape:
-        raise ValueError(f"mask {mask.shape} must match targets {targets.shape}")
-    mask = mask.astype(jnp.float32)
-    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)

@@ -1,4 +1,5 @@
-"""Shared building blocks: annotated parameters, layer stacks (scan or list) and remat policies."""
+"""Shared building blocks: annotated parameters, layer stacks (scan or list), remat policies
+and the token cross-entropy."""
 
 from __future__ import annotations
 
@@ -109,3 +110,33 @@ def stack_states(states: Sequence[Any]) -> dict[str, Any]:
     """
     pure = [nnx.to_pure_dict(s) if isinstance(s, nnx.State) else s for s in states]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *pure)
+
+
+def cross_entropy(
+    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+) -> jax.Array:
+    """Mean token cross-entropy in float32, over positions where ``mask`` is true.
+
+    ``logits``: [..., vocab]; ``targets``: integer [...]; ``mask``: [...] (bool or 0/1).
+
+    Example::
+
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    """
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"logits {logits.shape} and targets {targets.shape} disagree on leading dims"
+        )
+    logits = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    # A masked sum rather than a gather: it stays local when the vocabulary is sharded (the
+    # vocabulary-parallel head), where XLA would otherwise gather the logits.
+    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    nll = logz - picked
+    if mask is None:
+        return nll.mean()
+    if mask.shape != targets.shape:
+        raise ValueError(f"mask {mask.shape} must match targets {targets.shape}")
+    mask = mask.astype(jnp.float32)
+    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)

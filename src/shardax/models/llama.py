@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,7 +36,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import REMAT_POLICIES, make_layers, param, remat_policy, run_layers
+from shardax.models._layers import (
+    REMAT_POLICIES,
+    cross_entropy,
+    make_layers,
+    param,
+    remat_policy,
+    run_layers,
+)
 from shardax.parallel import (
     column_parallel,
     pipeline,
@@ -189,12 +196,6 @@ def check_mesh(
     if pp > 1:
         v = c.pp_virtual_stages
         need(c.scan_layers, "a 'pp' axis needs scan_layers=True (stacked layers)")
-        need(c.n_experts == 0, "pipeline parallelism does not support MoE models yet")
-        # Nested shard_maps (TP blocks, ring attention) inside the pipeline's shard_map fail
-        # to lower in JAX 0.10 (Shardy: manual axis after the free 'pp' axis).
-        need(c.tp_mode == "none", f"tp_mode={c.tp_mode!r} inside a pipeline is not supported "
-             "yet; with a 'pp' axis use tp_mode 'none' (XLA partitions 'tp' from the rules)")
-        need(cp == 1, "a 'cp' axis together with a 'pp' axis is not supported yet")
         need(c.n_layers % (pp * v) == 0, f"n_layers={c.n_layers} is not divisible by 'pp' size "
              f"{pp} x virtual stages {v}")
         need(v == 1 or c.pp_microbatches >= pp, f"the circular schedule with {v} virtual stages "
@@ -439,6 +440,50 @@ class Llama(nnx.Module):
         ``load_balanced``: ``tokens`` and ``positions`` are in ``load_balance(., cp)`` order
         (then the logits are too); only meaningful on a mesh with a 'cp' axis.
         """
+        x, cos, sin = self._embed(tokens, positions)
+        if pipeline_size() > 1:
+            x, aux = self._pipeline(x, cos, sin, load_balanced)
+        else:
+            x, aux = self._layers(x, cos, sin, load_balanced)
+        logits = self._head(x, *self._head_params())
+        return (logits, aux) if return_aux else logits
+
+    def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None,
+             *, load_balanced: bool = False,
+             cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+             ) -> tuple[jax.Array, jax.Array]:
+        """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
+        ``cast(logits)``, and the MoE load-balancing loss (0 for a dense model).
+
+        On a 'pp' mesh the final norm, head and cross-entropy run on the pipeline's output
+        stage only (``pipeline(loss_fn=...)``): the outputs never leave it and just the two
+        scalars are reduced over 'pp'. Elsewhere it equals ``cross_entropy(cast(model(tokens)),
+        targets)``.
+
+        Example::
+
+            ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
+        """
+        c = self.config
+        x, cos, sin = self._embed(tokens, positions)
+
+        def ce(x, targets, *head):
+            return cross_entropy(cast(self._head(x, *head)), targets)
+
+        if pipeline_size() <= 1:
+            x, aux = self._layers(x, cos, sin, load_balanced)
+            return ce(x, targets, *self._head_params()), aux
+
+        def stage_loss(out, targets, *head):
+            aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.float32(0)
+            return jnp.stack([ce(out[0], targets, *head), aux])
+
+        both = self._pipeline(x, cos, sin, load_balanced, loss_fn=stage_loss,
+                              loss_args=(targets, *self._head_params()))
+        return both[0], both[1]
+
+    def _embed(self, tokens, positions):
+        """Token embeddings ``[b, s, dim]`` in the compute dtype, and the RoPE tables."""
         c = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -451,50 +496,65 @@ class Llama(nnx.Module):
         x = jnp.take(table, tokens, axis=0).astype(c.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-        aux = jnp.zeros((), jnp.float32)
-        if pipeline_size() > 1:
-            x = self._pipeline(x, cos, sin, load_balanced)
-        elif c.n_experts:
+        return x, cos, sin
+
+    def _layers(self, x, cos, sin, load_balanced):
+        """The decoder stack without a pipeline; returns ``(x, aux)``."""
+        c = self.config
+        if c.n_experts:
             def call(layer, h):
                 y, a = layer(h[0], cos, sin, load_balanced)
                 return y, h[1] + a
 
-            x, aux = run_layers(self.layers, (x, aux), call, c.scan_layers, c.remat)
-            aux = aux / c.n_layers
-        else:
-            x = run_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, load_balanced)[0],
-                           c.scan_layers, c.remat)
-        x = self.final_norm(x)
-        if c.tie_embeddings:
-            w, spec = self.embed[...].astype(c.dtype), "bse,ve->bsv"
-        else:
-            w, spec = self.lm_head[...].astype(c.dtype), "bse,ev->bsv"
+            x, aux = run_layers(self.layers, (x, jnp.zeros((), jnp.float32)), call,
+                                c.scan_layers, c.remat)
+            return x, aux / c.n_layers
+        x = run_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, load_balanced)[0],
+                       c.scan_layers, c.remat)
+        return x, jnp.zeros((), jnp.float32)
+
+    def _head_params(self):
+        w = self.embed if self.config.tie_embeddings else self.lm_head
+        return self.final_norm.scale[...], w[...]
+
+    def _head(self, x, norm_scale, w):
+        """Final norm and vocabulary projection: logits ``[b, s, vocab]`` in float32."""
+        c = self.config
+        x = rms_norm(x, norm_scale, c.norm_eps)
+        spec = "bse,ve->bsv" if c.tie_embeddings else "bse,ev->bsv"
         # Computed in the compute dtype, then widened: with preferred_element_type=float32 the
         # backward would gather and reduce the (tied) table in float32 under bf16 params.
-        logits = jnp.einsum(spec, x, w).astype(jnp.float32)
-        logits = constrain(logits, ("batch", "length", "vocab"))
-        return (logits, aux) if return_aux else logits
+        logits = jnp.einsum(spec, x, w.astype(c.dtype)).astype(jnp.float32)
+        return constrain(logits, ("batch", "length", "vocab"))
 
-    def _pipeline(self, x, cos, sin, load_balanced):
-        """The layer stack as a pipeline over 'pp'. The parameters stay in the sequential
-        layer order (portable checkpoints); ``to_stage_layout`` reorders them per step, which
-        is free for gpipe and ``V = 1`` and moves part of the stack between stages for
-        circular ``V > 1``. The outputs come back replicated over 'pp' (one all-reduce of
-        ``[b, s, dim]``), and norm, head and loss run after the pipeline on every stage."""
+    def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_args=()):
+        """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
+        stage), or with ``loss_fn`` what ``loss_fn(outputs, *loss_args)`` returns, computed
+        on the output stage alone. The parameters stay in the sequential layer order
+        (portable checkpoints); ``to_stage_layout`` reorders them per step, which is free for
+        gpipe and ``V = 1`` and moves part of the stack between stages for circular ``V > 1``.
+
+        An MoE model carries its load-balancing loss through the pipeline as one value per
+        row (every row of a microbatch holds that microbatch's loss), so ``aux`` is the mean
+        over microbatches: equal to the unpipelined loss when ``pp_microbatches == 1``."""
         c = self.config
         if not c.scan_layers:
             raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
-        if c.n_experts:
-            raise ValueError("pipeline parallelism does not support MoE layers yet")
         v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
         graphdef, state = nnx.split(self.layers)
         state = to_stage_layout(state, pipeline_size(), v)
 
         def layer_fn(params, h):
-            y, _ = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced)
-            return y, h[1], h[2]
+            y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced)
+            return (y, h[1], h[2], h[3] + aux) if c.n_experts else (y, h[1], h[2])
 
-        x, _, _ = pipeline(layer_fn, state, (x, cos, sin), num_microbatches=c.pp_microbatches,
-                           schedule=c.pp_schedule, virtual_stages=v, remat=True,
-                           remat_policy=remat_policy(c.remat))
-        return x
+        h = (x, cos, sin)
+        if c.n_experts:
+            h += (jnp.zeros(x.shape[:1], jnp.float32),)
+        out = pipeline(layer_fn, state, h, num_microbatches=c.pp_microbatches,
+                       schedule=c.pp_schedule, virtual_stages=v, remat=True,
+                       remat_policy=remat_policy(c.remat), loss_fn=loss_fn, loss_args=loss_args)
+        if loss_fn is not None:
+            return out
+        aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.zeros((), jnp.float32)
+        return out[0], aux

@@ -4,8 +4,9 @@ The sequence dimension of q, k and v is split over the ``cp`` mesh axis. Each de
 query block and passes its key/value block around the ring with ``jax.lax.ppermute``; after
 ``cp`` steps every query block has seen every key/value block, combined with an online softmax
 (running max and normaliser in float32). No device ever holds the full sequence of K/V or the
-full ``[seq, seq]`` score matrix. Other mesh axes (``fsdp``, ``tp`` ...) stay with XLA: the
-``shard_map`` is partial-manual over just ``cp``.
+full ``[seq, seq]`` score matrix, in the forward or in the backward (a custom VJP sends K/V
+round the ring again with their dK/dV accumulators). Other mesh axes (``fsdp``, ``tp`` ...)
+stay with XLA: the ``shard_map`` is partial-manual over just ``cp``.
 
 Causal attention on a contiguous split leaves device 0 with one block of work and device
 ``cp-1`` with ``cp`` blocks. :func:`load_balance` reorders the sequence so device ``i`` holds
@@ -158,9 +159,6 @@ def unload_balance(x: jax.Array, axis_size: int, seq_axis: int = 1) -> jax.Array
 _State = tuple[jax.Array, jax.Array, jax.Array]
 
 
-# Rematerialised: the backward pass recomputes a block's scores instead of keeping one
-# (s/cp)^2 probability matrix per ring step alive (halves backward temp memory at cp=8).
-@functools.partial(jax.checkpoint, static_argnums=(4, 5))
 def _block_update(
     state: _State | None,
     qg: jax.Array,
@@ -199,18 +197,9 @@ def _update_q_half(
     )
 
 
-def _ring_body(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    *,
-    axis: str,
-    axis_size: int,
-    causal: bool,
-    load_balanced: bool,
-    scale: float,
-) -> jax.Array:
-    """Per-device ring loop (runs with ``axis`` manual). Blocks are local [b, s/cp, ...]."""
+def _ring_forward(q, k, v, axis, axis_size, causal, load_balanced, scale):
+    """Per-device ring loop (runs with ``axis`` manual). Blocks are local [b, s/cp, ...].
+    Returns the output and the log-sum-exp of each query row, ``[b, kv_heads, group, sq]``."""
     qg = _group(q, k.shape[2])
     idx = jax.lax.axis_index(axis)
 
@@ -254,8 +243,91 @@ def _ring_body(
     # so that exactly n-1 blocks are sent.
     (state, kv), _ = jax.lax.scan(ring_step, (state, kv), jnp.arange(1, axis_size - 1))
     state = step(state, kv, jnp.asarray(axis_size - 1))
-    _, denom, acc = state
-    return _ungroup(acc / denom[..., None]).astype(q.dtype)
+    m, denom, acc = state
+    return _ungroup(acc / denom[..., None]).astype(q.dtype), m + jnp.log(denom)
+
+
+def _block_grad(qg, kb, vb, dog, lse, delta, scale, causal):
+    """Flash-attention backward of one (query block, K/V block) pair, in float32.
+
+    qg, dog: [b, sq, kv_heads, group, d]; kb, vb: [b, sk, kv_heads, d]; lse, delta:
+    [b, kv_heads, group, sq]. Returns the contributions to dq (grouped), dk and dv.
+    """
+    f32 = jnp.float32
+    s = _scores(qg, kb, scale)
+    if causal:
+        s = jnp.where(_causal_mask(s.shape[-2], s.shape[-1]), s, _NEG)
+    p = jnp.exp(s - lse[..., None])  # the softmax probabilities, from the forward's lse
+    dv = jnp.einsum("bhgqk,bqhgd->bkhd", p, dog.astype(f32))
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, vb, preferred_element_type=f32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kb.astype(f32))
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", ds, qg.astype(f32))
+    return dq, dk, dv
+
+
+def _ring_backward(axis, axis_size, causal, load_balanced, scale, residuals, dout):
+    """The ring again, backwards in memory: K/V go round once more with their dK/dV
+    accumulators, so nothing per ring step is stored (memory O(s/cp))."""
+    q, k, v, out, lse = residuals
+    kvh, f32 = k.shape[2], jnp.float32
+    qg, dog = _group(q, kvh), _group(dout, kvh)
+    delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog.astype(f32), _group(out, kvh).astype(f32))
+    idx = jax.lax.axis_index(axis)
+    grad = functools.partial(_block_grad, scale=scale)
+
+    def block(kb, vb, t):
+        # The same work split as the forward's `step` (see there), for the block of device
+        # (idx - t) % n held at step t >= 1.
+        if not causal:
+            return grad(qg, kb, vb, dog, lse, delta, causal=False)
+        zeros = lambda: tuple(jnp.zeros_like(x, f32) for x in (qg, kb, vb))
+        full = lambda: grad(qg, kb, vb, dog, lse, delta, causal=False)
+        if not load_balanced:
+            return jax.lax.cond(idx >= t, full, zeros)
+        half, c = kb.shape[1] // 2, qg.shape[1] // 2
+
+        def first_kv_half():
+            dq, dk, dv = grad(qg, kb[:, :half], vb[:, :half], dog, lse, delta, causal=False)
+            pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+            return dq, pad(dk), pad(dv)
+
+        def second_q_half():
+            dq, dk, dv = grad(qg[:, c:], kb, vb, dog[:, c:], lse[..., c:], delta[..., c:],
+                              causal=False)
+            return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+
+        return jax.lax.cond(idx >= t, first_kv_half, second_q_half)
+
+    perm = [(i, (i + 1) % axis_size) for i in range(axis_size)]
+    send = lambda x: jax.lax.ppermute(x, axis, perm)
+
+    def ring_step(carry, t):
+        (kb, vb, dkb, dvb), dq = carry
+        dq_t, dk_t, dv_t = block(kb, vb, t)
+        return (send((kb, vb, dkb + dk_t, dvb + dv_t)), dq + dq_t), None
+
+    dq, dk, dv = grad(qg, k, v, dog, lse, delta, causal=causal)  # own block
+    carry = (send((k, v, dk, dv)), dq)
+    ((kb, vb, dkb, dvb), dq), _ = jax.lax.scan(ring_step, carry, jnp.arange(1, axis_size - 1))
+    dq_t, dk_t, dv_t = block(kb, vb, jnp.asarray(axis_size - 1))
+    # After the last step this device holds the accumulators of device idx + 1: send them home.
+    dk, dv = send((dkb + dk_t, dvb + dv_t))
+    dq = (dq + dq_t).reshape(q.shape)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring_body(q, k, v, axis, axis_size, causal, load_balanced, scale):
+    return _ring_forward(q, k, v, axis, axis_size, causal, load_balanced, scale)[0]
+
+
+def _ring_body_fwd(q, k, v, axis, axis_size, causal, load_balanced, scale):
+    out, lse = _ring_forward(q, k, v, axis, axis_size, causal, load_balanced, scale)
+    return out, (q, k, v, out, lse)
+
+
+_ring_body.defvjp(_ring_body_fwd, _ring_backward)
 
 
 def _context_mesh(mesh):
@@ -293,9 +365,7 @@ def ring_attention(
     n = 1 if m.empty or axis not in m.axis_names else m.shape[axis]
     if n == 1:
         return attention(q, k, v, causal, scale=scale)
-    body = lambda q, k, v: _ring_body(
-        q, k, v, axis=axis, axis_size=n, causal=causal, load_balanced=load_balanced, scale=scale
-    )
+    body = lambda q, k, v: _ring_body(q, k, v, axis, n, causal, load_balanced, scale)
     if axis in getattr(m, "manual_axes", ()):
         # Already inside a shard_map over `axis`: q, k, v are this device's blocks.
         if load_balanced and q.shape[1] % 2:

@@ -2,10 +2,14 @@
 
 Parameters are a pytree whose leaves carry a leading layer axis ``[L, ...]`` (the layout
 ``jax.lax.scan`` / ``nnx.scan`` produce); ``layer_fn(params_i, x) -> x`` is one layer. The batch
-is split into ``M`` microbatches that flow through the stages; activations move between stages
-with ``jax.lax.ppermute`` inside a partial-manual ``jax.shard_map`` over the pipeline axis only,
-so every other mesh axis (``dp``, ``fsdp``, ``tp``, ...) is left to XLA. Gradients come from
-autodiff through the pipeline (GPipe: all forwards, then all backwards).
+is split into ``M`` microbatches that flow through the stages. The program is written in the
+global view: the stages are a leading ``[P]`` array dim sharded over the pipeline axis, each
+stage's layers are ``jax.vmap``-ped over it, and activations move one stage on with a
+``lax.ppermute`` (a small ``jax.shard_map`` over the pipeline axis). Every other mesh axis
+(``dp``, ``fsdp``, ``tp``, ...) is left to XLA, and ``layer_fn`` may itself run
+``jax.shard_map`` blocks over other axes (tensor, context, expert parallel), which a pipeline
+that was one manual region could not nest. Gradients come from autodiff through the pipeline
+(GPipe: all forwards, then all backwards).
 
 Schedules:
 
@@ -34,6 +38,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -41,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
@@ -191,27 +197,34 @@ def pipeline(
         return out if loss_fn is None else loss_fn(out, *loss_args)
 
     k = num_layers // (num_stages * v)
-    body = _stage_program(layer_fn, loss_fn, axis, num_stages, v, m, k, remat, remat_policy)
-    run = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(P(axis), P(), P()),
-        out_specs=P(),
-        axis_names={axis},
+    out = _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, remat_policy)
+    if loss_fn is None:
+        return jax.tree.map(_from_microbatches, _on_stage0(out))
+    return _loss_on_stage0(loss_fn, out, tuple(loss_args), axis, mesh)
+
+
+def _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, remat_policy):
+    """Every pipeline step in the global view: the stages are a leading ``[P]`` array dim
+    sharded over ``axis``, each stage's chunk of layers is ``jax.vmap``-ed over it, and
+    activations move one stage on with a ``ppermute``. Nothing around ``layer_fn`` is a manual
+    region, so ``layer_fn`` may itself use ``shard_map`` over other axes (tensor, context or
+    expert parallel blocks). Returns stage-major buffers ``[P, M, B/M, ...]``; row 0 holds the
+    outputs (they land on stage 0 after their last trip round the ring)."""
+    p = num_stages
+    pin = functools.partial(_pin_stages, axis=axis, mesh=mesh)
+    shift = jax.shard_map(
+        lambda a: lax.ppermute(a, axis, [(s, (s + 1) % p) for s in range(p)]),
+        mesh=mesh, in_specs=P(axis), out_specs=P(axis), axis_names={axis},
     )
-    return run(params, x, tuple(loss_args))
-
-
-def _stage_program(layer_fn, loss_fn, axis, num_stages, v, m, k, remat, remat_policy):
-    """The per-stage SPMD program: one ``lax.scan`` over ``V*M + P - 1`` pipeline steps."""
-    ring = [(s, (s + 1) % num_stages) for s in range(num_stages)]
-    steps = v * m + num_stages - 1
+    # [L, ...] -> [P, L/P, ...]: stage s holds rows [s*L/P, (s+1)*L/P), already on its devices.
+    stages = pin(jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), params))
+    stage = pin(jnp.arange(p))
 
     def run_chunk(params, trip, h):
-        def one(h, p):
-            return layer_fn(p, checkpoint_name(h, _X) if remat else h), None
+        def one(h, layer_params):
+            return layer_fn(layer_params, checkpoint_name(h, _X) if remat else h), None
 
-        if v > 1:  # local rows [trip*K, (trip+1)*K)
+        if v > 1:  # the stage's rows [trip*K, (trip+1)*K)
             params = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, trip * k, k), params)
         return lax.scan(one, h, params)[0]
 
@@ -223,50 +236,77 @@ def _stage_program(layer_fn, loss_fn, axis, num_stages, v, m, k, remat, remat_po
         if remat_policy is not None:
             policy = jax.checkpoint_policies.save_from_both_policies(remat_policy, policy)
         run_chunk = jax.checkpoint(run_chunk, policy=policy)
+    run_all = jax.vmap(run_chunk)
 
-    def body(params, x, loss_args):
-        stage = lax.axis_index(axis)
-        # buf holds the microbatched input; on stage 0 it also collects what comes back round
-        # the ring (the next trip's input, and finally the outputs).
-        buf = lax.pcast(jax.tree.map(lambda a: _to_microbatches(a, m), x), axis, to="varying")
-        # Bubble steps compute on real data (not zeros) so layers never see unrealistic inputs
-        # whose masked-out gradients could still be NaN * 0.
-        state = jax.tree.map(lambda b: b[0], buf)
+    def where_stage(mask, a, b):  # per-stage select between two [P, ...] arrays
+        return jnp.where(mask.reshape(-1, *(1,) * (a.ndim - 1)), a, b)
 
-        def step(carry, t):
-            buf, state = carry
-            first = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, t % m, 0, False), buf)
-            h = jax.tree.map(lambda a, b: jnp.where(stage == 0, a, b), first, state)
-            # Trip r (the r-th time round the ring) runs the stage's r-th chunk of K layers.
-            out = run_chunk(params, jnp.clip((t - stage) // m, 0, v - 1), h)
-            state = lax.ppermute(out, axis, ring)
-            # Stage 0 just received what the last stage computed for microbatch-step u.
-            u = t - (num_stages - 1)
-            keep = (stage == 0) & (u >= 0)
-            slot = u % m
-            buf = jax.tree.map(
-                lambda b, s: lax.dynamic_update_index_in_dim(
-                    b, jnp.where(keep, s, lax.dynamic_index_in_dim(b, slot, 0, False)), slot, 0
-                ),
-                buf,
-                state,
-            )
-            return (buf, state), None
+    # buf[s] is stage s's copy of the microbatched input; stage 0's also collects what comes
+    # back round the ring (the next trip's input, and finally the outputs). The copies are
+    # local: x is not split over `axis`, so broadcasting it costs no communication.
+    def stage_copies(a):
+        mb = _to_microbatches(a, m)
+        return jnp.broadcast_to(mb, (p, *mb.shape))
 
-        (buf, _), _ = lax.scan(step, (buf, state), jnp.arange(steps))
-        out = jax.tree.map(_from_microbatches, buf)
-        if loss_fn is None:
-            return jax.tree.map(lambda o: lax.psum(jnp.where(stage == 0, o, 0), axis), out)
+    buf = pin(jax.tree.map(stage_copies, x))
+    # Bubble steps compute on real data (not zeros) so layers never see unrealistic inputs
+    # whose masked-out gradients could still be NaN * 0.
+    state = jax.tree.map(lambda b: b[:, 0], buf)
+
+    def step(carry, t):
+        buf, state = carry
+        first = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, t % m, 1, False), buf)
+        h = jax.tree.map(functools.partial(where_stage, stage == 0), first, state)
+        # Trip r (the r-th time round the ring) runs the stage's r-th chunk of K layers.
+        out = run_all(stages, jnp.clip((t - stage) // m, 0, v - 1), h)
+        state = pin(jax.tree.map(shift, out))
+        # Stage 0 just received what the last stage computed for microbatch-step u.
+        u = t - (p - 1)
+        keep, slot = (stage == 0) & (u >= 0), u % m
+        buf = jax.tree.map(
+            lambda b, s: lax.dynamic_update_index_in_dim(
+                b, where_stage(keep, s, lax.dynamic_index_in_dim(b, slot, 1, False)), slot, 1
+            ),
+            buf,
+            state,
+        )
+        return (pin(buf), state), None
+
+    (buf, _), _ = lax.scan(step, (buf, state), jnp.arange(v * m + p - 1))
+    return buf
+
+
+def _on_stage0(buf):
+    return jax.tree.map(lambda b: b[0], buf)
+
+
+def _loss_on_stage0(loss_fn, buf, loss_args, axis, mesh):
+    """``loss_fn(outputs, *loss_args)`` run by stage 0 alone (it holds the outputs); only the
+    scalar is reduced over ``axis``. ``loss_fn`` must not itself be manual over ``axis``."""
+
+    def body(buf, loss_args):
+        out = jax.tree.map(lambda b: _from_microbatches(b[0]), buf)
         # Only stage 0 runs the branch, so it must hold no collective over `axis`: mark the
         # (replicated) loss_args varying out here, or their gradient psum lands inside the cond
         # and deadlocks. Collectives over the other (auto) axes stay within one stage: fine.
         loss_args = lax.pcast(loss_args, axis, to="varying")
         shape = jax.eval_shape(loss_fn, out, *loss_args)
         zero = lax.pcast(jnp.zeros(shape.shape, shape.dtype), axis, to="varying")
-        loss = lax.cond(stage == 0, lambda: loss_fn(out, *loss_args), lambda: zero)
+        loss = lax.cond(lax.axis_index(axis) == 0, lambda: loss_fn(out, *loss_args), lambda: zero)
         return lax.psum(loss, axis)
 
-    return body
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(), axis_names={axis})
+    return run(buf, loss_args)
+
+
+def _pin_stages(tree, axis, mesh):
+    """Shard the leading (stage) dim of every leaf over ``axis``; other dims are left to XLA."""
+
+    def one(a):
+        spec = P(axis, *(P.UNCONSTRAINED,) * (a.ndim - 1))
+        return lax.with_sharding_constraint(a, NamedSharding(mesh, spec) if mesh else spec)
+
+    return jax.tree.map(one, tree)
 
 
 def _to_microbatches(a: jax.Array, m: int) -> jax.Array:
