@@ -113,11 +113,14 @@ def stack_states(states: Sequence[Any]) -> dict[str, Any]:
 
 
 def cross_entropy(
-    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None
+    logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None, *, gather: bool = True
 ) -> jax.Array:
     """Mean token cross-entropy in float32, over positions where ``mask`` is true.
 
     ``logits``: [..., vocab]; ``targets``: integer [...]; ``mask``: [...] (bool or 0/1).
+    ``gather=False`` picks the target logits with a masked sum instead of a gather: XLA 0.10
+    cannot partition that gather inside a pipeline stage's manual region when the vocabulary
+    is sharded, but the masked sum costs one more logits-sized buffer in the backward.
 
     Example::
 
@@ -129,10 +132,12 @@ def cross_entropy(
         )
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    # A masked sum rather than a gather: it stays local when the vocabulary is sharded (the
-    # vocabulary-parallel head), where XLA would otherwise gather the logits.
-    vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
+    targets = targets.astype(jnp.int32)
+    if gather:
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    else:
+        vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+        picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
     nll = logz - picked
     if mask is None:
         return nll.mean()

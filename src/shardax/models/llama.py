@@ -467,8 +467,8 @@ class Llama(nnx.Module):
         c = self.config
         x, cos, sin = self._embed(tokens, positions)
 
-        def ce(x, targets, *head):
-            return cross_entropy(cast(self._head(x, *head)), targets)
+        def ce(x, targets, *head, gather=True):
+            return cross_entropy(cast(self._head(x, *head)), targets, gather=gather)
 
         if pipeline_size() <= 1:
             x, aux = self._layers(x, cos, sin, load_balanced)
@@ -476,7 +476,7 @@ class Llama(nnx.Module):
 
         def stage_loss(out, targets, *head):
             aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.float32(0)
-            return jnp.stack([ce(out[0], targets, *head), aux])
+            return jnp.stack([ce(out[0], targets, *head, gather=False), aux])
 
         both = self._pipeline(x, cos, sin, load_balanced, loss_fn=stage_loss,
                               loss_args=(targets, *self._head_params()))
