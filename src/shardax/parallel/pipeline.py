@@ -158,10 +158,11 @@ def pipeline(
         local to each microbatch.
       num_microbatches: ``M``.
       schedule: ``'gpipe'`` or ``'circular'``; ``virtual_stages`` is ``V`` (circular only).
-      loss_fn: optional ``loss_fn(outputs, *loss_args) -> scalar``, computed on the stage that
-        holds the outputs (stage 0, where they land after wrapping round the ring); only the
-        scalar is then reduced over ``axis``. ``loss_args`` (e.g. labels, head params) are
-        differentiable and replicated over ``axis``.
+      loss_fn: optional ``loss_fn(outputs, *loss_args) -> array`` (a scalar loss, or a small
+        array of them), computed on the stage that holds the outputs (stage 0, where they land
+        after wrapping round the ring); only its result is then reduced over ``axis``.
+        ``loss_args`` (e.g. labels, head params) are differentiable and replicated over
+        ``axis``. ``loss_fn`` runs manual over ``axis``: it must not itself use ``shard_map``.
       remat: recompute each layer in the backward pass, storing only its input (one microbatch
         per layer per step) as GPipe does; ``remat_policy`` (a ``jax.checkpoint_policies``
         policy, e.g. ``dots_saveable``) saves more. ``remat=False`` stores every residual; with
@@ -170,7 +171,7 @@ def pipeline(
       axis: pipeline mesh axis; mesh: explicit mesh, else the ``jax.set_mesh`` context mesh.
 
     Returns:
-      the outputs (same shape as ``x``, replicated over ``axis``), or the scalar loss.
+      the outputs (same shape as ``x``, replicated over ``axis``), or what ``loss_fn`` returns.
 
     Example::
 
