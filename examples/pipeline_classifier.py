@@ -9,6 +9,7 @@ against the same model on one device (plain ``lax.scan`` over the layers).
 
     python examples/pipeline_classifier.py                                  # gpipe, M=8
     python examples/pipeline_classifier.py --schedule circular --virtual 2
+    python examples/pipeline_classifier.py --schedule 1f1b --microbatches 16
 """
 
 import argparse
@@ -69,14 +70,15 @@ def layer(p: dict, h: jax.Array) -> jax.Array:
     return h + jax.nn.gelu(h @ p["w"] + p["b"])
 
 
-def xent(h: jax.Array, head: jax.Array, y: jax.Array) -> jax.Array:
+def xent(h: jax.Array, y: jax.Array, head: jax.Array) -> jax.Array:
     logp = jax.nn.log_softmax(h @ head)
     return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", choices=("gpipe", "circular"), default="gpipe")
+    parser.add_argument("--schedule", choices=("gpipe", "circular", "1f1b"),
+                        default="gpipe")
     parser.add_argument("--virtual", type=int, default=1, help="virtual stages (circular)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=8)
@@ -105,7 +107,8 @@ def main() -> None:
 
     def loss_fn(p, x, y):
         h = jnp.tanh(x @ p["embed"])
-        return pipeline(layer, p["layers"], h, **kw, loss_fn=xent, loss_args=(p["head"], y))
+        return pipeline(layer, p["layers"], h, **kw, loss_fn=xent, loss_batch_args=(y,),
+                        loss_args=(p["head"],))
 
     @jax.jit
     def train_step(p, x, y):
@@ -115,7 +118,7 @@ def main() -> None:
     def reference_loss(p, x, y):  # one device, sequential layer order
         p = jax.device_get(p)
         h = sequential(layer, from_stage_layout(p["layers"], pp, v), jnp.tanh(x @ p["embed"]))
-        return xent(h, p["head"], y)
+        return xent(h, y, p["head"])
 
     print(
         f"data: {name} {x_all.shape}, mesh {dict(mesh.shape)}, schedule={args.schedule} V={v} "

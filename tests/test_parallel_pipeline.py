@@ -148,7 +148,85 @@ def test_loss_on_stage_with_pytree_activations(shape, names, schedule, v, m):
     assert_close(got[1][1:], want[1][1:])
 
 
-def test_sgd_training_matches_single_device():
+ONE_F_ONE_B_CASES = [  # mesh shape, axis names, M, remat
+    ((4, 2), ("pp", "dp"), 4, True),
+    ((2, 2, 2), ("pp", "fsdp", "tp"), 8, False),
+    ((4, 2), ("pp", "dp"), 2, True),  # M < P: only warm-up and cool-down overlap
+    ((8,), ("pp",), 1, False),
+]
+
+
+@pytest.mark.parametrize("shape,names,m,remat", ONE_F_ONE_B_CASES)
+def test_1f1b_matches_sequential(shape, names, m, remat):
+    """1F1B: the loss (with and without differentiation) and the gradients of params, inputs,
+    per-row loss inputs and shared loss inputs equal the sequential single-device program."""
+    params, x = make(8, seed=1)
+    target = jax.random.normal(jax.random.key(2), (BATCH, D))
+    gate = jax.nn.sigmoid(jax.random.normal(jax.random.key(3), (BATCH, D)))
+    scale = jnp.float32(1.5)
+
+    def layer2(p, hg):  # pytree activations: (hidden, gate)
+        h, g = hg
+        return h + g * jnp.tanh(h @ p["w"] + p["b"]), 0.9 * g
+
+    def mse(out, t, scale):  # a mean over rows: the mean over microbatches equals it
+        return scale * jnp.mean((out[0] - t) ** 2)
+
+    def loss(p, x, g, t, scale):
+        return pipeline(layer2, p, (x, g), num_microbatches=m, schedule="1f1b", remat=remat,
+                        loss_fn=mse, loss_batch_args=(t,), loss_args=(scale,))
+
+    def ref_loss(p, x, g, t, scale):
+        return mse(lax.scan(lambda hg, pi: (layer2(pi, hg), None), (x, g), p)[0], t, scale)
+
+    mesh = mesh_of(shape, names)
+    sp, sx = shard_inputs(mesh, params, x)
+    args = (gate, target, scale)
+    with jax.set_mesh(mesh):
+        value = jax.jit(loss)(sp, sx, *args)
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(sp, sx, *args)
+        only_params = jax.jit(jax.grad(loss))(sp, sx, *args)
+    want = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3, 4)))(params, x, *args)
+    assert_close(value, want[0])
+    assert_close(got, want)
+    assert_close(only_params, want[1][0])
+    assert float(jnp.max(jnp.abs(got[1][1]))) > 0  # the input gradient really flows back
+
+
+def test_1f1b_activation_memory_does_not_grow_with_microbatches():
+    """GPipe (with remat) keeps every layer input of every microbatch until the backward pass:
+    per extra microbatch at least K = L/P layer inputs. 1F1B keeps at most 2P - 1 stage inputs;
+    per extra microbatch it grows only by the batch-sized buffers (the microbatched input and
+    its gradient: 2 microbatch inputs). Read from the compiled programs (float32, pp=4, dp=2,
+    L=16 so K=4, microbatch input 128x64 per device = 32 KiB)."""
+    d, mb, num_layers, pp = 64, 256, 16, 4
+    mb_bytes = (mb // 2) * d * 4
+    mesh = mesh_of((pp, 2), ("pp", "dp"))
+
+    def layer_big(p, h):
+        return h + jnp.tanh(jnp.tanh(h @ p["w"]) @ p["w"].T)
+
+    def temp(schedule, m):
+        x = jax.ShapeDtypeStruct((mb * m, d), jnp.float32, sharding=NamedSharding(mesh, P("dp")))
+        w = jax.ShapeDtypeStruct((num_layers, d, d), jnp.float32,
+                                 sharding=NamedSharding(mesh, P("pp")))
+
+        def loss(p, x):
+            return pipeline(layer_big, p, x, num_microbatches=m, schedule=schedule,
+                            loss_fn=lambda out: jnp.mean(out**2))
+
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower({"w": w}, x).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    slope = {s: (temp(s, 32) - temp(s, 16)) / 16 for s in ("gpipe", "1f1b")}
+    assert slope["gpipe"] >= (num_layers // pp) * mb_bytes, slope
+    assert slope["1f1b"] <= 2.5 * mb_bytes, slope
+    assert temp("1f1b", 32) < 0.6 * temp("gpipe", 32)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sgd_training_matches_single_device(schedule):
     """3 SGD steps of a tiny MLP classifier (pp=4, dp=2) equal single-device training."""
     din, classes, num_layers, lr = 6, 3, 8, 0.5
     k = jax.random.split(jax.random.key(4), 5)
@@ -161,7 +239,7 @@ def test_sgd_training_matches_single_device():
     xs = jax.random.normal(k[2], (3, BATCH, din))
     ys = jax.random.randint(k[3], (3, BATCH), 0, classes)
 
-    def xent(h, w_out, y):
+    def xent(h, y, w_out):
         logp = jax.nn.log_softmax(h @ w_out)
         return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
 
@@ -171,12 +249,14 @@ def test_sgd_training_matches_single_device():
             p["hidden"],
             jnp.tanh(x @ p["w_in"]),
             num_microbatches=4,
+            schedule=schedule,
             loss_fn=xent,
-            loss_args=(p["w_out"], y),
+            loss_batch_args=(y,),
+            loss_args=(p["w_out"],),
         )
 
     def loss_ref(p, x, y):
-        return xent(ref_scan(p["hidden"], jnp.tanh(x @ p["w_in"])), p["w_out"], y)
+        return xent(ref_scan(p["hidden"], jnp.tanh(x @ p["w_in"])), y, p["w_out"])
 
     def sgd(loss_fn):
         @jax.jit
@@ -271,8 +351,20 @@ def test_errors():
         run({"w": params["w"], "b": params["b"][:4]}, x, num_microbatches=4)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zb'"):
         run(params, x, num_microbatches=4, schedule="zb")
-    with pytest.raises(ValueError, match="'gpipe' needs 1"):
+    with pytest.raises(ValueError, match="'gpipe' and '1f1b' need 1"):
         run(params, x, num_microbatches=4, virtual_stages=2)
+    with pytest.raises(ValueError, match="'1f1b' got virtual_stages=2"):
+        run(params, x, num_microbatches=4, schedule="1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="'1f1b' .* needs loss_fn"):
+        run(params, x, num_microbatches=4, schedule="1f1b")
+    mse = lambda out, t: jnp.mean((out - t) ** 2)
+    with pytest.raises(ValueError, match=r"loss_batch_args leaf \[0\] of shape \(8, 8\) .* \(16\)"):
+        run(params, x, num_microbatches=4, loss_fn=mse, loss_batch_args=(x[:8],))
+    with pytest.raises(ValueError, match="needs loss_fn to return a scalar"):
+        run(params, x, num_microbatches=4, schedule="1f1b", loss_fn=lambda o: o)
+    with pytest.raises(ValueError, match=r"leaf x\[1\] has dtype int32"):
+        pipeline(lambda p, h: (layer(p, h[0]), h[1]), params, (x, jnp.zeros(BATCH, jnp.int32)),
+                 num_microbatches=4, schedule="1f1b", loss_fn=lambda o: jnp.mean(o[0]), mesh=mesh)
     with pytest.raises(ValueError, match="same structure, shapes and dtypes"):
         pipeline(lambda p, h: h[:, :4], params, x, num_microbatches=4, mesh=mesh)
     with pytest.raises(ValueError, match=r"L=6 .*'pp' size 4 x virtual_stages 1"):

@@ -111,18 +111,27 @@ def _close(got, want):
 # ----------------------------------------------------------------------------- strategies
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "circular"])
-def test_pipeline_fsdp_tp_matches_one_device(schedule, dense_reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("schedule", ["gpipe", "circular", "1f1b"])
+def test_pipeline_fsdp_tp_matches_one_device(schedule, dense_reference, tmp_path, monkeypatch,
+                                            capsys):
     extra = dict(virtual_stages=2) if schedule == "circular" else {}
     losses, plan = _train(tmp_path, monkeypatch, mesh="pp=2,fsdp=2,tp=2", pp_schedule=schedule,
                           microbatches=2, **extra)
     _close(losses, dense_reference)
+    # The run reports its schedule's bubble: (P-1)/(M+P-1), or (P-1)/(V*M+P-1) for circular.
+    bubble = "20.0%" if schedule == "circular" else "33.3%"
+    out = capsys.readouterr().out
+    assert f"pipeline: {schedule} over 2 stages, 2 microbatches" in out
+    assert f"bubble {bubble} of each step" in out
     # Stage to stage: one permute per pipeline step forward and one backward, of one
     # microbatch's activations [stage, B/M/fsdp, s, dim] = [1, 2, 32, 64] (plus its RoPE tables).
+    # 1f1b sends as many, interleaved: forwards in M + P - 1 steps, backwards in M + P - 1.
     v = 2 if schedule == "circular" else 1
     steps = v * 2 + 2 - 1
     permutes = _ops(plan, "collective-permute", (1, 2, 32, 64))
-    assert _count(permutes) == 2 * steps, [(op.name, op.multiplier) for op in permutes]
+    # (1f1b's very last backward send, from stage 1 to nobody, is dead code XLA removes.)
+    want = 2 * steps - (schedule == "1f1b")
+    assert _count(permutes) == want, [(op.name, op.multiplier) for op in permutes]
 
 
 # Explicit blocks inside the pipeline: each stage runs K = 2 of the 4 layers per step for
@@ -256,6 +265,10 @@ def test_sync_tensor_parallel_block_is_megatron():
     (["--mesh", "pp=2,fsdp=4", "--microbatches", "4"], "times --microbatches 4"),
     (["--model", "llama-moe-tiny", "--mesh", "ep=8"], "n_experts=4 is not divisible by 'ep'"),
     (["--mesh", "ep=8"], "needs a mixture-of-experts model"),
+    (["--model", "llama-moe-tiny", "--mesh", "pp=2,ep=2,fsdp=2", "--pp-schedule", "1f1b"],
+     "1f1b pipeline schedule takes the gradient of one scalar loss"),
+    (["--mesh", "pp=2,fsdp=4", "--pp-schedule", "1f1b", "--virtual-stages", "2"],
+     "needs pp_schedule='circular' (1f1b has one stage per device)"),
     (["--mesh", "cp=8", "--seq-len", "24"], "2 x 'cp' size 8"),
     (["--mesh", "fsdp=4,cp=2", "--sequence-parallel"], "needs a 'tp' mesh axis"),
     (["--mesh", "fsdp=8", "--microbatches", "2"], "need a 'pp' mesh axis"),

@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--sequence-parallel", action="store_true",
                        help="Megatron sequence parallelism over 'tp' (sync TP if no --tp-mode)")
     train.add_argument("--pp-schedule", default=defaults.pp_schedule,
-                       choices=["gpipe", "circular"], help="pipeline schedule over 'pp'")
+                       choices=["gpipe", "circular", "1f1b"],
+                       help="pipeline schedule over 'pp' (1f1b: activation memory bounded "
+                       "by the 'pp' size, not the microbatch count)")
     train.add_argument("--microbatches", type=int, default=defaults.microbatches,
                        help="pipeline microbatches (default: the 'pp' size)")
     train.add_argument("--virtual-stages", type=int, default=defaults.virtual_stages,

@@ -55,7 +55,7 @@ from shardax.parallel import (
 )
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
-PP_SCHEDULES = ("gpipe", "circular")
+PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 # Mesh axes the sharded batch may span, major to minor (the order of the 'batch' rule).
 _BATCH_AXES = ("ep", "dp", "fsdp")
 
@@ -123,9 +123,10 @@ class LlamaConfig:
         if self.pp_microbatches < 1 or self.pp_virtual_stages < 1:
             raise ValueError(f"pp_microbatches={self.pp_microbatches} and pp_virtual_stages="
                              f"{self.pp_virtual_stages} must be >= 1")
-        if self.pp_schedule == "gpipe" and self.pp_virtual_stages != 1:
+        if self.pp_schedule != "circular" and self.pp_virtual_stages != 1:
             raise ValueError(f"pp_virtual_stages={self.pp_virtual_stages} needs "
-                             "pp_schedule='circular' (gpipe has one stage per device)")
+                             f"pp_schedule='circular' ({self.pp_schedule} has one stage per "
+                             "device)")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
             raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
                              "in [1, n_experts]")
@@ -202,6 +203,9 @@ def check_mesh(
              f"needs microbatches >= 'pp' size {pp}, got {c.pp_microbatches}")
         need(batch_size % c.pp_microbatches == 0, f"batch size {batch_size} is not divisible "
              f"by {c.pp_microbatches} microbatches")
+        need(c.pp_schedule != "1f1b" or not c.n_experts, "the 1f1b pipeline schedule takes "
+             "the gradient of one scalar loss per microbatch; a mixture-of-experts model adds "
+             "its load-balancing loss: use --pp-schedule gpipe or circular")
     if cp > 1:
         need(seq_len % (2 * cp) == 0, f"--seq-len {seq_len} must divide into 2 x 'cp' size "
              f"{cp} = {2 * cp} load-balanced chunks")
@@ -474,12 +478,18 @@ class Llama(nnx.Module):
             x, aux = self._layers(x, cos, sin, load_balanced)
             return ce(x, targets, *self._head_params()), aux
 
+        if c.pp_schedule == "1f1b":  # one scalar per microbatch (no MoE: see check_mesh)
+            loss = self._pipeline(x, cos, sin, load_balanced,
+                                  loss_fn=lambda out, *a: ce(out[0], *a, gather=False),
+                                  loss_batch_args=(targets,), loss_args=self._head_params())
+            return loss, jnp.zeros((), jnp.float32)
+
         def stage_loss(out, targets, *head):
             aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.float32(0)
             return jnp.stack([ce(out[0], targets, *head, gather=False), aux])
 
         both = self._pipeline(x, cos, sin, load_balanced, loss_fn=stage_loss,
-                              loss_args=(targets, *self._head_params()))
+                              loss_batch_args=(targets,), loss_args=self._head_params())
         return both[0], both[1]
 
     def _embed(self, tokens, positions):
@@ -527,10 +537,12 @@ class Llama(nnx.Module):
         logits = jnp.einsum(spec, x, w.astype(c.dtype)).astype(jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))
 
-    def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_args=()):
+    def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_batch_args=(),
+                  loss_args=()):
         """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
-        stage), or with ``loss_fn`` what ``loss_fn(outputs, *loss_args)`` returns, computed
-        on the output stage alone. The parameters stay in the sequential layer order
+        stage), or with ``loss_fn`` what ``pipeline(loss_fn=...)`` returns, computed on the
+        output stage alone. Without ``loss_fn`` (logits only) '1f1b' runs as 'gpipe', the same
+        forward pass. The parameters stay in the sequential layer order
         (portable checkpoints); ``to_stage_layout`` reorders them per step, which is free for
         gpipe and ``V = 1`` and moves part of the stack between stages for circular ``V > 1``.
 
@@ -551,9 +563,17 @@ class Llama(nnx.Module):
         h = (x, cos, sin)
         if c.n_experts:
             h += (jnp.zeros(x.shape[:1], jnp.float32),)
+        schedule = c.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
+        # Every schedule stores each layer's input and recomputes the layer in the backward
+        # pass (what remat='full' asks for). A policy that saves more (save_dots, offload)
+        # applies on top; under 1f1b it can only save within one layer's recomputation.
+        policy = remat_policy(c.remat)
+        if schedule == "1f1b" and c.remat in ("none", "full"):
+            policy = None
         out = pipeline(layer_fn, state, h, num_microbatches=c.pp_microbatches,
-                       schedule=c.pp_schedule, virtual_stages=v, remat=True,
-                       remat_policy=remat_policy(c.remat), loss_fn=loss_fn, loss_args=loss_args)
+                       schedule=schedule, virtual_stages=v, remat=True,
+                       remat_policy=policy, loss_fn=loss_fn,
+                       loss_batch_args=loss_batch_args, loss_args=loss_args)
         if loss_fn is not None:
             return out
         aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.zeros((), jnp.float32)

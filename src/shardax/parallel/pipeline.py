@@ -9,7 +9,7 @@ stage's layers are ``jax.vmap``-ped over it, and activations move one stage on w
 (``dp``, ``fsdp``, ``tp``, ...) is left to XLA, and ``layer_fn`` may itself run
 ``jax.shard_map`` blocks over other axes (tensor, context, expert parallel), which a pipeline
 that was one manual region could not nest. Gradients come from autodiff through the pipeline
-(GPipe: all forwards, then all backwards).
+(GPipe: all forwards, then all backwards), except under ``'1f1b'``.
 
 Schedules:
 
@@ -17,6 +17,13 @@ Schedules:
 * ``'circular'`` (interleaved, ``V`` virtual stages): layer ``i`` lives on stage
   ``(i // (L/(P*V))) % P`` and microbatches loop ``V`` times around the ring;
   ``V*M + P - 1`` steps of ``1/V`` the work each. Needs ``M >= P`` when ``V > 1``.
+* ``'1f1b'``: the GPipe layout and bubble, but each stage runs the backward pass of a
+  microbatch as soon as the loss of it is known (one forward, one backward per step), so a
+  stage keeps the inputs of at most ``2P - 1`` microbatches instead of all ``M``: activation
+  memory no longer grows with ``M``. Needs ``loss_fn``; the loss is the mean over microbatches
+  of ``loss_fn`` applied to each (equal to ``loss_fn`` on the whole batch when that is a mean
+  over rows). Its gradients are computed inside the forward pass (a ``jax.custom_vjp``), so
+  first-order derivatives only.
 
 Both take the parameters in the *stage layout* (:func:`to_stage_layout`): a plain
 ``P('pp')`` on the leading axis gives each stage its layers. For ``'gpipe'`` (and whenever
@@ -40,7 +47,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +67,8 @@ __all__ = [
     "to_stage_layout",
 ]
 
-Schedule = Literal["gpipe", "circular"]
-_SCHEDULES = ("gpipe", "circular")
+Schedule = Literal["gpipe", "circular", "1f1b"]
+_SCHEDULES = ("gpipe", "circular", "1f1b")
 PyTree = Any
 _X = "pipeline_layer_input"
 
@@ -71,7 +78,7 @@ def bubble_fraction(
 ) -> float:
     """Fraction of pipeline step time a stage sits idle (textbook formula).
 
-    ``'gpipe'``: ``(P-1)/(M+P-1)``; ``'circular'``: ``(P-1)/(V*M+P-1)`` (each of the
+    ``'gpipe'`` and ``'1f1b'``: ``(P-1)/(M+P-1)``; ``'circular'``: ``(P-1)/(V*M+P-1)`` (each of the
     ``V*M + P - 1`` steps does ``1/V`` of a stage's layers, so the fill/drain is ``V`` times
     shorter). Example: ``bubble_fraction('gpipe', 4, 4) == 3/7``.
     """
@@ -82,7 +89,7 @@ def bubble_fraction(
             f"bubble_fraction needs num_stages, num_microbatches, virtual_stages >= 1; got "
             f"num_stages={p}, num_microbatches={m}, virtual_stages={v}"
         )
-    steps = (m if schedule == "gpipe" else v * m) + p - 1
+    steps = (v * m if schedule == "circular" else m) + p - 1
     return (p - 1) / steps
 
 
@@ -143,6 +150,7 @@ def pipeline(
     virtual_stages: int = 1,
     loss_fn: Callable[..., jax.Array] | None = None,
     loss_args: tuple = (),
+    loss_batch_args: tuple = (),
     remat: bool = True,
     remat_policy: Callable[..., bool] | None = None,
     axis: str = "pp",
@@ -157,17 +165,24 @@ def pipeline(
         Microbatch ``j`` is rows ``j, j+M, j+2M, ...`` so a ``dp`` sharding of the batch stays
         local to each microbatch.
       num_microbatches: ``M``.
-      schedule: ``'gpipe'`` or ``'circular'``; ``virtual_stages`` is ``V`` (circular only).
-      loss_fn: optional ``loss_fn(outputs, *loss_args) -> array`` (a scalar loss, or a small
-        array of them), computed on the stage that holds the outputs (stage 0, where they land
-        after wrapping round the ring); only its result is then reduced over ``axis``.
-        ``loss_args`` (e.g. labels, head params) are differentiable and replicated over
-        ``axis``. ``loss_fn`` runs manual over ``axis``: it must not itself use ``shard_map``.
+      schedule: ``'gpipe'``, ``'circular'`` or ``'1f1b'``; ``virtual_stages`` is ``V``
+        (circular only).
+      loss_fn: optional ``loss_fn(outputs, *loss_batch_args, *loss_args) -> array`` (a scalar
+        loss, or a small array of them), computed on the stage that holds the outputs; only
+        its result is then reduced over ``axis``. ``loss_batch_args`` (e.g. labels) have the
+        leading batch dim of ``x``; ``loss_args`` (e.g. head params) are anything else. Both
+        are differentiable and replicated over ``axis``. ``loss_fn`` runs manual over
+        ``axis``: it must not itself use ``shard_map``. Under ``'1f1b'`` it must return a
+        scalar and is applied to each microbatch (with its rows of ``loss_batch_args``); the
+        result is the mean over microbatches.
       remat: recompute each layer in the backward pass, storing only its input (one microbatch
         per layer per step) as GPipe does; ``remat_policy`` (a ``jax.checkpoint_policies``
         policy, e.g. ``dots_saveable``) saves more. ``remat=False`` stores every residual; with
-        ``V > 1`` that includes one copy of a chunk's weights per step. The no-mesh path is a
-        plain scan either way (wrap ``layer_fn`` in ``jax.checkpoint`` there if needed).
+        ``V > 1`` that includes one copy of a chunk's weights per step. Under ``'1f1b'`` a
+        stage always recomputes its forward pass from the stored stage input; ``remat`` then
+        also recomputes each layer inside it (stores layer inputs, not every residual, of the
+        one microbatch in flight). The no-mesh path is a plain scan either way (wrap
+        ``layer_fn`` in ``jax.checkpoint`` there if needed).
       axis: pipeline mesh axis; mesh: explicit mesh, else the ``jax.set_mesh`` context mesh.
 
     Returns:
@@ -192,19 +207,33 @@ def pipeline(
         )
     mb_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((batch // m, *a.shape[1:]), a.dtype), x)
     _check_layer(layer_fn, params, mb_shapes)
+    batch_args, loss_args = tuple(loss_batch_args), tuple(loss_args)
+    _check_batch_args(batch_args, batch)
+    if schedule == "1f1b":
+        _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m)
 
     if num_stages == 1:
         out = sequential(layer_fn, params, x)
-        return out if loss_fn is None else loss_fn(out, *loss_args)
+        if schedule == "1f1b":
+            loss_fn = _mean_over_microbatches(loss_fn, len(batch_args), m)
+        return out if loss_fn is None else loss_fn(out, *batch_args, *loss_args)
 
     k = num_layers // (num_stages * v)
-    out = _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, remat_policy)
+    run = functools.partial(
+        _run_stages, layer_fn, axis=axis, mesh=mesh, num_stages=num_stages, v=v, m=m, k=k,
+        remat=remat, remat_policy=remat_policy,
+    )
     if loss_fn is None:
-        return jax.tree.map(_from_microbatches, _on_stage0(out))
-    return _loss_on_stage0(loss_fn, out, tuple(loss_args), axis, mesh)
+        return jax.tree.map(_from_microbatches, _on_stage0(run(params, x)))
+    if schedule == "1f1b":
+        return _one_f_one_b(
+            _Static(layer_fn, loss_fn, axis, mesh, num_stages, m, remat, remat_policy),
+            params, x, batch_args, loss_args,
+        )
+    return _loss_on_stage0(loss_fn, run(params, x), batch_args + loss_args, axis, mesh)
 
 
-def _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, remat_policy):
+def _run_stages(layer_fn, params, x, *, axis, mesh, num_stages, v, m, k, remat, remat_policy):
     """Every pipeline step in the global view: the stages are a leading ``[P]`` array dim
     sharded over ``axis``, each stage's chunk of layers is ``jax.vmap``-ed over it, and
     activations move one stage on with a ``ppermute``. Nothing around ``layer_fn`` is a manual
@@ -213,13 +242,8 @@ def _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, rem
     outputs (they land on stage 0 after their last trip round the ring)."""
     p = num_stages
     pin = functools.partial(_pin_stages, axis=axis, mesh=mesh)
-    shift = jax.shard_map(
-        lambda a: lax.ppermute(a, axis, [(s, (s + 1) % p) for s in range(p)]),
-        mesh=mesh, in_specs=P(axis), out_specs=P(axis), axis_names={axis},
-    )
-    # [L, ...] -> [P, L/P, ...]: stage s holds rows [s*L/P, (s+1)*L/P), already on its devices.
-    stages = pin(jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), params))
-    stage = pin(jnp.arange(p))
+    shift = _ring_shift(axis, mesh, p, +1)
+    stages, stage = _stage_params(params, p, pin)
 
     def run_chunk(params, trip, h):
         def one(h, layer_params):
@@ -239,9 +263,6 @@ def _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, rem
         run_chunk = jax.checkpoint(run_chunk, policy=policy)
     run_all = jax.vmap(run_chunk)
 
-    def where_stage(mask, a, b):  # per-stage select between two [P, ...] arrays
-        return jnp.where(mask.reshape(-1, *(1,) * (a.ndim - 1)), a, b)
-
     # buf[s] is stage s's copy of the microbatched input; stage 0's also collects what comes
     # back round the ring (the next trip's input, and finally the outputs). The copies are
     # local: x is not split over `axis`, so broadcasting it costs no communication.
@@ -257,7 +278,7 @@ def _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, rem
     def step(carry, t):
         buf, state = carry
         first = jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, t % m, 1, False), buf)
-        h = jax.tree.map(functools.partial(where_stage, stage == 0), first, state)
+        h = jax.tree.map(functools.partial(_where_stage, stage == 0), first, state)
         # Trip r (the r-th time round the ring) runs the stage's r-th chunk of K layers.
         out = run_all(stages, jnp.clip((t - stage) // m, 0, v - 1), h)
         state = pin(jax.tree.map(shift, out))
@@ -266,7 +287,7 @@ def _run_stages(layer_fn, params, x, axis, mesh, num_stages, v, m, k, remat, rem
         keep, slot = (stage == 0) & (u >= 0), u % m
         buf = jax.tree.map(
             lambda b, s: lax.dynamic_update_index_in_dim(
-                b, where_stage(keep, s, lax.dynamic_index_in_dim(b, slot, 1, False)), slot, 1
+                b, _where_stage(keep, s, lax.dynamic_index_in_dim(b, slot, 1, False)), slot, 1
             ),
             buf,
             state,
@@ -298,6 +319,288 @@ def _loss_on_stage0(loss_fn, buf, loss_args, axis, mesh):
 
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(), axis_names={axis})
     return run(buf, loss_args)
+
+
+class _Static(NamedTuple):
+    """What the 1F1B pipeline needs besides its arrays (the ``custom_vjp``'s static argument)."""
+
+    layer_fn: Callable
+    loss_fn: Callable
+    axis: str
+    mesh: jax.sharding.Mesh | None
+    num_stages: int
+    num_microbatches: int
+    remat: bool
+    remat_policy: Callable | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _one_f_one_b(static, params, x, batch_args, loss_args):
+    """The 1F1B loss. Without differentiation this is the GPipe forward pass and the mean of
+    the per-microbatch losses; under differentiation :func:`_one_f_one_b_grads` runs instead
+    and the gradients it computed are scaled by the incoming cotangent."""
+    s = static
+    out = _run_stages(
+        s.layer_fn, params, x, axis=s.axis, mesh=s.mesh, num_stages=s.num_stages, v=1,
+        m=s.num_microbatches, k=_num_layers(params, s.num_stages, 1, s.axis) // s.num_stages,
+        remat=False, remat_policy=None,
+    )
+    loss_fn = _mean_over_microbatches(s.loss_fn, len(batch_args), s.num_microbatches)
+    return _loss_on_stage0(loss_fn, out, batch_args + loss_args, s.axis, s.mesh)
+
+
+def _one_f_one_b_bwd(static, grads, ct):
+    def scale(g):
+        return None if g is None else (g * ct).astype(g.dtype)
+
+    return jax.tree.map(scale, grads, is_leaf=lambda g: g is None)
+
+
+def _one_f_one_b_grads(static, params, x, batch_args, loss_args):
+    """Loss and its gradients in one pass over ``M + 2P - 2`` steps (the ``custom_vjp``'s
+    forward rule, with symbolic zeros: gradients are formed only for the inputs that are
+    differentiated, e.g. not for the labels or the RoPE tables). At step ``t`` stage ``s``
+    runs the forward pass of microbatch ``t - s`` and the backward pass of microbatch
+    ``t - 2(P-1) + s``; the last stage computes the loss of a microbatch (and its cotangent)
+    right after its forward pass, so microbatch ``j``'s backward starts in the step its forward
+    ends. For each microbatch in flight (at most ``2P - 1``) a stage keeps each layer's input
+    (``remat``; the backward recomputes one layer at a time) or only its own input (the
+    backward recomputes the whole stage at once). Warm-up steps run no backward
+    pass and cool-down steps no forward pass (three scans), so the step count costs what
+    GPipe's does: ``(M + P - 1)`` forward and backward passes per stage."""
+    s = static
+    p, m, axis, mesh = s.num_stages, s.num_microbatches, s.axis, s.mesh
+    params = jax.tree.map(lambda a: a.value, params)
+    (x, want_x), (batch_args, want_batch), (loss_args, want_args) = (
+        _unwrap(t) for t in (x, batch_args, loss_args)
+    )
+    pin = functools.partial(_pin_stages, axis=axis, mesh=mesh)
+    down, up = _ring_shift(axis, mesh, p, +1), _ring_shift(axis, mesh, p, -1)
+    stages, stage = _stage_params(params, p, pin)
+    layer = s.layer_fn
+    if s.remat_policy is not None:
+        layer = jax.checkpoint(layer, policy=s.remat_policy)
+
+    def run_stage(stage_params, h):
+        """The stage's output, and what its backward pass needs: each layer's input with
+        ``remat``, else the stage's input."""
+        y, inputs = lax.scan(lambda h, lp: (layer(lp, h), h), h, stage_params)
+        return y, (inputs if s.remat else h)
+
+    def stage_vjp(stage_params, saved, ct):
+        if not s.remat:  # recompute the whole stage, keep its residuals for this microbatch
+            return jax.vjp(lambda p, h: run_stage(p, h)[0], stage_params, saved)[1](ct)
+
+        def back(ct, layer_and_input):  # recompute one layer from its input
+            d_layer, ct = jax.vjp(layer, *layer_and_input)[1](ct)
+            return ct, d_layer
+
+        ct, d_stage = lax.scan(back, ct, (stage_params, saved), reverse=True)
+        return d_stage, ct
+
+    forward_all, backward_all = jax.vmap(run_stage), jax.vmap(stage_vjp)
+
+    def at(tree, i):
+        return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, 0, False), tree)
+
+    def per_stage(tree):  # a copy for each stage: local, the tree is not split over `axis`
+        return pin(jax.tree.map(lambda a: jnp.broadcast_to(a, (p, *a.shape)), tree))
+
+    def add_where(mask, acc, g):
+        return jax.tree.map(lambda a, b: a + _where_stage(mask, b, jnp.zeros_like(b)), acc, g)
+
+    x_mb = jax.tree.map(functools.partial(_to_microbatches, m=m), x)
+    batch_mb = jax.tree.map(functools.partial(_to_microbatches, m=m), batch_args)
+    loss_at = _loss_region(s, loss_args, want_batch, want_args)
+    r = min(m, 2 * p - 1)  # a stage's microbatches in flight: ring slots of its input store
+    # Steps where a stage has no microbatch compute on real data (not zeros) with a zero
+    # cotangent, so masked-out gradients are finite: the stash starts as copies of the first
+    # microbatch (with remat, as every layer's input).
+    first = at(x_mb, 0)
+    saved = jax.eval_shape(run_stage, at(stages, 0), first)[1]
+    saved = jax.tree.map(lambda a, f: jnp.broadcast_to(f, a.shape), saved, first)
+    carry = dict(
+        fwd_in=per_stage(first),  # what the previous stage sent forward
+        bwd_in=per_stage(jax.tree.map(jnp.zeros_like, first)),  # ... the next stage sent back
+        stash=per_stage(jax.tree.map(lambda a: jnp.broadcast_to(a, (r, *a.shape)), saved)),
+        d_params=jax.tree.map(jnp.zeros_like, stages),
+        d_x=per_stage(jax.tree.map(jnp.zeros_like, _select(x_mb, want_x))),  # on stage 0
+        d_batch=per_stage(jax.tree.map(jnp.zeros_like, _select(batch_mb, want_batch))),
+        d_args=per_stage(jax.tree.map(jnp.zeros_like, _select(loss_args, want_args))),
+        loss=pin(jnp.zeros((p,), jnp.float32)),  # on stage P-1
+    )
+    loss_dtype = jax.eval_shape(
+        lambda out, batch: s.loss_fn(out, *batch, *loss_args), first, at(batch_mb, 0)
+    ).dtype
+
+    def step(c, t, forward, backward):
+        c = dict(c)
+        d_out = None
+        if forward:
+            j = t - stage
+            h = jax.tree.map(
+                functools.partial(_where_stage, stage == 0),
+                per_stage(at(x_mb, jnp.minimum(t, m - 1))),
+                c["fwd_in"],
+            )
+            y, saved = forward_all(stages, h)
+            c["stash"] = _store(c["stash"], j % r, saved, (j >= 0) & (j < m))
+            c["fwd_in"] = pin(jax.tree.map(down, y))
+            if backward:  # steady state: the last stage just finished microbatch t - (P-1)
+                done = t - (p - 1)
+                loss, d_out, d_batch, d_args = loss_at(y, at(batch_mb, done))
+                c["loss"] = c["loss"] + loss.astype(jnp.float32)
+                c["d_args"] = jax.tree.map(jnp.add, c["d_args"], d_args)
+                c["d_batch"] = jax.tree.map(
+                    lambda buf, g: lax.dynamic_update_index_in_dim(buf, g, done, 1),
+                    c["d_batch"], d_batch,
+                )
+        if backward:
+            j = t - 2 * (p - 1) + stage
+            ok = (j >= 0) & (j < m)
+            ct = c["bwd_in"]
+            if d_out is not None:
+                ct = jax.tree.map(functools.partial(_where_stage, stage == p - 1), d_out, ct)
+            d_stage, d_h = backward_all(stages, _load(c["stash"], j % r), ct)
+            c["d_params"] = pin(add_where(ok, c["d_params"], d_stage))
+            done = t - 2 * (p - 1)  # stage 0's microbatch
+            keep = (stage == 0) & (done >= 0)
+            c["d_x"] = jax.tree.map(
+                lambda buf, g: lax.dynamic_update_index_in_dim(
+                    buf,
+                    _where_stage(keep, g, lax.dynamic_index_in_dim(buf, done % m, 1, False)),
+                    done % m,
+                    1,
+                ),
+                c["d_x"], _select(d_h, want_x),
+            )
+            c["bwd_in"] = pin(jax.tree.map(up, d_h))
+        return c, None
+
+    phases = [(0, p - 1, True, False), (p - 1, m + p - 1, True, True),
+              (m + p - 1, m + 2 * p - 2, False, True)]
+    for start, stop, forward, backward in phases:
+        body = functools.partial(step, forward=forward, backward=backward)
+        carry, _ = lax.scan(body, carry, jnp.arange(start, stop))
+
+    def from_stage(buf, s_):
+        return jax.tree.map(lambda b: _from_microbatches(b[s_]), buf)
+
+    d_params = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]),
+                            carry["d_params"])
+    d_args = jax.tree.map(lambda b: b[p - 1], carry["d_args"])
+    grads = (d_params, from_stage(carry["d_x"], 0), from_stage(carry["d_batch"], p - 1), d_args)
+    return (carry["loss"][p - 1] / m).astype(loss_dtype), grads
+
+
+_one_f_one_b.defvjp(_one_f_one_b_grads, _one_f_one_b_bwd, symbolic_zeros=True)
+
+
+def _loss_region(static, loss_args, want_batch, want_args):
+    """``f(y, batch_j) -> (loss, d_y, d_batch_j, d_loss_args)``, each stacked ``[P, ...]`` and
+    zero except on the last stage, which alone runs ``loss_fn`` on its outputs ``y[P-1]`` and
+    its vjp (seeded with ``1/M``: the loss is the mean over microbatches). Only the leaves
+    ``want_*`` marks get gradients."""
+    s = static
+    axis, p, m = s.axis, s.num_stages, s.num_microbatches
+
+    def body(y, batch_j, loss_args):
+        out = jax.tree.map(lambda a: a[0], y)
+        # Differentiable inputs are marked varying so that no gradient psum over `axis` lands
+        # inside the branch only the last stage runs (see _loss_on_stage0).
+        diff = (_select(batch_j, want_batch), _select(loss_args, want_args))
+        diff = lax.pcast(diff, axis, to="varying")
+
+        def value_and_grads():
+            def loss(out, diff):
+                batch, args = (_combine(d, a) for d, a in zip(diff, (batch_j, loss_args)))
+                return s.loss_fn(out, *batch, *args)
+
+            value, pull = jax.vjp(loss, out, diff)
+            d_out, (d_batch, d_args) = pull(jnp.ones_like(value) / m)
+            return value, d_out, d_batch, d_args
+
+        def zeros():
+            shapes = jax.eval_shape(value_and_grads)
+            return jax.tree.map(
+                lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), axis, to="varying"), shapes
+            )
+
+        result = lax.cond(lax.axis_index(axis) == p - 1, value_and_grads, zeros)
+        return jax.tree.map(lambda a: a[None], result)
+
+    region = jax.shard_map(
+        body, mesh=s.mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis), axis_names={axis}
+    )
+    return lambda y, batch_j: region(y, batch_j, loss_args)
+
+
+def _mean_over_microbatches(loss_fn, num_batch_args, m):
+    """``loss_fn`` applied to each microbatch of the outputs and of the first
+    ``num_batch_args`` arguments (the rest are shared), averaged."""
+
+    def mean_loss(out, *args):
+        batch, rest = args[:num_batch_args], args[num_batch_args:]
+        split = jax.tree.map(functools.partial(_to_microbatches, m=m), (out, batch))
+        return jnp.mean(lax.map(lambda ob: loss_fn(ob[0], *ob[1], *rest), split))
+
+    return mean_loss
+
+
+def _unwrap(primals):
+    """``custom_vjp`` primals (symbolic-zeros mode) -> values, and for each leaf whether its
+    gradient is wanted: it is differentiated, and of a float dtype."""
+    values = jax.tree.map(lambda a: a.value, primals)
+    wanted = jax.tree.map(
+        lambda a: a.perturbed and jnp.issubdtype(jnp.result_type(a.value), jnp.inexact), primals
+    )
+    return values, wanted
+
+
+def _select(tree, wanted):
+    """``tree`` with the leaves not ``wanted`` replaced by ``None``."""
+    return jax.tree.map(lambda a, w: a if w else None, tree, wanted)
+
+
+def _combine(selected, tree):
+    """Inverse of :func:`_select`: leaves from ``selected`` where present, else from ``tree``."""
+    return jax.tree.map(lambda d, a: a if d is None else d, selected, tree,
+                        is_leaf=lambda d: d is None)
+
+
+def _store(buf, slots, value, mask):
+    """``buf[s, slots[s]] = value[s]`` on the stages where ``mask``; ``buf`` is ``[P, R, ...]``."""
+
+    def one(b, i, v, keep):
+        return lax.dynamic_update_index_in_dim(b, jnp.where(keep, v, b[i]), i, 0)
+
+    return jax.tree.map(lambda b, v: jax.vmap(one)(b, slots, v, mask), buf, value)
+
+
+def _load(buf, slots):
+    """``buf[s, slots[s]]`` for every stage ``s``."""
+    return jax.tree.map(lambda b: jax.vmap(lambda b, i: b[i])(b, slots), buf)
+
+
+def _ring_shift(axis, mesh, p, direction):
+    """Send each stage's slice of a ``[P, ...]`` array to stage ``s + direction`` (mod P)."""
+    pairs = [(s, (s + direction) % p) for s in range(p)]
+    return jax.shard_map(
+        lambda a: lax.ppermute(a, axis, pairs),
+        mesh=mesh, in_specs=P(axis), out_specs=P(axis), axis_names={axis},
+    )
+
+
+def _stage_params(params, p, pin):
+    """``[L, ...] -> [P, L/P, ...]`` (stage s holds rows ``[s*L/P, (s+1)*L/P)``, already on its
+    devices) and the stage index ``[P]``."""
+    stages = pin(jax.tree.map(lambda a: a.reshape(p, a.shape[0] // p, *a.shape[1:]), params))
+    return stages, pin(jnp.arange(p))
+
+
+def _where_stage(mask, a, b):
+    """Per-stage select between two ``[P, ...]`` arrays (``mask`` is ``[P]``)."""
+    return jnp.where(mask.reshape(-1, *(1,) * (a.ndim - 1)), a, b)
 
 
 def _pin_stages(tree, axis, mesh):
@@ -337,10 +640,43 @@ def _relayout(params, num_stages, virtual_stages, to_stage):
 def _check_schedule(schedule, virtual_stages):
     if schedule not in _SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {_SCHEDULES}")
-    if virtual_stages < 1 or (schedule == "gpipe" and virtual_stages != 1):
+    if virtual_stages < 1 or (schedule != "circular" and virtual_stages != 1):
         raise ValueError(
-            f"schedule {schedule!r} got virtual_stages={virtual_stages}; 'gpipe' needs 1, "
-            "'circular' needs >= 1"
+            f"schedule {schedule!r} got virtual_stages={virtual_stages}; 'gpipe' and '1f1b' "
+            "need 1, 'circular' needs >= 1"
+        )
+
+
+def _check_batch_args(batch_args, batch):
+    for path, shape in _shapes(batch_args):
+        if not shape or shape[0] != batch:
+            raise ValueError(
+                f"pipeline loss_batch_args leaf {path} of shape {shape} must have the leading "
+                f"batch dim of x ({batch})"
+            )
+
+
+def _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m):
+    if loss_fn is None:
+        raise ValueError(
+            "schedule '1f1b' runs each microbatch's backward pass inside the pipeline, so it "
+            "needs loss_fn (for outputs without a loss use 'gpipe', the same forward pass)"
+        )
+    for path, a in jax.tree_util.tree_leaves_with_path(x):
+        if not jnp.issubdtype(jnp.result_type(a), jnp.inexact):
+            raise ValueError(
+                f"schedule '1f1b' needs floating-point activations; pipeline input leaf "
+                f"x{jax.tree_util.keystr(path)} has dtype {jnp.result_type(a)} (pass integer "
+                "per-row data to loss_fn through loss_batch_args)"
+            )
+    mb_batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype), batch_args
+    )
+    out = jax.eval_shape(loss_fn, mb_shapes, *mb_batch, *loss_args)
+    if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
+        raise ValueError(
+            "schedule '1f1b' needs loss_fn to return a scalar for one microbatch (its gradient "
+            f"is taken inside the pipeline); got {out}"
         )
 
 

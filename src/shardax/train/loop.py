@@ -26,6 +26,7 @@ from flax import nnx
 from shardax import models
 from shardax.distributed import batch_part
 from shardax.mesh import MeshShardingHelper
+from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import data as data_lib
@@ -153,6 +154,16 @@ def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: 
         models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
         kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
     return model_config, rules
+
+
+def _pipeline_summary(model_config, stages: int) -> str:
+    """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
+    c = model_config
+    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
+    bubble = bubble_fraction(c.pp_schedule, stages, c.pp_microbatches, v)
+    virtual = f", {v} virtual stages" if c.pp_schedule == "circular" else ""
+    return (f"pipeline: {c.pp_schedule} over {stages} stages, {c.pp_microbatches} "
+            f"microbatches{virtual}, bubble {bubble:.1%} of each step")
 
 
 def prepare(config: TrainConfig) -> _Run:
@@ -385,6 +396,8 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
         print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "
               f"{jax.device_count()} devices, mesh {mesh.shape}, rules {config.rules!r}, "
               f"precision {run.policy}")
+        if mesh.shape.get("pp", 1) > 1:
+            print(_pipeline_summary(run.model_config, mesh.shape["pp"]))
         print(plan.where(lambda row: row.kind == "input" and "/params/" in f"/{row.path}/"))
 
     if is_main:
