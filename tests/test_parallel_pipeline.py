@@ -193,6 +193,41 @@ def test_1f1b_matches_sequential(shape, names, m, remat):
     assert float(jnp.max(jnp.abs(got[1][1]))) > 0  # the input gradient really flows back
 
 
+@pytest.mark.parametrize("remat", [True, False])
+def test_1f1b_closed_over_values_get_gradients(remat):
+    """A traced value layer_fn closes over (a weight shared by every layer) is differentiated
+    like an argument; a loss_fn closing over one is refused (its gradient would be lost)."""
+    params, x = make(8, seed=2)
+    shared = jax.random.normal(jax.random.key(7), (D, D)) / np.sqrt(D)
+
+    def layer_with(shared):
+        return lambda lp, h: h + jnp.tanh(h @ lp["w"] + lp["b"] + h @ shared)
+
+    def loss(p, x, shared, scale):
+        return pipeline(layer_with(shared), p, x, num_microbatches=4, schedule="1f1b",
+                        remat=remat, loss_fn=lambda out, scale: scale * jnp.mean(out**2),
+                        loss_args=(scale,))
+
+    def ref_loss(p, x, shared, scale):
+        out = lax.scan(lambda h, lp: (layer_with(shared)(lp, h), None), x, p)[0]
+        return scale * jnp.mean(out**2)
+
+    mesh = mesh_of((4, 2), ("pp", "dp"))
+    sp, sx = shard_inputs(mesh, params, x)
+    want = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1, 2, 3)))(params, x, shared, 2.0)
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(sp, sx, shared, 2.0)
+        assert_close(got, want)
+        assert float(jnp.max(jnp.abs(got[1][2]))) > 0
+
+        def closes_over_scale(p, x, scale):
+            return pipeline(layer, p, x, num_microbatches=4, schedule="1f1b",
+                            loss_fn=lambda out: scale * jnp.mean(out**2))
+
+        with pytest.raises(ValueError, match="loss_fn closes over traced float values"):
+            jax.jit(jax.grad(closes_over_scale, argnums=2))(sp, sx, 2.0)
+
+
 def test_1f1b_activation_memory_does_not_grow_with_microbatches():
     """GPipe (with remat) keeps every layer input of every microbatch until the backward pass:
     per extra microbatch at least K = L/P layer inputs. 1F1B keeps at most 2P - 1 stage inputs;

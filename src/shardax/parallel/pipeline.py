@@ -174,7 +174,7 @@ def pipeline(
         are differentiable and replicated over ``axis``. ``loss_fn`` runs manual over
         ``axis``: it must not itself use ``shard_map``. Under ``'1f1b'`` it must return a
         scalar and is applied to each microbatch (with its rows of ``loss_batch_args``); the
-        result is the mean over microbatches.
+        result is the mean over microbatches; it may not close over traced float values.
       remat: recompute each layer in the backward pass, storing only its input (one microbatch
         per layer per step) as GPipe does; ``remat_policy`` (a ``jax.checkpoint_policies``
         policy, e.g. ``dots_saveable``) saves more. ``remat=False`` stores every residual; with
@@ -226,9 +226,20 @@ def pipeline(
     if loss_fn is None:
         return jax.tree.map(_from_microbatches, _on_stage0(run(params, x)))
     if schedule == "1f1b":
+        # Traced values layer_fn closes over (e.g. a weight shared by all layers) become
+        # explicit inputs of the custom_vjp, so they get gradients too.
+        rows = functools.partial(jax.tree.map, lambda a: a[: batch // m])
+        layer_fn, layer_consts = _hoist_closures(
+            layer_fn, jax.tree.map(lambda a: a[0], params), rows(x)
+        )
+        if _hoist_closures(loss_fn, rows(x), *rows(batch_args), *loss_args)[1]:
+            raise ValueError(
+                "schedule '1f1b': loss_fn closes over traced float values; pass them in "
+                "loss_args (or per-row ones in loss_batch_args) so they get gradients"
+            )
         return _one_f_one_b(
             _Static(layer_fn, loss_fn, axis, mesh, num_stages, m, remat, remat_policy),
-            params, x, batch_args, loss_args,
+            params, x, batch_args, loss_args, layer_consts,
         )
     return _loss_on_stage0(loss_fn, run(params, x), batch_args + loss_args, axis, mesh)
 
@@ -335,14 +346,16 @@ class _Static(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _one_f_one_b(static, params, x, batch_args, loss_args):
+def _one_f_one_b(static, params, x, batch_args, loss_args, layer_consts):
     """The 1F1B loss. Without differentiation this is the GPipe forward pass and the mean of
     the per-microbatch losses; under differentiation :func:`_one_f_one_b_grads` runs instead
-    and the gradients it computed are scaled by the incoming cotangent."""
+    and the gradients it computed are scaled by the incoming cotangent. ``static.layer_fn``
+    takes ``layer_consts`` as trailing arguments."""
     s = static
+    p = s.num_stages
     out = _run_stages(
-        s.layer_fn, params, x, axis=s.axis, mesh=s.mesh, num_stages=s.num_stages, v=1,
-        m=s.num_microbatches, k=_num_layers(params, s.num_stages, 1, s.axis) // s.num_stages,
+        lambda lp, h: s.layer_fn(lp, h, *layer_consts), params, x, axis=s.axis, mesh=s.mesh,
+        num_stages=p, v=1, m=s.num_microbatches, k=_num_layers(params, p, 1, s.axis) // p,
         remat=False, remat_policy=None,
     )
     loss_fn = _mean_over_microbatches(s.loss_fn, len(batch_args), s.num_microbatches)
@@ -356,7 +369,7 @@ def _one_f_one_b_bwd(static, grads, ct):
     return jax.tree.map(scale, grads, is_leaf=lambda g: g is None)
 
 
-def _one_f_one_b_grads(static, params, x, batch_args, loss_args):
+def _one_f_one_b_grads(static, params, x, batch_args, loss_args, layer_consts):
     """Loss and its gradients in one pass over ``M + 2P - 2`` steps (the ``custom_vjp``'s
     forward rule, with symbolic zeros: gradients are formed only for the inputs that are
     differentiated, e.g. not for the labels or the RoPE tables). At step ``t`` stage ``s``
@@ -371,32 +384,39 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args):
     s = static
     p, m, axis, mesh = s.num_stages, s.num_microbatches, s.axis, s.mesh
     params = jax.tree.map(lambda a: a.value, params)
-    (x, want_x), (batch_args, want_batch), (loss_args, want_args) = (
-        _unwrap(t) for t in (x, batch_args, loss_args)
+    (x, want_x), (batch_args, want_batch), (loss_args, want_args), (consts, want_consts) = (
+        _unwrap(t) for t in (x, batch_args, loss_args, layer_consts)
     )
+    diff_consts = _select(consts, want_consts)
     pin = functools.partial(_pin_stages, axis=axis, mesh=mesh)
     down, up = _ring_shift(axis, mesh, p, +1), _ring_shift(axis, mesh, p, -1)
     stages, stage = _stage_params(params, p, pin)
-    layer = s.layer_fn
+    def layer(lp, h, diff_consts=diff_consts):
+        return s.layer_fn(lp, h, *_combine(diff_consts, consts))
+
     if s.remat_policy is not None:
         layer = jax.checkpoint(layer, policy=s.remat_policy)
 
-    def run_stage(stage_params, h):
+    def run_stage(stage_params, h, diff_consts=diff_consts):
         """The stage's output, and what its backward pass needs: each layer's input with
         ``remat``, else the stage's input."""
-        y, inputs = lax.scan(lambda h, lp: (layer(lp, h), h), h, stage_params)
+        y, inputs = lax.scan(lambda h, lp: (layer(lp, h, diff_consts), h), h, stage_params)
         return y, (inputs if s.remat else h)
 
     def stage_vjp(stage_params, saved, ct):
+        """Gradients of the stage's params, its input and the layers' closed-over values."""
         if not s.remat:  # recompute the whole stage, keep its residuals for this microbatch
-            return jax.vjp(lambda p, h: run_stage(p, h)[0], stage_params, saved)[1](ct)
+            run = lambda p, h, c: run_stage(p, h, c)[0]  # noqa: E731
+            return jax.vjp(run, stage_params, saved, diff_consts)[1](ct)
 
-        def back(ct, layer_and_input):  # recompute one layer from its input
-            d_layer, ct = jax.vjp(layer, *layer_and_input)[1](ct)
-            return ct, d_layer
+        def back(carry, layer_and_input):  # recompute one layer from its input
+            ct, d_consts = carry
+            d_layer, ct, d_c = jax.vjp(layer, *layer_and_input, diff_consts)[1](ct)
+            return (ct, jax.tree.map(jnp.add, d_consts, d_c)), d_layer
 
-        ct, d_stage = lax.scan(back, ct, (stage_params, saved), reverse=True)
-        return d_stage, ct
+        zeros = jax.tree.map(jnp.zeros_like, diff_consts)
+        (ct, d_consts), d_stage = lax.scan(back, (ct, zeros), (stage_params, saved), reverse=True)
+        return d_stage, ct, d_consts
 
     forward_all, backward_all = jax.vmap(run_stage), jax.vmap(stage_vjp)
 
@@ -427,6 +447,7 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args):
         d_x=per_stage(jax.tree.map(jnp.zeros_like, _select(x_mb, want_x))),  # on stage 0
         d_batch=per_stage(jax.tree.map(jnp.zeros_like, _select(batch_mb, want_batch))),
         d_args=per_stage(jax.tree.map(jnp.zeros_like, _select(loss_args, want_args))),
+        d_consts=per_stage(jax.tree.map(jnp.zeros_like, diff_consts)),  # summed over stages
         loss=pin(jnp.zeros((p,), jnp.float32)),  # on stage P-1
     )
     loss_dtype = jax.eval_shape(
@@ -461,8 +482,9 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args):
             ct = c["bwd_in"]
             if d_out is not None:
                 ct = jax.tree.map(functools.partial(_where_stage, stage == p - 1), d_out, ct)
-            d_stage, d_h = backward_all(stages, _load(c["stash"], j % r), ct)
+            d_stage, d_h, d_consts = backward_all(stages, _load(c["stash"], j % r), ct)
             c["d_params"] = pin(add_where(ok, c["d_params"], d_stage))
+            c["d_consts"] = pin(add_where(ok, c["d_consts"], d_consts))
             done = t - 2 * (p - 1)  # stage 0's microbatch
             keep = (stage == 0) & (done >= 0)
             c["d_x"] = jax.tree.map(
@@ -489,7 +511,9 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args):
     d_params = jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]),
                             carry["d_params"])
     d_args = jax.tree.map(lambda b: b[p - 1], carry["d_args"])
-    grads = (d_params, from_stage(carry["d_x"], 0), from_stage(carry["d_batch"], p - 1), d_args)
+    d_consts = jax.tree.map(lambda b: jnp.sum(b, 0), carry["d_consts"])
+    grads = (d_params, from_stage(carry["d_x"], 0), from_stage(carry["d_batch"], p - 1), d_args,
+             d_consts)
     return (carry["loss"][p - 1] / m).astype(loss_dtype), grads
 
 
@@ -533,6 +557,13 @@ def _loss_region(static, loss_args, want_batch, want_args):
         body, mesh=s.mesh, in_specs=(P(axis), P(), P()), out_specs=P(axis), axis_names={axis}
     )
     return lambda y, batch_j: region(y, batch_j, loss_args)
+
+
+def _hoist_closures(fn, *example_args):
+    """``(fn, ())`` when ``fn`` closes over no traced values that may be differentiated, else
+    ``jax.closure_convert``'s version taking them as trailing arguments, and the values."""
+    converted, consts = jax.closure_convert(fn, *example_args)
+    return (converted, tuple(consts)) if consts else (fn, ())
 
 
 def _mean_over_microbatches(loss_fn, num_batch_args, m):
