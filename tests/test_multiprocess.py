@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shardax.launch import free_port, launch
+from shardax.launch import _failures, free_port, launch
 from shardax.train.loop import TrainConfig, train
 
 pytestmark = pytest.mark.multiprocess
@@ -365,6 +365,15 @@ def test_launch_stops_everything_when_one_process_fails(capsys, tmp_path):
     pids = [int(line.split()[1]) for line in out.getvalue().splitlines()]
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
     assert "process 1 (pid" in capsys.readouterr().err
+
+
+def test_launch_reports_the_likeliest_cause_first():
+    """When a killed worker and a peer that exited because of it are seen in the same poll,
+    the kill is reported (and decides the exit status)."""
+    assert _failures([None, None]) == [] and _failures([0, 0]) == []
+    assert _failures([1, -9]) == [(1, -9), (0, 1)]
+    assert _failures([None, 3, 1]) == [(1, 3), (2, 1)]
+    assert _failures([-15, -9, 2]) == [(0, -15), (1, -9), (2, 2)]
 
 
 @_fork_ok

@@ -105,6 +105,14 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
+def _failures(codes: list[int | None]) -> list[tuple[int, int]]:
+    """``(index, exit code)`` of the processes that failed, likeliest cause first: one killed
+    by a signal (OOM killer, a scheduler, a user) before one that exited with an error, which
+    is often just a peer noticing that the other died (a broken collective)."""
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    return sorted(failed, key=lambda f: (f[1] > 0, f[0]))
+
+
 class _Interrupted(Exception):
     def __init__(self, signum: int):
         self.signum = signum
@@ -192,10 +200,12 @@ def launch(
             + " ".join(f"{i}:{p.pid}" for i, p in enumerate(procs)))
         while True:
             codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            failed = _failures(codes)
             if failed:
                 i, code = failed[0]
                 say(f"process {i} (pid {procs[i].pid}) {_describe(code)}; stopping the others")
+                for j, other in failed[1:]:
+                    say(f"process {j} (pid {procs[j].pid}) {_describe(other)} too")
                 status = 128 - code if code < 0 else code
                 break
             if all(c == 0 for c in codes):
