@@ -193,6 +193,53 @@ def test_1f1b_matches_sequential(shape, names, m, remat):
     assert float(jnp.max(jnp.abs(got[1][1]))) > 0  # the input gradient really flows back
 
 
+@pytest.mark.parametrize("shape,names,schedule,v", [
+    ((4, 2), ("pp", "dp"), "1f1b", 1),
+    ((4, 2), ("pp", "dp"), "gpipe", 1),  # circular shares gpipe's loss path
+    ((2, 2, 2), ("pp", "fsdp", "tp"), "1f1b", 1),
+    ((8,), ("dp",), "1f1b", 1),  # no 'pp' axis: the sequential path
+])
+def test_loss_has_aux_reports_values_without_gradient(shape, names, schedule, v):
+    """loss_has_aux: loss_fn's aux comes back (as jax.value_and_grad(has_aux=True) would give
+    it: averaged over microbatches under 1f1b, which for row means is the whole-batch value)
+    and carries no gradient; the loss and its gradients equal the sequential program's."""
+    params, x = make(8, seed=4)
+    target = jax.random.normal(jax.random.key(5), (BATCH, D))
+
+    def loss_and_metrics(out, t):
+        err = out - t
+        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err)), "max": jnp.max(err, axis=0)}
+
+    def loss(p, x, t):
+        total, aux = pipeline(layer, p, x, num_microbatches=4, schedule=schedule,
+                              virtual_stages=v, loss_fn=loss_and_metrics, loss_batch_args=(t,),
+                              loss_has_aux=True)
+        # aux carries no gradient: adding it changes the value, not the gradients
+        return total + aux["mae"] + jnp.sum(aux["max"]), (total, aux)
+
+    def ref_loss(p, x, t):
+        total, aux = loss_and_metrics(ref_scan(p, x), t)
+        return total, (total, aux)
+
+    mesh = mesh_of(shape, names)
+    if "pp" in names:
+        sp, sx = shard_inputs(mesh, params, x)
+    else:
+        sp, sx = params, put(mesh, x, P("dp"))
+    with jax.set_mesh(mesh):
+        (_, (total, aux)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1),
+                                                              has_aux=True))(sp, sx, target)
+    (_, (ref_total, ref_aux)), ref_grads = jax.jit(
+        jax.value_and_grad(ref_loss, argnums=(0, 1), has_aux=True))(params, x, target)
+    assert_close(total, ref_total)
+    assert_close(aux["mae"], ref_aux["mae"])
+    assert_close(grads, ref_grads)
+    if schedule == "1f1b":  # per-microbatch max, averaged: not the batch max, but each is <= it
+        assert np.all(np.asarray(aux["max"]) <= np.asarray(ref_aux["max"]) + 1e-6)
+    else:
+        assert_close(aux["max"], ref_aux["max"])
+
+
 @pytest.mark.parametrize("remat", [True, False])
 def test_1f1b_closed_over_values_get_gradients(remat):
     """A traced value layer_fn closes over (a weight shared by every layer) is differentiated
@@ -397,6 +444,14 @@ def test_errors():
         run(params, x, num_microbatches=4, loss_fn=mse, loss_batch_args=(x[:8],))
     with pytest.raises(ValueError, match="needs loss_fn to return a scalar"):
         run(params, x, num_microbatches=4, schedule="1f1b", loss_fn=lambda o: o)
+    no_aux = r"loss_has_aux=True needs loss_fn to return \(loss, aux\)"
+    with pytest.raises(ValueError, match=no_aux):
+        run(params, x, num_microbatches=4, loss_fn=lambda o: jnp.mean(o), loss_has_aux=True)
+    with pytest.raises(ValueError, match=no_aux):
+        run(params, x, num_microbatches=4, schedule="1f1b", loss_fn=lambda o: jnp.mean(o),
+            loss_has_aux=True)
+    with pytest.raises(ValueError, match="loss_has_aux=True needs a loss_fn"):
+        run(params, x, num_microbatches=4, loss_has_aux=True)
     with pytest.raises(ValueError, match=r"leaf x\[1\] has dtype int32"):
         pipeline(lambda p, h: (layer(p, h[0]), h[1]), params, (x, jnp.zeros(BATCH, jnp.int32)),
                  num_microbatches=4, schedule="1f1b", loss_fn=lambda o: jnp.mean(o[0]), mesh=mesh)

@@ -170,13 +170,17 @@ def test_pipeline_with_ring_attention(schedule, dense_reference, tmp_path, monke
     assert _count(_ops(plan, "collective-permute", (1, 2, 16, 2, 16))) == 6 * per_layer_step
 
 
-def test_pipeline_with_experts(moe_reference, tmp_path, monkeypatch):
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_with_experts(schedule, moe_reference, tmp_path, monkeypatch):
     # One microbatch: the load-balancing loss and expert capacity see the whole batch, as in
-    # the reference (with M > 1 they are per microbatch, like gradient accumulation).
+    # the reference (with M > 1 they are per microbatch, like gradient accumulation). Under
+    # 1f1b the pipeline differentiates cross-entropy + weight x load-balancing loss per
+    # microbatch and reports the cross-entropy beside it (Llama.training_loss).
     losses, plan = _train(tmp_path, monkeypatch, model="llama-moe-tiny", mesh="pp=2,ep=2,fsdp=2",
-                          microbatches=1)
+                          microbatches=1, pp_schedule=schedule)
     _close(losses, moe_reference)
-    # Dispatch and combine all-to-all per layer run; M + P - 1 = 2 steps here.
+    # Dispatch and combine all-to-all per layer run (forward, recomputed forward, backward:
+    # 3 x 2) for each of a stage's 2 layers in M + P - 1 = 2 steps; the same for both schedules.
     assert _count(_ops(plan, "all-to-all")) == 2 * 2 * 3 * 2
 
 
@@ -271,8 +275,6 @@ def test_sync_tensor_parallel_block_is_megatron():
     (["--mesh", "pp=2,fsdp=4", "--microbatches", "4"], "times --microbatches 4"),
     (["--model", "llama-moe-tiny", "--mesh", "ep=8"], "n_experts=4 is not divisible by 'ep'"),
     (["--mesh", "ep=8"], "needs a mixture-of-experts model"),
-    (["--model", "llama-moe-tiny", "--mesh", "pp=2,ep=2,fsdp=2", "--pp-schedule", "1f1b"],
-     "1f1b pipeline schedule takes the gradient of one scalar loss"),
     (["--mesh", "pp=2,fsdp=4", "--pp-schedule", "1f1b", "--virtual-stages", "2"],
      "needs pp_schedule='circular' (1f1b has one stage per device)"),
     (["--mesh", "cp=8", "--seq-len", "24"], "2 x 'cp' size 8"),
@@ -306,3 +308,19 @@ def test_check_mesh_and_presets():
     assert spec(("batch", "length", "mlp"), jmesh) == P(("ep", "dp", "fsdp"), "cp", "tp")
     assert spec(("layers", "embed", "mlp"), jmesh) == P("pp", "fsdp", "tp")
     assert spec(("expert", "embed", "mlp"), jmesh) == P("ep", "fsdp", "tp")
+
+
+def test_moe_cross_entropy_alone_is_refused_under_1f1b():
+    """Under 1f1b the pipeline differentiates one scalar per microbatch, so an MoE model's
+    separate (cross-entropy, aux) cannot both carry gradients: `loss` says to use
+    `training_loss`, which returns the objective (differentiable) and the cross-entropy."""
+    config = models.get_config("llama-moe-tiny", pp_schedule="1f1b", pp_microbatches=2,
+                               scan_layers=True)
+    mesh = jax.make_mesh((2, 4), ("pp", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tokens = jnp.zeros((4, 16), jnp.int32)
+    model = models.create(config, nnx.Rngs(0))
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="use training_loss"):
+            jax.eval_shape(lambda: model.loss(tokens, tokens))
+        objective, ce = jax.eval_shape(lambda: model.training_loss(tokens, tokens))
+    assert objective.shape == ce.shape == ()

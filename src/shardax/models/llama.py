@@ -203,9 +203,6 @@ def check_mesh(
              f"needs microbatches >= 'pp' size {pp}, got {c.pp_microbatches}")
         need(batch_size % c.pp_microbatches == 0, f"batch size {batch_size} is not divisible "
              f"by {c.pp_microbatches} microbatches")
-        need(c.pp_schedule != "1f1b" or not c.n_experts, "the 1f1b pipeline schedule takes "
-             "the gradient of one scalar loss per microbatch; a mixture-of-experts model adds "
-             "its load-balancing loss: use --pp-schedule gpipe or circular")
     if cp > 1:
         need(seq_len % (2 * cp) == 0, f"--seq-len {seq_len} must divide into 2 x 'cp' size "
              f"{cp} = {2 * cp} load-balanced chunks")
@@ -470,27 +467,69 @@ class Llama(nnx.Module):
         """
         c = self.config
         x, cos, sin = self._embed(tokens, positions)
-
-        def ce(x, targets, *head, gather=True):
-            return cross_entropy(cast(self._head(x, *head)), targets, gather=gather)
-
         if pipeline_size() <= 1:
             x, aux = self._layers(x, cos, sin, load_balanced)
-            return ce(x, targets, *self._head_params()), aux
+            return self._cross_entropy(x, targets, *self._head_params(), cast=cast), aux
 
-        if c.pp_schedule == "1f1b":  # one scalar per microbatch (no MoE: see check_mesh)
-            loss = self._pipeline(x, cos, sin, load_balanced,
-                                  loss_fn=lambda out, *a: ce(out[0], *a, gather=False),
+        def ce(out, targets, *head):
+            return self._cross_entropy(out[0], targets, *head, cast=cast, gather=False)
+
+        if c.pp_schedule == "1f1b":  # it differentiates one scalar per microbatch
+            if c.n_experts:
+                raise ValueError(
+                    "under the 1f1b pipeline schedule the gradient is taken inside the pipeline, "
+                    "of one scalar: use training_loss (cross-entropy + moe_aux_weight x aux) for "
+                    "a mixture-of-experts model"
+                )
+            loss = self._pipeline(x, cos, sin, load_balanced, loss_fn=ce,
                                   loss_batch_args=(targets,), loss_args=self._head_params())
             return loss, jnp.zeros((), jnp.float32)
 
         def stage_loss(out, targets, *head):
-            aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.float32(0)
-            return jnp.stack([ce(out[0], targets, *head, gather=False), aux])
+            aux = self._aux_loss(out) if c.n_experts else jnp.float32(0)
+            return jnp.stack([ce(out, targets, *head), aux])
 
         both = self._pipeline(x, cos, sin, load_balanced, loss_fn=stage_loss,
                               loss_batch_args=(targets,), loss_args=self._head_params())
         return both[0], both[1]
+
+    def training_loss(self, tokens: jax.Array, targets: jax.Array,
+                      positions: jax.Array | None = None, *, load_balanced: bool = False,
+                      cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+                      ) -> tuple[jax.Array, jax.Array]:
+        """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
+        ``moe_aux_weight`` times the MoE load-balancing loss (the cross-entropy alone for a
+        dense model), and the cross-entropy, to report. Arguments as for :meth:`loss`.
+
+        Under the '1f1b' pipeline schedule an MoE model needs this form: the pipeline takes
+        the gradient of one scalar per microbatch (the objective) and reports the
+        cross-entropy beside it, without gradient.
+
+        Example::
+
+            objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
+        """
+        c = self.config
+        if not (c.n_experts and pipeline_size() > 1 and c.pp_schedule == "1f1b"):
+            ce, aux = self.loss(tokens, targets, positions, load_balanced=load_balanced,
+                                cast=cast)
+            return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
+
+        def objective(out, targets, *head):
+            ce = self._cross_entropy(out[0], targets, *head, cast=cast, gather=False)
+            return ce + c.moe_aux_weight * self._aux_loss(out), ce
+
+        x, cos, sin = self._embed(tokens, positions)
+        return self._pipeline(x, cos, sin, load_balanced, loss_fn=objective,
+                              loss_batch_args=(targets,), loss_args=self._head_params(),
+                              loss_has_aux=True)
+
+    def _cross_entropy(self, x, targets, *head, cast, gather=True):
+        return cross_entropy(cast(self._head(x, *head)), targets, gather=gather)
+
+    def _aux_loss(self, out):
+        """The load-balancing loss from the pipeline's outputs (summed over layers per row)."""
+        return jnp.mean(out[3]) / self.config.n_layers
 
     def _embed(self, tokens, positions):
         """Token embeddings ``[b, s, dim]`` in the compute dtype, and the RoPE tables."""
@@ -538,7 +577,7 @@ class Llama(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_batch_args=(),
-                  loss_args=()):
+                  loss_args=(), loss_has_aux=False):
         """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
         stage), or with ``loss_fn`` what ``pipeline(loss_fn=...)`` returns, computed on the
         output stage alone. Without ``loss_fn`` (logits only) '1f1b' runs as 'gpipe', the same
@@ -573,8 +612,9 @@ class Llama(nnx.Module):
         out = pipeline(layer_fn, state, h, num_microbatches=c.pp_microbatches,
                        schedule=schedule, virtual_stages=v, remat=True,
                        remat_policy=policy, loss_fn=loss_fn,
-                       loss_batch_args=loss_batch_args, loss_args=loss_args)
+                       loss_batch_args=loss_batch_args, loss_args=loss_args,
+                       loss_has_aux=loss_has_aux)
         if loss_fn is not None:
             return out
-        aux = jnp.mean(out[3]) / c.n_layers if c.n_experts else jnp.zeros((), jnp.float32)
+        aux = self._aux_loss(out) if c.n_experts else jnp.zeros((), jnp.float32)
         return out[0], aux

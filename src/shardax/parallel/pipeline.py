@@ -151,6 +151,7 @@ def pipeline(
     loss_fn: Callable[..., jax.Array] | None = None,
     loss_args: tuple = (),
     loss_batch_args: tuple = (),
+    loss_has_aux: bool = False,
     remat: bool = True,
     remat_policy: Callable[..., bool] | None = None,
     axis: str = "pp",
@@ -175,6 +176,10 @@ def pipeline(
         ``axis``: it must not itself use ``shard_map``. Under ``'1f1b'`` it must return a
         scalar and is applied to each microbatch (with its rows of ``loss_batch_args``); the
         result is the mean over microbatches; it may not close over traced float values.
+      loss_has_aux: ``loss_fn`` returns ``(loss, aux)`` with ``aux`` a pytree of arrays to
+        report (metrics), not differentiate, as in ``jax.value_and_grad(has_aux=True)``; the
+        pipeline then returns ``(loss, aux)``, ``aux`` under ``lax.stop_gradient`` (under
+        ``'1f1b'``: ``loss`` a scalar, both averaged over microbatches).
       remat: recompute each layer in the backward pass, storing only its input (one microbatch
         per layer per step) as GPipe does; ``remat_policy`` (a ``jax.checkpoint_policies``
         policy, e.g. ``dots_saveable``) saves more. ``remat=False`` stores every residual; with
@@ -186,7 +191,8 @@ def pipeline(
       axis: pipeline mesh axis; mesh: explicit mesh, else the ``jax.set_mesh`` context mesh.
 
     Returns:
-      the outputs (same shape as ``x``, replicated over ``axis``), or what ``loss_fn`` returns.
+      the outputs (same shape as ``x``, replicated over ``axis``), or what ``loss_fn`` returns
+      (with ``loss_has_aux``, its ``aux`` without gradient).
 
     Example::
 
@@ -209,14 +215,20 @@ def pipeline(
     _check_layer(layer_fn, params, mb_shapes)
     batch_args, loss_args = tuple(loss_batch_args), tuple(loss_args)
     _check_batch_args(batch_args, batch)
+    if loss_has_aux and loss_fn is None:
+        raise ValueError("pipeline loss_has_aux=True needs a loss_fn")
     if schedule == "1f1b":
-        _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m)
+        _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m, loss_has_aux)
+        if not loss_has_aux:  # one code path: the 1F1B loss region always yields (loss, aux)
+            loss_fn = _with_no_aux(loss_fn)
 
     if num_stages == 1:
         out = sequential(layer_fn, params, x)
+        if loss_fn is None:
+            return out
         if schedule == "1f1b":
             loss_fn = _mean_over_microbatches(loss_fn, len(batch_args), m)
-        return out if loss_fn is None else loss_fn(out, *batch_args, *loss_args)
+        return _finish_loss(loss_fn(out, *batch_args, *loss_args), schedule, loss_has_aux)
 
     k = num_layers // (num_stages * v)
     run = functools.partial(
@@ -225,23 +237,39 @@ def pipeline(
     )
     if loss_fn is None:
         return jax.tree.map(_from_microbatches, _on_stage0(run(params, x)))
-    if schedule == "1f1b":
-        # Traced values layer_fn closes over (e.g. a weight shared by all layers) become
-        # explicit inputs of the custom_vjp, so they get gradients too.
-        rows = functools.partial(jax.tree.map, lambda a: a[: batch // m])
-        layer_fn, layer_consts = _hoist_closures(
-            layer_fn, jax.tree.map(lambda a: a[0], params), rows(x)
+    if schedule != "1f1b":
+        result = _loss_on_stage0(loss_fn, run(params, x), batch_args + loss_args, axis, mesh)
+        return _finish_loss(result, schedule, loss_has_aux)
+    # Traced values layer_fn closes over (e.g. a weight shared by all layers) become explicit
+    # inputs of the custom_vjp, so they get gradients too.
+    rows = functools.partial(jax.tree.map, lambda a: a[: batch // m])
+    layer_fn, layer_consts = _hoist_closures(
+        layer_fn, jax.tree.map(lambda a: a[0], params), rows(x)
+    )
+    if _hoist_closures(loss_fn, rows(x), *rows(batch_args), *loss_args)[1]:
+        raise ValueError(
+            "schedule '1f1b': loss_fn closes over traced float values; pass them in "
+            "loss_args (or per-row ones in loss_batch_args) so they get gradients"
         )
-        if _hoist_closures(loss_fn, rows(x), *rows(batch_args), *loss_args)[1]:
-            raise ValueError(
-                "schedule '1f1b': loss_fn closes over traced float values; pass them in "
-                "loss_args (or per-row ones in loss_batch_args) so they get gradients"
-            )
-        return _one_f_one_b(
-            _Static(layer_fn, loss_fn, axis, mesh, num_stages, m, remat, remat_policy),
-            params, x, batch_args, loss_args, layer_consts,
-        )
-    return _loss_on_stage0(loss_fn, run(params, x), batch_args + loss_args, axis, mesh)
+    result = _one_f_one_b(
+        _Static(layer_fn, loss_fn, axis, mesh, num_stages, m, remat, remat_policy),
+        params, x, batch_args, loss_args, layer_consts,
+    )
+    return _finish_loss(result, schedule, loss_has_aux)
+
+
+def _with_no_aux(loss_fn):
+    return lambda *args: (loss_fn(*args), ())
+
+
+def _finish_loss(result, schedule, has_aux):
+    """What :func:`pipeline` returns for ``loss_fn``'s ``result``: ``aux`` gets no gradient."""
+    if has_aux:
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise ValueError(f"loss_has_aux=True needs loss_fn to return (loss, aux); got {result}")
+        loss, aux = result
+        return loss, lax.stop_gradient(aux)
+    return result[0] if schedule == "1f1b" else result
 
 
 def _run_stages(layer_fn, params, x, *, axis, mesh, num_stages, v, m, k, remat, remat_policy):
@@ -323,9 +351,9 @@ def _loss_on_stage0(loss_fn, buf, loss_args, axis, mesh):
         # (replicated) loss_args varying out here, or their gradient psum lands inside the cond
         # and deadlocks. Collectives over the other (auto) axes stay within one stage: fine.
         loss_args = lax.pcast(loss_args, axis, to="varying")
-        shape = jax.eval_shape(loss_fn, out, *loss_args)
-        zero = lax.pcast(jnp.zeros(shape.shape, shape.dtype), axis, to="varying")
-        loss = lax.cond(lax.axis_index(axis) == 0, lambda: loss_fn(out, *loss_args), lambda: zero)
+        shapes = jax.eval_shape(loss_fn, out, *loss_args)
+        zeros = lambda: _varying_zeros(shapes, axis)  # noqa: E731
+        loss = lax.cond(lax.axis_index(axis) == 0, lambda: loss_fn(out, *loss_args), zeros)
         return lax.psum(loss, axis)
 
     run = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(), axis_names={axis})
@@ -363,6 +391,8 @@ def _one_f_one_b(static, params, x, batch_args, loss_args, layer_consts):
 
 
 def _one_f_one_b_bwd(static, grads, ct):
+    ct = ct[0]  # the loss's; its aux (metrics) is not differentiated
+
     def scale(g):
         return None if g is None else (g * ct).astype(g.dtype)
 
@@ -448,11 +478,12 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args, layer_consts):
         d_batch=per_stage(jax.tree.map(jnp.zeros_like, _select(batch_mb, want_batch))),
         d_args=per_stage(jax.tree.map(jnp.zeros_like, _select(loss_args, want_args))),
         d_consts=per_stage(jax.tree.map(jnp.zeros_like, diff_consts)),  # summed over stages
-        loss=pin(jnp.zeros((p,), jnp.float32)),  # on stage P-1
     )
-    loss_dtype = jax.eval_shape(
+    # (loss, aux) of one microbatch; their sums over microbatches accumulate on stage P-1.
+    values = jax.eval_shape(
         lambda out, batch: s.loss_fn(out, *batch, *loss_args), first, at(batch_mb, 0)
-    ).dtype
+    )
+    carry["values"] = pin(jax.tree.map(lambda v: jnp.zeros((p, *v.shape), jnp.float32), values))
 
     def step(c, t, forward, backward):
         c = dict(c)
@@ -469,8 +500,10 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args, layer_consts):
             c["fwd_in"] = pin(jax.tree.map(down, y))
             if backward:  # steady state: the last stage just finished microbatch t - (P-1)
                 done = t - (p - 1)
-                loss, d_out, d_batch, d_args = loss_at(y, at(batch_mb, done))
-                c["loss"] = c["loss"] + loss.astype(jnp.float32)
+                value, d_out, d_batch, d_args = loss_at(y, at(batch_mb, done))
+                c["values"] = jax.tree.map(
+                    lambda acc, v: acc + v.astype(jnp.float32), c["values"], value
+                )
                 c["d_args"] = jax.tree.map(jnp.add, c["d_args"], d_args)
                 c["d_batch"] = jax.tree.map(
                     lambda buf, g: lax.dynamic_update_index_in_dim(buf, g, done, 1),
@@ -514,16 +547,17 @@ def _one_f_one_b_grads(static, params, x, batch_args, loss_args, layer_consts):
     d_consts = jax.tree.map(lambda b: jnp.sum(b, 0), carry["d_consts"])
     grads = (d_params, from_stage(carry["d_x"], 0), from_stage(carry["d_batch"], p - 1), d_args,
              d_consts)
-    return (carry["loss"][p - 1] / m).astype(loss_dtype), grads
+    mean = jax.tree.map(lambda acc, v: (acc[p - 1] / m).astype(v.dtype), carry["values"], values)
+    return mean, grads
 
 
 _one_f_one_b.defvjp(_one_f_one_b_grads, _one_f_one_b_bwd, symbolic_zeros=True)
 
 
 def _loss_region(static, loss_args, want_batch, want_args):
-    """``f(y, batch_j) -> (loss, d_y, d_batch_j, d_loss_args)``, each stacked ``[P, ...]`` and
-    zero except on the last stage, which alone runs ``loss_fn`` on its outputs ``y[P-1]`` and
-    its vjp (seeded with ``1/M``: the loss is the mean over microbatches). Only the leaves
+    """``f(y, batch_j) -> ((loss, aux), d_y, d_batch_j, d_loss_args)``, each stacked ``[P, ...]``
+    and zero except on the last stage, which alone runs ``loss_fn`` on its outputs ``y[P-1]``
+    and its vjp (seeded with ``1/M``: the loss is the mean over microbatches). Only the leaves
     ``want_*`` marks get gradients."""
     s = static
     axis, p, m = s.axis, s.num_stages, s.num_microbatches
@@ -540,16 +574,12 @@ def _loss_region(static, loss_args, want_batch, want_args):
                 batch, args = (_combine(d, a) for d, a in zip(diff, (batch_j, loss_args)))
                 return s.loss_fn(out, *batch, *args)
 
-            value, pull = jax.vjp(loss, out, diff)
+            value, pull, aux = jax.vjp(loss, out, diff, has_aux=True)
             d_out, (d_batch, d_args) = pull(jnp.ones_like(value) / m)
-            return value, d_out, d_batch, d_args
+            return (value, aux), d_out, d_batch, d_args
 
-        def zeros():
-            shapes = jax.eval_shape(value_and_grads)
-            return jax.tree.map(
-                lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), axis, to="varying"), shapes
-            )
-
+        shapes = jax.eval_shape(value_and_grads)
+        zeros = lambda: _varying_zeros(shapes, axis)  # noqa: E731
         result = lax.cond(lax.axis_index(axis) == p - 1, value_and_grads, zeros)
         return jax.tree.map(lambda a: a[None], result)
 
@@ -566,14 +596,22 @@ def _hoist_closures(fn, *example_args):
     return (converted, tuple(consts)) if consts else (fn, ())
 
 
+def _varying_zeros(shapes, axis):
+    """Zeros of ``shapes`` (a tree of ``ShapeDtypeStruct``), varying over manual ``axis``: the
+    branch of a ``lax.cond`` that the stages without the loss take."""
+    return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), axis, to="varying"),
+                        shapes)
+
+
 def _mean_over_microbatches(loss_fn, num_batch_args, m):
     """``loss_fn`` applied to each microbatch of the outputs and of the first
-    ``num_batch_args`` arguments (the rest are shared), averaged."""
+    ``num_batch_args`` arguments (the rest are shared), averaged (each leaf of its result)."""
 
     def mean_loss(out, *args):
         batch, rest = args[:num_batch_args], args[num_batch_args:]
         split = jax.tree.map(functools.partial(_to_microbatches, m=m), (out, batch))
-        return jnp.mean(lax.map(lambda ob: loss_fn(ob[0], *ob[1], *rest), split))
+        per_microbatch = lax.map(lambda ob: loss_fn(ob[0], *ob[1], *rest), split)
+        return jax.tree.map(lambda a: jnp.mean(a, axis=0).astype(a.dtype), per_microbatch)
 
     return mean_loss
 
@@ -687,7 +725,7 @@ def _check_batch_args(batch_args, batch):
             )
 
 
-def _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m):
+def _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m, has_aux):
     if loss_fn is None:
         raise ValueError(
             "schedule '1f1b' runs each microbatch's backward pass inside the pipeline, so it "
@@ -704,10 +742,15 @@ def _check_1f1b(loss_fn, x, mb_shapes, batch_args, loss_args, m):
         lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype), batch_args
     )
     out = jax.eval_shape(loss_fn, mb_shapes, *mb_batch, *loss_args)
+    if has_aux:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise ValueError(f"loss_has_aux=True needs loss_fn to return (loss, aux); got {out}")
+        out = out[0]
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != ():
         raise ValueError(
             "schedule '1f1b' needs loss_fn to return a scalar for one microbatch (its gradient "
-            f"is taken inside the pipeline); got {out}"
+            "is taken inside the pipeline; report other values with loss_has_aux=True); "
+            f"got {out}"
         )
 
 

@@ -67,11 +67,8 @@ def _loss(params, rest, graphdef, inputs, targets, policy: Policy):
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
     if cp > 1:
         inputs, targets, positions = (load_balance(a, cp) for a in (inputs, targets, positions))
-    ce, aux = model.loss(inputs, targets, positions, load_balanced=cp > 1,
-                         cast=policy.cast_to_output)
-    if model.config.n_experts:
-        return ce + model.config.moe_aux_weight * aux, ce
-    return ce, ce
+    return model.training_loss(inputs, targets, positions, load_balanced=cp > 1,
+                               cast=policy.cast_to_output)
 
 
 def _microbatches(x: jax.Array, k: int) -> jax.Array:
