@@ -25,6 +25,7 @@ from _common import (
 
 DEPTHS = (2, 32)
 GOAL = 1.5  # scanned: 32 layers may cost at most 1.5x the 2-layer compile
+REPEATS = 2  # fresh builds per cell; the one with least CPU time is kept (interference only adds)
 
 
 def measure(n_layers: int, scan: bool) -> dict[str, Any]:
@@ -51,8 +52,9 @@ def render(result: dict[str, Any]) -> str:
         "## 4. Compile time vs depth",
         "",
         "llama-tiny shapes (dim 64, 4 heads) at 2 and 32 layers, train step with adamw, `fsdp` "
-        "preset on 8 devices, batch 8x64; one fresh build per cell, the cells run "
-        "back to back in one process. *lower* = trace + lower to StableHLO (includes sjit's "
+        "preset on 8 devices, batch 8x64; per cell the best (least CPU time) of "
+        f"{REPEATS} fresh builds, the cells run back to back in one process. *lower* = trace + "
+        "lower to StableHLO (includes sjit's "
         "rule resolution), *compile* = XLA, both wall-clock; *CPU s* = process CPU time of "
         "both (all threads), which other jobs on a shared machine disturb less, so the ratios "
         "use it. Goal: with `scan_layers=True` the 32-layer build costs at most "
@@ -92,7 +94,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the result here (default: stdout)")
     args = parser.parse_args()
     measure(2, True)  # warm JAX's one-time start-up costs so the first cell is not penalized
-    rows = [measure(n, scan) for n in DEPTHS for scan in (False, True)]
+    rows = [min((measure(n, scan) for _ in range(REPEATS)), key=lambda r: r["cpu_s"])
+            for n in DEPTHS for scan in (False, True)]
     emit({"rows": rows}, args.json)
 
 
