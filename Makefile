@@ -25,8 +25,9 @@ run: install
 	$(VENV)/bin/shardax train --out $(RUN)
 	ln -sfn $(notdir $(RUN)) runs/latest
 
+# Two workers, each file on one worker (files share their expensive reference runs).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
 
 lint: install
 	$(VENV)/bin/ruff check .
