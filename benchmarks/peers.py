@@ -42,6 +42,7 @@ from shardax.rules import FSDPShardingRule
 PEERS_DIR = ROOT / "benchmarks" / ".peers"
 MIN_FSDP_SIZE = 2**10  # so that llama-tiny's leaves are sharded too
 GOAL = 1.05
+REFERENCE = "jax.jit + NamedSharding"  # the hand-written program every peer is compared with
 
 
 def _scalax() -> tuple[Any, str | None]:
@@ -72,7 +73,7 @@ def _builders(model: str, scalax_sharding: Any) -> tuple[dict[str, Any], Any, An
         return partial(train_step, graphdef=graphdef, tx=tx, policy=policy)
 
     builders = {
-        "jax.jit + NamedSharding": lambda: jax.jit(
+        REFERENCE: lambda: jax.jit(
             step_fn(), in_shardings=(shardings, batch_sharding),
             out_shardings=(shardings, replicated)),
         "shardax sjit": lambda: mesh.sjit(
@@ -135,22 +136,18 @@ def step_times(model: str, scalax_sharding: Any, rounds: int) -> dict[str, Any]:
     samples = interleaved(fns, rounds=rounds, warmup=2)
     # Paired: each round's time over the reference's in the same round, so load that drifts
     # between rounds of a shared machine cancels; the median of those is the reported ratio.
-    ref = samples.get("jax.jit + NamedSharding")
+    ref = samples.get(REFERENCE)
     paired = {k: median([t / r for t, r in zip(v, ref)]) for k, v in samples.items()} if ref else {}
     return {"first_call_s": first, "step_s": {k: median(v) for k, v in samples.items()},
             "paired_ratio": paired, "samples": samples, "errors": errors, "rounds": rounds}
 
 
 def _step_ratio(steps: dict[str, Any], name: str) -> float:
-    """Step time of ``name`` over jax.jit's: paired per round (older results: of medians)."""
-    if name in steps.get("paired_ratio", {}):
-        return steps["paired_ratio"][name]
-    ref = steps["step_s"].get("jax.jit + NamedSharding")
-    return steps["step_s"][name] / ref if ref else float("nan")
+    """Step time of ``name`` over jax.jit's, paired per round; nan without a reference."""
+    return steps.get("paired_ratio", {}).get(name, float("nan"))
 
 
 def render(result: dict[str, Any]) -> str:
-    ref = "jax.jit + NamedSharding"
     lines = [
         "## 5. Peers side by side",
         "",
@@ -166,7 +163,7 @@ def render(result: dict[str, Any]) -> str:
         "",
     ]
     cm = result["compile"]
-    base = cm.get(ref, {})
+    base = cm.get(REFERENCE, {})
     lines += [
         f"**Compile and memory**, {result['compile_model']} (batch 16x128, compiled from "
         "`ShapeDtypeStruct`s, one fresh build each, back to back):",
@@ -186,7 +183,7 @@ def render(result: dict[str, Any]) -> str:
             f"{r['temp_bytes'] / 2**20:,.2f} MiB | {r['specs'] == base.get('specs')} | "
             f"{r['collectives'] == base.get('collectives')} |")
     st = result["steps"]
-    t_ref = st["step_s"].get(ref)
+    t_ref = st["step_s"].get(REFERENCE)
     lines += [
         "",
         f"**Step time**, {result['step_model']} (batch 16x128; llama-small takes seconds per "
@@ -220,17 +217,16 @@ def render(result: dict[str, Any]) -> str:
 
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
-    ref = "jax.jit + NamedSharding"
     rows = []
     steps = result["steps"]["step_s"]
     for name in steps:
-        if name != ref and ref in steps:
+        if name != REFERENCE and REFERENCE in steps:
             ratio = _step_ratio(result["steps"], name)
             rows.append(goal_row("5 peers", f"{name} / jax.jit step time", ratio, "≤ 1.05",
                                  ratio <= GOAL))
-    base = result["compile"].get(ref, {})
+    base = result["compile"].get(REFERENCE, {})
     for name, r in result["compile"].items():
-        if name != ref and "error" not in r and "argument_bytes" in base:
+        if name != REFERENCE and "error" not in r and "argument_bytes" in base:
             ratio = (r["argument_bytes"] + r["temp_bytes"]) / (
                 base["argument_bytes"] + base["temp_bytes"])
             rows.append(goal_row("5 peers", f"{name} / jax.jit memory (argument + temp)", ratio,
