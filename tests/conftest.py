@@ -30,6 +30,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
+# Token caches (shardax.train.encode) go to a fresh directory per test process, shared with
+# its subprocesses, never to the user's ~/.cache.
+if "SHARDAX_CACHE_DIR" not in os.environ:
+    _tokens = tempfile.mkdtemp(prefix="shardax-tests-tokens-")
+    atexit.register(shutil.rmtree, _tokens, ignore_errors=True)
+    os.environ["SHARDAX_CACHE_DIR"] = _tokens
+
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"tests expect 8 emulated CPU devices, got {jax.device_count()}"

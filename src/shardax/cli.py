@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a byte-level language model, sharded")
+    train = sub.add_parser("train", help="train a language model, sharded")
     from shardax.train.loop import TrainConfig
 
     defaults = TrainConfig()
@@ -79,7 +79,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--log-every", type=int, default=defaults.log_every)
     train.add_argument("--eval-every", type=int, default=defaults.eval_every)
     train.add_argument("--data", nargs="+", default=[], metavar="PATH",
-                       help="text files or directories (default: the Python standard library)")
+                       help="text, .jsonl, .parquet or token (.u8/.u16/.u32, .bin) files and "
+                            "directories (default: the Python standard library); see docs/data.md")
+    train.add_argument("--tokenizer", default=defaults.tokenizer, metavar="DIR",
+                       help="'bytes' (default) or a Hugging Face model directory / tokenizer.json")
+    train.add_argument("--text-field", default=defaults.text_field,
+                       help="the text field of .jsonl records / column of .parquet files "
+                            "(default %(default)s)")
+    train.add_argument("--token-dtype", default=defaults.token_dtype,
+                       choices=["", "uint16", "uint32"],
+                       help="integer type of .bin token files (.u16/.u32 say it by name)")
 
     generate = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     generate.add_argument("--out", required=True, help="run directory of a shardax train run")

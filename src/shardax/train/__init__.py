@@ -3,13 +3,17 @@
 from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, Restored, abstract_state
 from shardax.train.data import (
     SEPARATOR,
+    DataError,
     TokenBatches,
+    TokenStream,
     default_corpus,
-    list_text_files,
     load_bytes,
+    load_splits,
+    open_data,
     split_tokens,
     val_batches,
 )
+from shardax.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "Checkpointer",
@@ -17,10 +21,17 @@ __all__ = [
     "Restored",
     "abstract_state",
     "SEPARATOR",
+    "ByteTokenizer",
+    "DataError",
+    "HFTokenizer",
     "TokenBatches",
+    "TokenStream",
+    "Tokenizer",
     "default_corpus",
-    "list_text_files",
     "load_bytes",
+    "load_splits",
+    "load_tokenizer",
+    "open_data",
     "split_tokens",
     "val_batches",
 ]

@@ -1,14 +1,39 @@
-"""Byte-level language-model data: a built-in corpus, file loading, deterministic batches.
+"""Language-model batches: documents packed into a token stream on disk, sampled by step.
 
-Tokens are raw bytes (vocabulary 256). A batch is a pure function of ``(seed, step)``, so
-resuming needs only the step, and any number of processes can each build just their own rows
-of the same global batch. Pure numpy: indexing a shuffled window order is a few lines, has no
-hidden iterator state, and keeps this module free of a grain dependency.
+**Formats.** ``--data`` takes text files and directories, ``.jsonl`` (``--text-field``),
+Parquet and pre-tokenized token files (``.u8``/``.u16``/``.u32``, or ``.bin`` with
+``--token-dtype``); see `shardax.train.readers`. Text-like files are tokenized once, ahead of
+training and in parallel, into a memory-mapped cache (`shardax.train.encode`); token files are
+memory-mapped as they are. With no ``--data``, the corpus is the Python standard library's own
+sources (`default_corpus`).
+
+**Packing.** Every document becomes ``prefix + tokens + suffix + [eos]`` (the tokenizer's own
+special tokens, then the end-of-text id; with the byte tokenizer: the bytes, then NUL), and the
+documents of all inputs, in order, form one stream (a `TokenStream` over memory-mapped
+segments). Training cuts the stream into windows of ``seq_len + 1`` tokens (inputs and their
+next-token targets): a window may span documents, with the eos token between them, and no
+token is padding. Token files are taken as already packed: write the eos id between documents.
+
+**Determinism.** The global batch at step ``k`` is a pure function of ``(seed, k)``: global
+sample ``g = k * batch_size + row`` is window ``order[g]`` of the epoch ``g // W`` (``W``
+windows per epoch, boundaries shifted by a random offset per epoch), where ``order`` is
+``grain.MapDataset.range(W).shuffle(seed).repeat()``: grain's index shuffle, a bijection per
+epoch computed per index in O(1) memory (a materialized permutation of a large corpus's
+windows would itself grow with the corpus). Each process reads only its rows of that global
+batch (`TokenBatches`: ``process_index``/``process_count``, from the mesh), so resuming needs
+only the step, and the same step gives the same global batch on any number of processes and
+any mesh. grain's ``DataLoader`` is not used: its iterator state and per-worker sharding
+would tie the order to the process count; random access into a ``MapDataset`` does not.
+
+**Memory.** Nothing scales with the corpus: token files and the cache are memory-mapped and
+only the windows of a batch are read; encoding holds a few 1 MiB chunks at a time. The
+``data_memory`` benchmark measures it.
 
 Example::
 
-    files = default_corpus("train")
-    data = TokenBatches(load_bytes(files), seq_len=128, batch_size=16, seed=0)
+    tok = load_tokenizer("bytes")
+    train, val = load_splits(["corpus/", "notes.jsonl"], tok)        # TokenStreams
+    data = TokenBatches(train, seq_len=128, batch_size=16, seed=0)
     inputs, targets = next(data)            # int32 [16, 128]; targets = inputs shifted by one
     saved = data.state()                    # {"step": 1, ...}: store it with the checkpoint
 """
@@ -17,25 +42,36 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grain
 import numpy as np
+
+from shardax.train.encode import encode_files
+from shardax.train.readers import DataError, DataFile, list_data_files, open_token_file
+from shardax.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "SEPARATOR",
+    "DataError",
     "TokenBatches",
+    "TokenStream",
+    "check_splits",
+    "count_batches",
     "default_corpus",
-    "list_text_files",
     "load_bytes",
+    "load_splits",
+    "open_data",
     "split_tokens",
     "val_batches",
 ]
 
-#: Byte written between files by `load_bytes`: NUL never occurs in text, so it marks
-#: the end of a document.
+#: Byte written between files by `load_bytes` (the byte tokenizer's eos): NUL never occurs in
+#: text, so it marks the end of a document.
 SEPARATOR = b"\x00"
+VAL_FRACTION = 0.1
 
 # The default corpus: public top-level stdlib modules plus these packages.
 _CORPUS_PACKAGES = (
@@ -52,6 +88,8 @@ _CORPUS_MAX_FILE_BYTES = 256 * 1024
 _CORPUS_MAX_BYTES = 6 * 1024 * 1024
 _VAL_EVERY = 10
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__"}
+# Tokens of each token file checked against the vocabulary up front: its start and spread blocks.
+_ID_CHECK_HEAD, _ID_CHECK_BLOCKS, _ID_CHECK_BLOCK = 1 << 18, 16, 1 << 14
 
 
 def _corpus_files(root: Path) -> list[Path]:
@@ -102,50 +140,8 @@ def default_corpus(split: str = "train") -> list[Path]:
     return [f for i, f in enumerate(files) if (i % _VAL_EVERY == _VAL_EVERY - 1) == is_val]
 
 
-def _is_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(8192)
-    if b"\x00" in head:
-        return False
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:
-        # A multi-byte character cut by the end of the sample is still text.
-        return len(head) == 8192 and e.start >= len(head) - 3
-    return True
-
-
-def list_text_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
-    """Expands files and directories into a list of text files (the ``--data PATH...`` rule).
-
-    A file is taken as given; a directory contributes its text files (UTF-8, no NUL bytes),
-    recursively, sorted by relative path, skipping hidden entries. Order follows ``paths``.
-
-    Example::
-
-        files = list_text_files(["notes.txt", "corpus/"])
-    """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    out: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.exists():
-            raise FileNotFoundError(f"data path does not exist: {str(path)!r}")
-        if path.is_file():
-            out.append(path)
-            continue
-        found = sorted(
-            (p for p in path.rglob("*")
-             if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
-        out += [p for p in found if _is_text(p)]
-    return out
-
-
 def load_bytes(paths: Sequence[str | os.PathLike], separator: bytes = SEPARATOR) -> np.ndarray:
-    """Reads files (or directories, see `list_text_files`) into one uint8 array.
+    """Reads small text corpora into memory as one uint8 array (`open_data` streams instead).
 
     Files are joined with ``separator`` (default NUL, one byte), which also ends the last file.
 
@@ -153,19 +149,147 @@ def load_bytes(paths: Sequence[str | os.PathLike], separator: bytes = SEPARATOR)
 
         tokens = load_bytes(["a.txt", "b.txt"])    # b"<a>\\0<b>\\0" as uint8
     """
-    files = list_text_files(paths)
-    if not files:
-        raise ValueError(f"no text files found in {[str(p) for p in paths]}")
-    data = b"".join(Path(f).read_bytes() + separator for f in files)
+    files = list_data_files(paths)
+    other = [str(f) for f in files if f.kind != "text"]
+    if other:
+        raise DataError(f"load_bytes reads text files; use open_data for {other}")
+    data = b"".join(f.path.read_bytes() + separator for f in files)
     if len(data) == len(files) * len(separator):
-        raise ValueError(f"all data files are empty: {[str(f) for f in files]}")
+        raise DataError(f"all data files are empty: {[str(f) for f in files]}")
     return np.frombuffer(data, dtype=np.uint8).copy()
 
 
-def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
-    """Splits one token array into (train, val): the last ``val_fraction`` is held out.
+class TokenStream:
+    """One read-only token sequence over several arrays (usually memory-mapped files).
 
-    For user data given as a single file; `default_corpus` splits by file instead.
+    ``len(stream)`` tokens; `rows` reads windows, which may span arrays; `view` is a
+    sub-range. Nothing is copied or read until a window is.
+
+    Example::
+
+        stream = TokenStream([np.memmap("a.u16", np.uint16), np.array([5, 6], np.uint16)])
+        stream.rows(np.array([0, 10]), 4)          # int32 [2, 4]
+        train, val = stream.view(0, 900), stream.view(900, len(stream))
+    """
+
+    def __init__(self, segments: Sequence[np.ndarray], names: Sequence[str] | None = None):
+        self.segments = [s for s in segments if len(s)]
+        for s in self.segments:
+            if s.ndim != 1:
+                raise ValueError(f"tokens must be 1-D, got shape {s.shape}")
+        kept = [n for s, n in zip(segments, names or [""] * len(segments)) if len(s)]
+        self.names = kept
+        self._offsets = np.cumsum([0] + [len(s) for s in self.segments])
+        self.start, self.stop = 0, int(self._offsets[-1])
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def view(self, start: int, stop: int) -> TokenStream:
+        """Tokens ``[start, stop)`` of this stream, sharing its arrays."""
+        if not 0 <= start <= stop <= len(self):
+            raise ValueError(f"view [{start}, {stop}) outside a stream of {len(self)} tokens")
+        out = object.__new__(TokenStream)
+        out.segments, out.names, out._offsets = self.segments, self.names, self._offsets
+        out.start, out.stop = self.start + start, self.start + stop
+        return out
+
+    def rows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """int32 ``[len(starts), length]``: row ``i`` holds tokens ``starts[i]`` onwards."""
+        out = np.empty((len(starts), length), np.int32)
+        for i, start in enumerate(np.asarray(starts, np.int64)):
+            if not 0 <= start <= len(self) - length:
+                raise ValueError(f"window [{start}, {start + length}) outside a stream of "
+                                 f"{len(self)} tokens")
+            pos, filled = self.start + int(start), 0
+            seg = int(np.searchsorted(self._offsets, pos, side="right")) - 1
+            while filled < length:
+                offset = pos - int(self._offsets[seg])
+                piece = self.segments[seg][offset:offset + length - filled]
+                out[i, filled:filled + len(piece)] = piece
+                filled, pos, seg = filled + len(piece), pos + len(piece), seg + 1
+        return out
+
+
+def _check_ids(tokens: np.ndarray, file: DataFile, vocab_size: int) -> None:
+    """Samples a token file's start and spread blocks for ids outside the vocabulary."""
+    n = len(tokens)
+    blocks = [tokens[:_ID_CHECK_HEAD]]
+    for start in np.linspace(0, max(n - _ID_CHECK_BLOCK, 0), _ID_CHECK_BLOCKS).astype(np.int64):
+        blocks.append(tokens[start:start + _ID_CHECK_BLOCK])
+    top = max(int(b.max()) for b in blocks if len(b))
+    if top >= vocab_size:
+        raise DataError(
+            f"--data {str(file.path)!r}: token id {top} is outside the tokenizer's vocabulary of "
+            f"{vocab_size}; give the --tokenizer the file was made with (or the right "
+            "--token-dtype / extension)")
+
+
+def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = None,
+              text_field: str = "text", token_dtype: str | None = None,
+              log: Callable[[str], None] | None = None) -> TokenStream:
+    """``--data`` paths as one packed `TokenStream`, in order: token files memory-mapped,
+    each run of consecutive text/jsonl/Parquet files encoded into the cache (`encode_files`).
+
+    Raises `DataError` (one line naming the file) for anything unusable.
+
+    Example::
+
+        stream = open_data(["shards/", "extra.u16"], load_tokenizer("hf:models/llama"))
+    """
+    tokenizer = tokenizer or ByteTokenizer()
+    files = list_data_files(paths, token_dtype or None)
+    try:
+        empty = all(f.path.stat().st_size == 0 for f in files)
+    except OSError as e:
+        raise DataError(f"--data: cannot read {e.filename!r} ({e.strerror})") from None
+    if empty:
+        raise DataError(f"--data: all data files are empty: {[str(f) for f in files][:5]}")
+    segments, names, group = [], [], []
+
+    def flush():
+        if group:
+            segments.append(encode_files(group, tokenizer, text_field, log=log))
+            names.append(f"{len(group)} files from {group[0]}")
+            group.clear()
+
+    for f in files:
+        if f.kind != "tokens":
+            group.append(f)
+            continue
+        flush()
+        tokens = open_token_file(f)
+        if len(tokens):
+            _check_ids(tokens, f, tokenizer.vocab_size)
+        segments.append(tokens)
+        names.append(str(f.path))
+    flush()
+    return TokenStream(segments, names)
+
+
+def load_splits(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = None,
+                text_field: str = "text", token_dtype: str | None = None,
+                log: Callable[[str], None] | None = None,
+                val_fraction: float = VAL_FRACTION) -> tuple[TokenStream, TokenStream]:
+    """(train, validation) streams: with ``paths``, the last ``val_fraction`` of `open_data`'s
+    stream is held out; without, the built-in corpus's train and val files (`default_corpus`).
+
+    Example::
+
+        train, val = load_splits([], load_tokenizer("bytes"))      # the stdlib corpus
+    """
+    tokenizer = tokenizer or ByteTokenizer()
+    if not paths:
+        return tuple(TokenStream([encode_files([DataFile(p, "text") for p in default_corpus(s)],
+                                               tokenizer, log=log)], [f"stdlib {s}"])
+                     for s in ("train", "val"))
+    return split_tokens(open_data(paths, tokenizer, text_field, token_dtype, log), val_fraction)
+
+
+def split_tokens(tokens: np.ndarray | TokenStream, val_fraction: float = VAL_FRACTION):
+    """Splits tokens into (train, val): the last ``val_fraction`` is held out (views, no copy).
+
+    For user data; `default_corpus` splits by file instead.
 
     Example::
 
@@ -174,7 +298,39 @@ def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndar
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     cut = len(tokens) - int(round(len(tokens) * val_fraction))
+    if isinstance(tokens, TokenStream):
+        return tokens.view(0, cut), tokens.view(cut, len(tokens))
     return tokens[:cut], tokens[cut:]
+
+
+def count_batches(n_tokens: int, seq_len: int, batch_size: int) -> int:
+    """How many batches of consecutive, disjoint windows ``n_tokens`` tokens hold."""
+    return max(n_tokens - 1, 0) // seq_len // batch_size
+
+
+def check_splits(train_tokens: int, val_tokens: int, seq_len: int, batch_size: int,
+                 builtin: bool = False, val_fraction: float = VAL_FRACTION) -> None:
+    """Raises `DataError` (naming the flags and what to do) when the training split holds no
+    window of ``seq_len + 1`` tokens or the validation split not one batch of them.
+
+    Example::
+
+        check_splits(len(train), len(val), seq_len=128, batch_size=16)
+    """
+    if train_tokens < seq_len + 1:
+        raise DataError(
+            f"--data: the training split has {train_tokens:,} tokens, fewer than --seq-len + 1 "
+            f"= {seq_len + 1}; give more data or lower --seq-len")
+    need = batch_size * seq_len + 1
+    if count_batches(val_tokens, seq_len, batch_size) < 1:
+        where = ("the built-in corpus's validation files hold" if builtin else
+                 f"the validation split (the last {val_fraction:.0%} of the data) has")
+        total = "" if builtin else f"give at least {int(need / val_fraction) + 1:,} tokens of " \
+                                   "data in all, or "
+        raise DataError(
+            f"--data: {where} {val_tokens:,} tokens, fewer than one batch of --batch-size "
+            f"{batch_size} x --seq-len {seq_len} (+1) = {need:,}; {total}lower --batch-size or "
+            "--seq-len")
 
 
 def _check_sizes(
@@ -198,26 +354,29 @@ def _check_sizes(
     return windows
 
 
-def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    rows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+def _as_stream(tokens: np.ndarray | TokenStream) -> TokenStream:
+    return tokens if isinstance(tokens, TokenStream) else TokenStream([np.asarray(tokens)])
+
+
+def _split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows[:, :-1], rows[:, 1:]
 
 
 class TokenBatches:
-    """Deterministic, resumable language-model batches over a token array.
+    """Deterministic, resumable language-model batches over a token stream.
 
-    The token stream is cut into ``W = (len(tokens) - 1) // seq_len`` windows of
-    ``seq_len + 1`` tokens (inputs and the next-token targets). Each epoch visits every window
-    once, in an order shuffled from ``(seed, epoch)``, with window boundaries shifted by a
-    random offset per epoch. Global sample ``g = step * batch_size + row`` is window
-    ``perm[epoch][g % W]`` of epoch ``g // W``, so the batch for ``step`` is a pure function of
-    ``(seed, step)``.
+    The stream is cut into ``W = (len(tokens) - 1) // seq_len`` windows of ``seq_len + 1``
+    tokens (inputs and the next-token targets). Each epoch visits every window once, in an
+    order shuffled by grain from ``(seed, epoch)``, with window boundaries shifted by a random
+    offset per epoch. Global sample ``g = step * batch_size + row`` is window ``order[g]`` of
+    epoch ``g // W``, so the batch for ``step`` is a pure function of ``(seed, step)``.
 
     Multi-process: process ``p`` of ``P`` gets the contiguous rows
     ``[p * batch_size // P, (p + 1) * batch_size // P)`` of each global batch and reads only
     those windows. Concatenating the processes' batches in process order gives the
     single-process batch exactly, which is the layout `jax.make_array_from_process_local_data`
-    expects for a batch sharded over all devices.
+    expects for a batch sharded over all devices. ``vocab_size``: every batch is checked to hold
+    only ids below it.
 
     Example::
 
@@ -229,47 +388,51 @@ class TokenBatches:
 
     def __init__(
         self,
-        tokens: np.ndarray,
+        tokens: np.ndarray | TokenStream,
         seq_len: int,
         batch_size: int,
         seed: int = 0,
         process_index: int = 0,
         process_count: int = 1,
+        vocab_size: int | None = None,
     ):
-        self.tokens = np.asarray(tokens)
-        if self.tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {self.tokens.shape}")
+        self.tokens = _as_stream(tokens)
         self.windows = _check_sizes(
             len(self.tokens), seq_len, batch_size, process_index, process_count
         )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.process_index, self.process_count = process_index, process_count
         self.local_batch_size = batch_size // process_count
+        self.vocab_size = vocab_size
         self.step = 0
-        self._epochs: dict[int, tuple[int, np.ndarray]] = {}
+        # grain adds the epoch to the seed: mix the user's seed so that seeds s and s + 1 do
+        # not share epochs.
+        mixed = int(np.random.SeedSequence(seed).generate_state(1)[0])
+        self._order = grain.MapDataset.range(self.windows).shuffle(seed=mixed).repeat()
+        self._shifts: dict[int, int] = {}
 
-    def _epoch(self, epoch: int) -> tuple[int, np.ndarray]:
-        """(shift, window permutation) of ``epoch``; the last two are cached."""
-        if epoch not in self._epochs:
-            rng = np.random.default_rng([self.seed, epoch])
+    def _shift(self, epoch: int) -> int:
+        """Where epoch ``epoch``'s first window starts; the last two are cached."""
+        if epoch not in self._shifts:
             slack = len(self.tokens) - 1 - self.windows * self.seq_len
-            shift = int(rng.integers(0, slack + 1))
-            if len(self._epochs) >= 2:
-                self._epochs.pop(next(iter(self._epochs)))
-            self._epochs[epoch] = (shift, rng.permutation(self.windows))
-        return self._epochs[epoch]
+            if len(self._shifts) >= 2:
+                self._shifts.pop(next(iter(self._shifts)))
+            self._shifts[epoch] = int(np.random.default_rng([self.seed, epoch])
+                                      .integers(0, slack + 1))
+        return self._shifts[epoch]
 
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """This process's ``(inputs, targets)`` for ``step``; does not move the iterator."""
         first = step * self.batch_size + self.process_index * self.local_batch_size
-        samples = np.arange(first, first + self.local_batch_size, dtype=np.int64)
-        starts = np.empty_like(samples)
-        epochs = samples // self.windows
-        for epoch in np.unique(epochs):
-            shift, perm = self._epoch(int(epoch))
-            mask = epochs == epoch
-            starts[mask] = shift + perm[samples[mask] % self.windows] * self.seq_len
-        return _gather(self.tokens, starts, self.seq_len)
+        starts = np.array([self._shift(g // self.windows) + self._order[g] * self.seq_len
+                           for g in range(first, first + self.local_batch_size)], np.int64)
+        rows = self.tokens.rows(starts, self.seq_len + 1)
+        if self.vocab_size is not None and rows.max() >= self.vocab_size:
+            raise DataError(f"--data: token id {rows.max()} at step {step} is outside the "
+                            f"vocabulary of {self.vocab_size}; give the matching --tokenizer")
+        return _split_rows(rows)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self
@@ -303,7 +466,7 @@ class TokenBatches:
 
 
 def val_batches(
-    tokens: np.ndarray,
+    tokens: np.ndarray | TokenStream,
     seq_len: int,
     batch_size: int,
     num_batches: int | None = None,
@@ -312,17 +475,17 @@ def val_batches(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Fixed evaluation batches: consecutive windows from the start of ``tokens``, in order.
 
-    ``num_batches=None`` takes every full batch. Rows are split over processes as in
-    `TokenBatches`.
+    ``num_batches=None`` takes every full batch (`count_batches`). Rows are split over
+    processes as in `TokenBatches`.
 
     Example::
 
         for x, y in val_batches(load_bytes(default_corpus("val")), 128, 16, num_batches=4):
             ...
     """
-    tokens = np.asarray(tokens)
+    tokens = _as_stream(tokens)
     windows = _check_sizes(len(tokens), seq_len, batch_size, process_index, process_count)
-    available = windows // batch_size
+    available = count_batches(len(tokens), seq_len, batch_size)
     if available < 1:
         raise ValueError(
             f"validation data has {windows} windows of {seq_len + 1} tokens, fewer than one "
@@ -336,5 +499,6 @@ def val_batches(
     out = []
     for b in range(num_batches):
         first = b * batch_size + process_index * local
-        out.append(_gather(tokens, np.arange(first, first + local) * seq_len, seq_len))
+        out.append(_split_rows(tokens.rows(np.arange(first, first + local) * seq_len,
+                                           seq_len + 1)))
     return out

@@ -1,7 +1,8 @@
-"""``shardax train``: train a byte-level language model, sharded by rules, with checkpoints.
+"""``shardax train``: train a language model, sharded by rules, with checkpoints.
 
 A run directory holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step),
-``loss.png`` and ``checkpoints/``. Everything that decides the numbers (model, seed, data order,
+``loss.png``, ``checkpoints/`` and, with a Hugging Face ``--tokenizer``, a copy of it in
+``tokenizer/``. Everything that decides the numbers (model, seed, data order,
 optimizer state, step) is in the checkpoint, so ``--resume`` continues bit for bit, on the same
 mesh or, resharded, on another one.
 
@@ -32,6 +33,7 @@ from shardax.rules import LogicalAxisRules
 from shardax.train import data as data_lib
 from shardax.train.checkpoint import Checkpointer, abstract_state
 from shardax.train.step import eval_loss, init_state, make_optimizer, train_step
+from shardax.train.tokenizer import Tokenizer, load_tokenizer
 from shardax.utils import flatten_tree
 
 __all__ = ["TrainConfig", "UsageError", "train", "generate"]
@@ -39,7 +41,8 @@ __all__ = ["TrainConfig", "UsageError", "train", "generate"]
 CHECKPOINT_DIR = "checkpoints"
 # Settings a resumed run must share with the run it continues (the mesh may change).
 _FIXED_ON_RESUME = ("model", "seed", "batch_size", "seq_len", "data", "optimizer", "lr",
-                    "grad_accum", "precision")
+                    "grad_accum", "precision", "tokenizer", "text_field", "token_dtype")
+TOKENIZER_DIR = "tokenizer"  # the run's copy of a Hugging Face tokenizer
 
 
 class UsageError(ValueError):
@@ -73,6 +76,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     data: list[str] = field(default_factory=list)
+    tokenizer: str = "bytes"
+    text_field: str = "text"
+    token_dtype: str = ""  # for .bin token files: uint16 or uint32
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -88,6 +94,7 @@ class _Run:
     model_config: Any
     policy: Policy
     tx: Any
+    tokenizer: Tokenizer
     train_data: data_lib.TokenBatches
     val_data: list
     out: Path
@@ -98,15 +105,28 @@ def _usage(check: bool, message: str) -> None:
         raise UsageError(message)
 
 
-def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
+def _load_tokens(config: TrainConfig, tokenizer: Tokenizer):
+    """The (train, val) token streams of ``--data``, tokenized ahead of training (cached)."""
+    log = print if jax.process_index() == 0 else None
     try:
-        if config.data:
-            tokens = data_lib.load_bytes(data_lib.list_text_files(config.data))
-            return data_lib.split_tokens(tokens)
-        return (data_lib.load_bytes(data_lib.default_corpus("train")),
-                data_lib.load_bytes(data_lib.default_corpus("val")))
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"--data: {e}") from None
+        train, val = data_lib.load_splits(config.data, tokenizer, config.text_field,
+                                          config.token_dtype or None, log=log)
+        data_lib.check_splits(len(train), len(val), config.seq_len, config.batch_size,
+                              builtin=not config.data)
+    except data_lib.DataError as e:
+        raise UsageError(str(e)) from None
+    return train, val
+
+
+def _check_vocab(config: TrainConfig, model_vocab: int, tokenizer: Tokenizer) -> None:
+    """The model's vocabulary (its preset's ``vocab_size``) must hold every tokenizer id."""
+    if model_vocab < tokenizer.vocab_size:
+        fits = sorted(name for name, c in models.CONFIGS.items()
+                      if c.vocab_size >= tokenizer.vocab_size)
+        raise UsageError(
+            f"--model {config.model} has a vocabulary of {model_vocab} tokens, fewer than the "
+            f"{tokenizer.vocab_size} of --tokenizer {config.tokenizer}; choose a model whose "
+            f"vocabulary holds it ({', '.join(fits) or 'none of the presets does'})")
 
 
 _MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
@@ -189,6 +209,11 @@ def prepare(config: TrainConfig) -> _Run:
         model_config, rule_list = _parallelism(config, mesh.shape, model_config)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        tokenizer = load_tokenizer(config.tokenizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    _check_vocab(config, model_config.vocab_size, tokenizer)
     rules = LogicalAxisRules(rule_list)
     batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
@@ -216,16 +241,18 @@ def prepare(config: TrainConfig) -> _Run:
         _usage(_pipelined(saved["mesh"]) == _pipelined(config.mesh),
                f"--resume: the run was trained on mesh {saved['mesh']!r}; a run with a 'pp' "
                "axis keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
-        changed = [k for k in _FIXED_ON_RESUME if saved.get(k) != getattr(config, k)]
+        # A key missing from an older run's config.json had its default value.
+        was = {k: saved.get(k, getattr(TrainConfig(), k)) for k in _FIXED_ON_RESUME}
+        changed = [k for k in _FIXED_ON_RESUME if was[k] != getattr(config, k)]
         _usage(not changed, "--resume: these settings differ from the run being resumed: " +
-               ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)!r} (was {saved.get(k)!r})"
+               ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)!r} (was {was[k]!r})"
                          for k in changed))
     else:
         _usage(not has_checkpoint,
                f"{out} already holds checkpoints of another run; pass --resume to continue it "
                f"or choose another --out")
 
-    train_tokens, val_tokens = _load_tokens(config)
+    train_tokens, val_tokens = _load_tokens(config, tokenizer)
     try:
         # Each process reads only the rows its devices hold (all of them if a model axis spans
         # the processes); with one process that is the whole batch.
@@ -234,13 +261,15 @@ def prepare(config: TrainConfig) -> _Run:
             (config.batch_size, config.seq_len))
         batches = data_lib.TokenBatches(
             train_tokens, config.seq_len, config.batch_size, seed=config.seed,
-            process_index=part, process_count=parts)
+            process_index=part, process_count=parts, vocab_size=tokenizer.vocab_size)
+        num_val = min(4, data_lib.count_batches(len(val_tokens), config.seq_len,
+                                                config.batch_size))
         val = data_lib.val_batches(
-            val_tokens, config.seq_len, config.batch_size, num_batches=4,
+            val_tokens, config.seq_len, config.batch_size, num_batches=num_val,
             process_index=part, process_count=parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
-    return _Run(config, mesh, rules, model_config, policy, tx, batches, val, out)
+    return _Run(config, mesh, rules, model_config, policy, tx, tokenizer, batches, val, out)
 
 
 def _create(run: _Run):
@@ -338,7 +367,7 @@ def _plot(out: Path, records: list[dict]) -> None:
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_ylabel("cross-entropy (nats per token)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -385,6 +414,7 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
         state, start, records = init(), 0, []
         if is_main:
             (run.out / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+            run.tokenizer.save(run.out / TOKENIZER_DIR)
 
     def to_global(batch):
         return _global_batch(mesh, batch, batch_spec, config.batch_size)
@@ -448,7 +478,8 @@ def _global_batch(mesh: MeshShardingHelper, batch: tuple, spec: Any, rows: int) 
 
 def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
              seed: int = 0) -> str:
-    """Samples ``max_tokens`` bytes after ``prompt`` from the latest checkpoint in ``out``."""
+    """Samples ``max_tokens`` tokens after ``prompt`` from the latest checkpoint in ``out``
+    (with the run's tokenizer: bytes, or the copy of its Hugging Face tokenizer)."""
     out_path = Path(out)
     ckpt_dir = out_path / CHECKPOINT_DIR
     if not (out_path / "config.json").exists() or not ckpt_dir.exists():
@@ -457,6 +488,8 @@ def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 
     if ckpt.latest_step() is None:
         raise UsageError(f"no checkpoint in {ckpt_dir}")
     config = TrainConfig(**json.loads((out_path / "config.json").read_text()))
+    if (out_path / TOKENIZER_DIR / "tokenizer.json").is_file():  # the run's own copy
+        config.tokenizer = str(out_path / TOKENIZER_DIR)
     stacked = _pipelined(config.mesh)  # a pipelined run saved its layers stacked
     config.mesh = f"dp={jax.device_count()}"  # sampling is small: replicate the model
     config.resume = True
@@ -479,7 +512,7 @@ def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 
         logits = model(tokens)[0, position].astype(np.float32)
         return jax.random.categorical(key, logits / max(temperature, 1e-4))
 
-    data = list(prompt.encode("utf-8"))
+    data = run.tokenizer.encode(prompt)
     key = jax.random.key(seed)
     for _ in range(max_tokens):
         window = data[-length:]
@@ -487,4 +520,4 @@ def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 
         tokens[0, : len(window)] = window
         key, sub = jax.random.split(key)
         data.append(int(next_token(model, tokens, len(window) - 1, sub)))
-    return bytes(data).decode("utf-8", errors="replace")
+    return run.tokenizer.decode(data)

@@ -1,0 +1,287 @@
+"""What ``--data`` accepts, read piece by piece: text, ``.jsonl``, Parquet and token files.
+
+`list_data_files` turns ``--data`` paths (files and directories) into typed `DataFile` s;
+`read_pieces` yields a text-like file's documents as bounded pieces (so no file is ever held in
+memory whole); `open_token_file` memory-maps a pre-tokenized file. Every problem is a
+`DataError`: one line naming the file and what to do.
+
+Formats, by file name:
+
+- ``*.jsonl``: one JSON object per line; the document is its ``text_field`` (``--text-field``,
+  default ``"text"``). Blank lines are skipped.
+- ``*.parquet``: the ``text_field`` column, read a record batch at a time (needs ``pyarrow``).
+- ``*.u8`` / ``*.u16`` / ``*.u32``: token ids, that unsigned little-endian integer type.
+  ``*.bin`` too, with ``--token-dtype uint16|uint32`` (as nanoGPT writes them).
+- anything else: a text file (UTF-8, no NUL bytes in its first 8 KiB), one document per file.
+  Inside a directory, files that are none of these (binaries, hidden files) are skipped.
+
+Example::
+
+    for f in list_data_files(["corpus/", "extra.jsonl"]):
+        for piece in read_pieces(f, text_field="text"):
+            ...                                   # piece.text, piece.first, piece.last
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "TOKEN_DTYPES",
+    "DataError",
+    "DataFile",
+    "Piece",
+    "is_text",
+    "list_data_files",
+    "open_token_file",
+    "read_pieces",
+]
+
+#: Token file extensions and their integer types.
+TOKEN_DTYPES = {".u8": np.uint8, ".u16": np.uint16, ".u32": np.uint32}
+_BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+#: Text files are read (and encoded) in pieces of about this many bytes, cut after a newline.
+PIECE_BYTES = 1 << 20
+_SNIFF = 8192
+
+
+class DataError(ValueError):
+    """Unusable ``--data``: the message is one line naming the file and what to do."""
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One input file and how to read it: ``kind`` is text, jsonl, parquet or tokens."""
+
+    path: Path
+    kind: str
+    dtype: type | None = None  # token files only
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a document: ``first``/``last`` say whether it starts/ends the document."""
+
+    text: str | bytes
+    first: bool
+    last: bool
+
+
+def is_text(path: str | os.PathLike) -> bool:
+    """Whether a file looks like text: no NUL byte and valid UTF-8 in its first 8 KiB."""
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF)
+    if b"\x00" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # A multi-byte character cut by the end of the sample is still text.
+        return len(head) == _SNIFF and e.start >= len(head) - 3
+    return True
+
+
+def _token_dtype(path: Path, token_dtype: str | None) -> type | None:
+    suffix = path.suffix.lower()
+    if suffix in TOKEN_DTYPES:
+        return TOKEN_DTYPES[suffix]
+    if suffix == ".bin" and token_dtype:
+        if token_dtype not in _BIN_DTYPES:
+            raise DataError(f"--token-dtype {token_dtype!r}: must be one of {list(_BIN_DTYPES)}")
+        return _BIN_DTYPES[token_dtype]
+    return None
+
+
+def _classify(path: Path, token_dtype: str | None, explicit: bool) -> DataFile | None:
+    """The `DataFile` for ``path``; None for a file a directory scan skips."""
+    dtype = _token_dtype(path, token_dtype)
+    if dtype is not None:
+        return DataFile(path, "tokens", dtype)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return DataFile(path, "jsonl")
+    if suffix == ".parquet":
+        return DataFile(path, "parquet")
+    if suffix == ".bin" and explicit:
+        raise DataError(f"--data {str(path)!r}: a .bin token file needs --token-dtype uint16 or "
+                        "uint32 (or name it .u16 / .u32)")
+    try:
+        text = is_text(path)
+    except OSError as e:
+        raise DataError(f"--data {str(path)!r}: cannot read it ({e.strerror})") from None
+    if text:
+        return DataFile(path, "text")
+    if explicit:
+        raise DataError(
+            f"--data {str(path)!r}: not a text file (NUL bytes or not UTF-8) and not a known "
+            "format (.jsonl, .parquet, .u8/.u16/.u32 token files, .bin with --token-dtype)")
+    return None
+
+
+def _scan(directory: Path, token_dtype: str | None) -> list[DataFile]:
+    try:
+        found = sorted(
+            (p for p in directory.rglob("*")
+             if p.is_file() and not any(s.startswith(".")
+                                        for s in p.relative_to(directory).parts)),
+            key=lambda p: p.relative_to(directory).as_posix())
+    except OSError as e:
+        raise DataError(f"--data {str(directory)!r}: cannot list it ({e.strerror})") from None
+    files = [f for f in (_classify(p, token_dtype, explicit=False) for p in found) if f]
+    if not files:
+        what = (f"its {len(found)} files are all binary (e.g. {str(found[0])!r})" if found
+                else "it holds no files")
+        raise DataError(
+            f"--data {str(directory)!r}: no data files: {what}; give text files (UTF-8), "
+            ".jsonl, .parquet or token files (.u8/.u16/.u32)")
+    return files
+
+
+def list_data_files(paths: Sequence[str | os.PathLike],
+                    token_dtype: str | None = None) -> list[DataFile]:
+    """``--data`` paths -> typed files, in order; a directory contributes its data files
+    recursively, sorted by relative path, hidden entries and binaries skipped.
+
+    Example::
+
+        list_data_files(["notes.txt", "shards/"])     # [DataFile('notes.txt', 'text'), ...]
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not paths:
+        raise DataError("--data: no paths given")
+    out: list[DataFile] = []
+    for raw in paths:
+        path = Path(raw)
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise DataError(f"--data path does not exist: {str(path)!r}") from None
+        except OSError as e:
+            raise DataError(f"--data {str(path)!r}: cannot read it ({e.strerror})") from None
+        if stat.S_ISDIR(mode):
+            out += _scan(path, token_dtype)
+        elif stat.S_ISREG(mode):
+            out.append(_classify(path, token_dtype, explicit=True))
+        else:
+            raise DataError(f"--data {str(path)!r}: not a regular file or directory (a device, "
+                            "pipe or socket); give files or directories of data")
+    return out
+
+
+def _text_pieces(path: Path) -> Iterator[Piece]:
+    """A text file in pieces of about `PIECE_BYTES`, cut after a newline when there is one."""
+    with open(path, "rb") as f:
+        carry, first = b"", True
+        while True:
+            block = f.read(PIECE_BYTES)
+            data = carry + block
+            if not block:  # the end: always a last piece (maybe empty) to close the document
+                yield Piece(data, first, True)
+                return
+            cut = data.rfind(b"\n") + 1
+            if cut == 0 or len(data) - cut > PIECE_BYTES:  # no line end close enough
+                cut = len(data)
+            carry = data[cut:]
+            if data[:cut]:
+                yield Piece(data[:cut], first, False)
+                first = False
+
+
+def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"--data {str(path)!r} line {number}: not JSON ({e})") from None
+            if not isinstance(record, dict) or text_field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"--data {str(path)!r} line {number}: no {text_field!r} field "
+                                f"(has {keys}); choose the field with --text-field")
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise DataError(f"--data {str(path)!r} line {number}: field {text_field!r} is "
+                                f"{type(text).__name__}, not a string; choose the text field "
+                                "with --text-field")
+            yield Piece(text, True, True)
+
+
+def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"--data {str(path)!r}: reading Parquet needs pyarrow: "
+                        "pip install 'shardax[data]'") from None
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid (and others) for a bad file
+        raise DataError(f"--data {str(path)!r}: not a readable Parquet file "
+                        f"({str(e).splitlines()[0]})") from None
+    names = parquet.schema_arrow.names
+    if text_field not in names:
+        raise DataError(f"--data {str(path)!r}: no column {text_field!r} (has {names}); choose "
+                        "the column with --text-field")
+    for batch in parquet.iter_batches(batch_size=256, columns=[text_field]):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, (str, bytes)):
+                raise DataError(f"--data {str(path)!r}: column {text_field!r} holds "
+                                f"{type(text).__name__}, not text; choose it with --text-field")
+            if text is not None:
+                yield Piece(text, True, True)
+
+
+def read_pieces(file: DataFile, text_field: str = "text") -> Iterator[Piece]:
+    """The documents of a text, jsonl or Parquet file, as `Piece` s of bounded size.
+
+    Example::
+
+        [p.text for p in read_pieces(DataFile(Path("a.txt"), "text"))]   # [b'...']
+    """
+    try:
+        if file.kind == "text":
+            yield from _text_pieces(file.path)
+        elif file.kind == "jsonl":
+            yield from _jsonl_pieces(file.path, text_field)
+        elif file.kind == "parquet":
+            yield from _parquet_pieces(file.path, text_field)
+        else:
+            raise ValueError(f"read_pieces reads text, jsonl and parquet files, not {file.kind}")
+    except OSError as e:
+        raise DataError(f"--data {str(file.path)!r}: cannot read it ({e.strerror})") from None
+
+
+def open_token_file(file: DataFile) -> np.ndarray:
+    """A token file memory-mapped read-only (nothing is read until used).
+
+    Example::
+
+        tokens = open_token_file(DataFile(Path("train.u16"), "tokens", np.uint16))
+    """
+    itemsize = np.dtype(file.dtype).itemsize
+    try:
+        size = file.path.stat().st_size
+    except OSError as e:
+        raise DataError(f"--data {str(file.path)!r}: cannot read it ({e.strerror})") from None
+    if size % itemsize:
+        raise DataError(f"--data {str(file.path)!r}: {size} bytes is not a whole number of "
+                        f"{np.dtype(file.dtype).name} tokens; is --token-dtype / the extension "
+                        "right?")
+    if size == 0:
+        return np.zeros(0, file.dtype)
+    try:
+        return np.memmap(file.path, dtype=np.dtype(file.dtype).newbyteorder("<"), mode="r")
+    except OSError as e:
+        raise DataError(f"--data {str(file.path)!r}: cannot map it ({e.strerror})") from None

@@ -1,0 +1,204 @@
+"""Tokenizers for training data and prompts: raw bytes (the default) or a Hugging Face
+``tokenizer.json``.
+
+A tokenizer turns a document into ``prefix + body + suffix + [eos]``: ``body`` is the text's
+tokens, ``prefix``/``suffix`` are the special tokens its own post-processor adds around a text
+(Llama's ``<s>``/``<|begin_of_text|>``, nothing for GPT-2) and ``eos`` is the end-of-text token
+that separates packed documents. Bodies are encoded in batches of pieces (`encode_pieces`), so
+a long file can be encoded in parts and many documents at once.
+
+Example::
+
+    tok = load_tokenizer("hf_model_dir")     # tokenizer.json (+ tokenizer_config.json)
+    ids = tok.encode_document("hello world")  # [..., tok.eos_id]
+    tok.decode(ids[:-1])                      # 'hello world'
+    load_tokenizer("bytes").vocab_size        # 256
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+
+#: ``--tokenizer`` value of the byte-level tokenizer.
+BYTES = "bytes"
+# Looked up, in this order, when tokenizer_config.json names no eos_token.
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class Tokenizer:
+    """What the data pipeline and ``generate`` need of a tokenizer.
+
+    Subclasses set ``vocab_size`` (ids are in ``[0, vocab_size)``), ``eos_id``, ``prefix`` and
+    ``suffix`` (special ids around a document), ``fingerprint`` (changes whenever the ids
+    would) and implement `encode_pieces` and `decode`.
+    """
+
+    vocab_size: int
+    eos_id: int
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    fingerprint: str
+
+    def encode_pieces(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """Token ids of each text, without special tokens."""
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; invalid pieces become U+FFFD."""
+        raise NotImplementedError
+
+    def encode(self, text: str | bytes) -> list[int]:
+        """A prompt: ``prefix + body`` (what a model trained on documents saw before it)."""
+        return [*self.prefix, *self.encode_pieces([text])[0].tolist()]
+
+    def encode_document(self, text: str | bytes) -> list[int]:
+        """A whole training document: ``prefix + body + suffix + [eos]``."""
+        return [*self.encode(text), *self.end()]
+
+    def end(self) -> tuple[int, ...]:
+        """What follows a document's body: ``suffix``, then ``eos`` unless it already ends so."""
+        return self.suffix if self.suffix[-1:] == (self.eos_id,) else (*self.suffix, self.eos_id)
+
+    def save(self, directory: str | Path) -> None:
+        """Writes what `load_tokenizer` needs to get this tokenizer back from ``directory``."""
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as tokens (vocabulary 256); NUL (id 0, never in text) ends a document.
+
+    Example::
+
+        ByteTokenizer().encode_document("hi")   # [104, 105, 0]
+    """
+
+    vocab_size, eos_id, fingerprint = 256, 0, "bytes"
+
+    def encode_pieces(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), np.uint8)
+                for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer read from ``tokenizer.json``.
+
+    The end-of-text token is ``eos_token`` of ``tokenizer_config.json`` beside it, else the first
+    of ``<|endoftext|>``, ``<|end_of_text|>``, ``</s>``, ``<eos>``, ``<|eos|>``, ``[SEP]`` in the
+    vocabulary. ``vocab_size`` counts added tokens (the largest id + 1). Bytes are decoded as
+    UTF-8 (invalid bytes become U+FFFD) before encoding.
+
+    Example::
+
+        tok = HFTokenizer("llama/tokenizer.json")
+        tok.prefix, tok.eos_id                   # ((1,), 2) for a Llama 2 tokenizer
+    """
+
+    def __init__(self, path: str | Path):
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError:
+            raise ValueError("--tokenizer needs the 'tokenizers' package: "
+                             "pip install 'shardax[hf]'") from None
+        self.path = Path(path)
+        self.directory = self.path.parent
+        try:
+            raw = self.path.read_bytes()
+            self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
+        except OSError as e:
+            raise ValueError(f"--tokenizer {str(self.path)!r}: cannot read it ({e.strerror})") \
+                from None
+        except Exception as e:  # tokenizers raises its own Exception types for bad JSON
+            raise ValueError(f"--tokenizer {str(self.path)!r}: not a Hugging Face tokenizer.json "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
+                from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self.eos_id = self._find_eos(vocab)
+        self.prefix, self.suffix = self._specials()
+        self.fingerprint = "hf:" + hashlib.sha256(raw).hexdigest()[:16]
+
+    def _find_eos(self, vocab: dict[str, int]) -> int:
+        config = self.directory / "tokenizer_config.json"
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text()).get("eos_token")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--tokenizer: cannot read {str(config)!r}: {e}") from None
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if eos is not None:
+                if eos not in vocab:
+                    raise ValueError(f"--tokenizer: eos_token {eos!r} of {str(config)!r} is not "
+                                     f"in the vocabulary of {str(self.path)!r}")
+                return vocab[eos]
+        for name in _EOS_NAMES:
+            if name in vocab:
+                return vocab[name]
+        raise ValueError(
+            f"--tokenizer {str(self.path)!r}: no end-of-text token (no eos_token in "
+            f"tokenizer_config.json, none of {list(_EOS_NAMES)} in the vocabulary); add one "
+            "to the tokenizer or name it as eos_token in tokenizer_config.json")
+
+    def _specials(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids the post-processor puts before and after a text's own tokens."""
+        probe = "a"
+        bare = self._tok.encode(probe, add_special_tokens=False).ids
+        full = self._tok.encode(probe, add_special_tokens=True).ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start:start + len(bare)] == bare:
+                return tuple(full[:start]), tuple(full[start + len(bare):])
+        return (), ()
+
+    def encode_pieces(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
+                 for t in texts]
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
+        return [np.asarray(e.ids, dtype) for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in _FILES:
+            source = self.directory / name if name != "tokenizer.json" else self.path
+            if source.is_file():
+                shutil.copyfile(source, directory / name)
+
+
+def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
+    """The tokenizer ``--tokenizer`` names: ``bytes`` (default), a Hugging Face model directory
+    holding ``tokenizer.json`` (``hf:DIR`` works too), or the ``tokenizer.json`` file itself.
+
+    Raises ValueError (one line, naming the path) when it cannot be read.
+
+    Example::
+
+        load_tokenizer("bytes").eos_id           # 0
+        load_tokenizer("hf:models/llama").vocab_size
+    """
+    spec = str(spec)
+    if spec in (BYTES, ""):
+        return ByteTokenizer()
+    path = Path(spec.removeprefix("hf:"))
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {spec!r}: no tokenizer.json in this directory "
+                             "(give a Hugging Face model directory or a tokenizer.json file)")
+        path = path / "tokenizer.json"
+    elif not path.is_file():
+        raise ValueError(f"--tokenizer {spec!r}: no such file or directory (give 'bytes', a "
+                         "Hugging Face model directory or a tokenizer.json file)")
+    return HFTokenizer(path)
