@@ -3,13 +3,13 @@
 **Formats.** ``--data`` takes text files and directories, ``.jsonl`` (``--text-field``),
 Parquet and pre-tokenized token files (``.u8``/``.u16``/``.u32``, or ``.bin`` with
 ``--token-dtype``); see `shardax.train.readers`. Text-like files are tokenized once, ahead of
-training and in parallel, into a memory-mapped cache (`shardax.train.encode`); token files are
-memory-mapped as they are. With no ``--data``, the corpus is the Python standard library's own
+training and in parallel, into a token cache (`shardax.train.encode`); token files are read as
+they are. With no ``--data``, the corpus is the Python standard library's own
 sources (`default_corpus`).
 
 **Packing.** Every document becomes ``prefix + tokens + suffix + [eos]`` (the tokenizer's own
 special tokens, then the end-of-text id; with the byte tokenizer: the bytes, then NUL), and the
-documents of all inputs, in order, form one stream (a `TokenStream` over memory-mapped
+documents of all inputs, in order, form one stream (a `TokenStream` over on-disk
 segments). Training cuts the stream into windows of ``seq_len + 1`` tokens (inputs and their
 next-token targets): a window may span documents, with the eos token between them, and no
 token is padding. Token files are taken as already packed: write the eos id between documents.
@@ -25,8 +25,9 @@ only the step, and the same step gives the same global batch on any number of pr
 any mesh. grain's ``DataLoader`` is not used: its iterator state and per-worker sharding
 would tie the order to the process count; random access into a ``MapDataset`` does not.
 
-**Memory.** Nothing scales with the corpus: token files and the cache are memory-mapped and
-only the windows of a batch are read; encoding holds a few 1 MiB chunks at a time. The
+**Memory.** Nothing scales with the corpus: token files and the cache are read window by
+window with positioned reads (`TokenFile`; a memory map would count every visited 2 MiB
+page-cache folio in the process's RSS), and encoding holds a few 1 MiB chunks at a time. The
 ``data_memory`` benchmark measures it.
 
 Example::
@@ -50,7 +51,13 @@ import grain
 import numpy as np
 
 from shardax.train.encode import encode_files
-from shardax.train.readers import DataError, DataFile, list_data_files, open_token_file
+from shardax.train.readers import (
+    DataError,
+    DataFile,
+    TokenFile,
+    list_data_files,
+    open_token_file,
+)
 from shardax.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
@@ -160,19 +167,21 @@ def load_bytes(paths: Sequence[str | os.PathLike], separator: bytes = SEPARATOR)
 
 
 class TokenStream:
-    """One read-only token sequence over several arrays (usually memory-mapped files).
+    """One read-only token sequence over several segments: token files (`TokenFile`, read
+    window by window) or arrays.
 
-    ``len(stream)`` tokens; `rows` reads windows, which may span arrays; `view` is a
+    ``len(stream)`` tokens; `rows` reads windows, which may span segments; `view` is a
     sub-range. Nothing is copied or read until a window is.
 
     Example::
 
-        stream = TokenStream([np.memmap("a.u16", np.uint16), np.array([5, 6], np.uint16)])
+        stream = TokenStream([TokenFile("a.u16", np.uint16), np.array([5, 6], np.uint16)])
         stream.rows(np.array([0, 10]), 4)          # int32 [2, 4]
         train, val = stream.view(0, 900), stream.view(900, len(stream))
     """
 
-    def __init__(self, segments: Sequence[np.ndarray], names: Sequence[str] | None = None):
+    def __init__(self, segments: Sequence[np.ndarray | TokenFile],
+                 names: Sequence[str] | None = None):
         self.segments = [s for s in segments if len(s)]
         for s in self.segments:
             if s.ndim != 1:
@@ -211,7 +220,7 @@ class TokenStream:
         return out
 
 
-def _check_ids(tokens: np.ndarray, file: DataFile, vocab_size: int) -> None:
+def _check_ids(tokens: TokenFile, file: DataFile, vocab_size: int) -> None:
     """Samples a token file's start and spread blocks for ids outside the vocabulary."""
     n = len(tokens)
     blocks = [tokens[:_ID_CHECK_HEAD]]
@@ -228,7 +237,7 @@ def _check_ids(tokens: np.ndarray, file: DataFile, vocab_size: int) -> None:
 def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = None,
               text_field: str = "text", token_dtype: str | None = None,
               log: Callable[[str], None] | None = None) -> TokenStream:
-    """``--data`` paths as one packed `TokenStream`, in order: token files memory-mapped,
+    """``--data`` paths as one packed `TokenStream`, in order: token files read as they are,
     each run of consecutive text/jsonl/Parquet files encoded into the cache (`encode_files`).
 
     Raises `DataError` (one line naming the file) for anything unusable.

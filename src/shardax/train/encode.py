@@ -1,7 +1,7 @@
 """Encoding text into a token cache ahead of training, in parallel, with bounded memory.
 
 `encode_files` tokenizes text / jsonl / Parquet files once into a token file
-(``<cache>/tokens/<key>/tokens.u8|u16|u32`` + ``meta.json``) and memory-maps it; later runs
+(``<cache>/tokens/<key>/tokens.u8|u16|u32`` + ``meta.json``) and opens it; later runs
 with the same files (path, size, modification time), tokenizer and ``--text-field`` reuse it.
 Files are read piece by piece (`readers.read_pieces`) and pieces are grouped into chunks of
 about 1 MiB that worker threads encode (the Hugging Face tokenizer releases the GIL and is
@@ -37,7 +37,14 @@ from pathlib import Path
 
 import numpy as np
 
-from shardax.train.readers import DataError, DataFile, Piece, open_token_file, read_pieces
+from shardax.train.readers import (
+    DataError,
+    DataFile,
+    Piece,
+    TokenFile,
+    open_token_file,
+    read_pieces,
+)
 from shardax.train.tokenizer import Tokenizer
 
 __all__ = ["CACHE_ENV", "cache_root", "encode_files", "encode_pieces", "token_dtype"]
@@ -114,7 +121,7 @@ def _key(files: Sequence[DataFile], tokenizer: Tokenizer, text_field: str) -> st
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
-def _open(directory: Path) -> np.ndarray | None:
+def _open(directory: Path) -> TokenFile | None:
     """The cached tokens in ``directory``, or None if it holds no complete cache."""
     try:
         meta = json.loads((directory / "meta.json").read_text())
@@ -140,8 +147,8 @@ def _writable_root() -> Path:
 
 def encode_files(files: Sequence[DataFile], tokenizer: Tokenizer, text_field: str = "text",
                  workers: int | None = None,
-                 log: Callable[[str], None] | None = None) -> np.ndarray:
-    """Tokenizes text/jsonl/Parquet ``files`` into the cache (once) and memory-maps the result:
+                 log: Callable[[str], None] | None = None) -> TokenFile:
+    """Tokenizes text/jsonl/Parquet ``files`` into the cache (once) and opens the result:
     every document is ``prefix + body + suffix + [eos]`` (see `Tokenizer`), documents in file
     order. ``log`` gets a line when a cache is built.
 

@@ -2,7 +2,8 @@
 
 `list_data_files` turns ``--data`` paths (files and directories) into typed `DataFile` s;
 `read_pieces` yields a text-like file's documents as bounded pieces (so no file is ever held in
-memory whole); `open_token_file` memory-maps a pre-tokenized file. Every problem is a
+memory whole); `open_token_file` opens a pre-tokenized file for reading window by window
+(`TokenFile`). Every problem is a
 `DataError`: one line naming the file and what to do.
 
 Formats, by file name:
@@ -38,6 +39,7 @@ __all__ = [
     "DataError",
     "DataFile",
     "Piece",
+    "TokenFile",
     "is_text",
     "list_data_files",
     "open_token_file",
@@ -263,8 +265,53 @@ def read_pieces(file: DataFile, text_field: str = "text") -> Iterator[Piece]:
         raise DataError(f"--data {str(file.path)!r}: cannot read it ({e.strerror})") from None
 
 
-def open_token_file(file: DataFile) -> np.ndarray:
-    """A token file memory-mapped read-only (nothing is read until used).
+class TokenFile:
+    """A token file read by positioned reads (``os.pread``): ``len(f)`` tokens, ``f[a:b]`` an
+    array of tokens ``a`` to ``b``; nothing is read or kept otherwise.
+
+    Not a memory map: with large page-cache folios (Linux 6) every window read through a map
+    maps up to 2 MiB of the file into the process, so its RSS would grow with the corpus as
+    training visits it; a read copies just the window. Nor an open descriptor per file: a
+    directory of thousands of shards would run out of them.
+
+    Example::
+
+        f = TokenFile("train.u16", np.uint16)
+        f[1000:1129]                                # uint16 [129]
+    """
+
+    ndim = 1
+
+    def __init__(self, path: str | os.PathLike, dtype: type, size: int | None = None):
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        size = self.path.stat().st_size if size is None else size
+        self._len = size // self.dtype.itemsize
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"TokenFile takes contiguous slices, got {key!r}")
+        start, stop, _ = key.indices(self._len)
+        want = max(stop - start, 0) * self.dtype.itemsize
+        chunks, offset = [], start * self.dtype.itemsize
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while want:
+                chunk = os.pread(fd, want, offset)
+                if not chunk:
+                    raise DataError(f"--data {str(self.path)!r}: the file shrank while in use")
+                chunks.append(chunk)
+                want, offset = want - len(chunk), offset + len(chunk)
+        finally:
+            os.close(fd)
+        return np.frombuffer(b"".join(chunks), self.dtype)
+
+
+def open_token_file(file: DataFile) -> TokenFile:
+    """A token file, checked to hold whole tokens, read window by window (`TokenFile`).
 
     Example::
 
@@ -279,9 +326,4 @@ def open_token_file(file: DataFile) -> np.ndarray:
         raise DataError(f"--data {str(file.path)!r}: {size} bytes is not a whole number of "
                         f"{np.dtype(file.dtype).name} tokens; is --token-dtype / the extension "
                         "right?")
-    if size == 0:
-        return np.zeros(0, file.dtype)
-    try:
-        return np.memmap(file.path, dtype=np.dtype(file.dtype).newbyteorder("<"), mode="r")
-    except OSError as e:
-        raise DataError(f"--data {str(file.path)!r}: cannot map it ({e.strerror})") from None
+    return TokenFile(file.path, file.dtype, size)

@@ -53,7 +53,8 @@ class Tokenizer:
         raise NotImplementedError
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``; invalid pieces become U+FFFD."""
+        """Text of ``ids`` (special tokens of a Hugging Face tokenizer left out); invalid UTF-8
+        becomes U+FFFD."""
         raise NotImplementedError
 
     def encode(self, text: str | bytes) -> list[int]:
@@ -167,7 +168,7 @@ class HFTokenizer(Tokenizer):
         return [np.asarray(e.ids, dtype) for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)

@@ -1,0 +1,145 @@
+"""Host memory of the data pipeline against corpus size (peak RSS, read from /proc).
+
+    python benchmarks/data_memory.py                         # 2 GB token file, 1 GB jsonl
+    python benchmarks/data_memory.py --token-mb 320 --jsonl-mb 160 --json out.json
+
+Measurements in this process, each from a fresh peak (``/proc/self/clear_refs``), as the
+rise of the peak RSS (``VmHWM``) over the RSS before it:
+
+- **token file**: `open_data` on a ``.u16`` token file (its ids sampled against the
+  vocabulary), 50 training batches of 32 x 1024 tokens from windows spread over the whole
+  file, and the validation batches;
+- **encode**: `open_data` on a ``.jsonl`` corpus: read, tokenized by 2 worker threads and
+  written to the token cache, then sampled as above;
+- **memory map** (why shardax reads windows with ``pread``): the same windows read through
+  ``np.memmap``; with large page-cache folios each window maps up to 2 MiB into the process;
+- **control**: the first quarter of the token file read into memory: must rise by about a
+  quarter of the file, which shows the measurement sees a pipeline that holds the corpus.
+
+Files go to a temporary directory (``--dir`` to choose), the token cache too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+_BLOCK = 1 << 22  # tokens per write while generating files (8 MiB of uint16)
+
+
+def _status() -> dict[str, float]:
+    text = Path("/proc/self/status").read_text()
+    return {k: int(re.search(rf"^{k}:\s+(\d+) kB", text, re.M).group(1)) / 1024
+            for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
+def _peak_rise(fn) -> tuple[float, float, object]:
+    """(peak RSS rise in MB, seconds, result) of ``fn()``."""
+    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current RSS
+    before = _status()["VmRSS"]
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    return _status()["VmHWM"] - before, seconds, result
+
+
+def _write_token_file(path: Path, mb: int) -> None:
+    block = (np.arange(_BLOCK, dtype=np.uint32) * 7919 % 251).astype(np.uint16)
+    with open(path, "wb") as f:
+        for _ in range(mb * (1 << 20) // block.nbytes):
+            f.write(block.tobytes())
+
+
+def _write_jsonl(path: Path, mb: int) -> None:
+    words = "the data pipeline reads windows of tokens from a memory map".split()
+    doc = " ".join(words[i % len(words)] for i in range(11_000))  # ~64 KB
+    line = (json.dumps({"text": doc, "id": 0}) + "\n").encode()
+    with open(path, "wb") as f:
+        for _ in range(-(-mb * (1 << 20) // len(line))):  # at least mb MiB
+            f.write(line)
+
+
+def _sample(stream, data) -> int:
+    batches = data.TokenBatches(stream, seq_len=1024, batch_size=32, seed=0)
+    steps = np.linspace(0, max(batches.windows // 32 - 1, 0), 50).astype(int)
+    total = sum(int(batches.batch(int(s))[0][0, 0]) for s in steps)
+    _, val = data.split_tokens(stream)
+    return total + len(data.val_batches(val, 1024, 32, num_batches=4))
+
+
+def _memmap_windows(path: Path) -> int:
+    """The windows `_sample` reads (50 x 32 spread over the file), through a memory map."""
+    tokens = np.memmap(path, np.uint16, mode="r")
+    starts = np.linspace(0, len(tokens) - 1025, 50 * 32).astype(np.int64)
+    return sum(int(tokens[s:s + 1025].max()) for s in starts)
+
+
+def measure(directory: Path, token_mb: int, jsonl_mb: int) -> dict:
+    os.environ["SHARDAX_CACHE_DIR"] = str(directory / "cache")
+    from shardax.train import data
+
+    tokens, jsonl = directory / "corpus.u16", directory / "corpus.jsonl"
+    _write_token_file(tokens, token_mb)
+    _write_jsonl(jsonl, jsonl_mb)
+    # Warm up: imports, the thread pool, numpy's and grain's first calls.
+    (directory / "warm.txt").write_text("warm up " * 400_000)  # 3 MB: enough for val
+    _sample(data.open_data([directory / "warm.txt"]), data)
+
+    token_rise, token_s, _ = _peak_rise(lambda: _sample(data.open_data([tokens]), data))
+    encode_rise, encode_s, _ = _peak_rise(
+        lambda: _sample(_encode(jsonl), data))
+    memmap_rise, _, _ = _peak_rise(lambda: _memmap_windows(tokens))
+    file = data.open_data([tokens]).segments[0]
+    control_rise, _, _ = _peak_rise(lambda: int(file[: len(file) // 4].sum(dtype=np.int64)))
+    token_bytes, jsonl_bytes = tokens.stat().st_size, jsonl.stat().st_size
+    return {
+        "token_file_mb": token_bytes / 2**20,
+        "jsonl_mb": jsonl_bytes / 2**20,
+        "token_file_peak_rise_mb": token_rise,
+        "encode_peak_rise_mb": encode_rise,
+        "memmap_peak_rise_mb": memmap_rise,
+        "control_peak_rise_mb": control_rise,
+        "control_expected_mb": token_bytes / 4 / 2**20,
+        "encode_s": encode_s,
+        "encode_mb_per_s": jsonl_bytes / 2**20 / encode_s,
+        "token_file_s": token_s,
+        "baseline_rss_mb": _status()["VmRSS"] - control_rise,
+    }
+
+
+def _encode(jsonl: Path):
+    """`open_data` of a jsonl file with 2 encoding threads (whatever the core count)."""
+    from shardax.train.data import TokenStream
+    from shardax.train.encode import encode_files
+    from shardax.train.readers import list_data_files
+    from shardax.train.tokenizer import ByteTokenizer
+
+    return TokenStream([encode_files(list_data_files([jsonl]), ByteTokenizer(), workers=2)])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--token-mb", type=int, default=2048)
+    parser.add_argument("--jsonl-mb", type=int, default=1024)
+    parser.add_argument("--dir", default=None, help="where to write the generated corpus")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="shardax-data-memory-") as tmp:
+        result = measure(Path(tmp), args.token_mb, args.jsonl_mb)
+    for key, value in result.items():
+        print(f"{key:>26}: {value:,.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    main()
