@@ -305,7 +305,7 @@ def test_token_cache_is_built_once_and_rebuilt_when_a_file_changes(tmp_path, mon
     _write_jsonl(tmp_path / "a.jsonl", _docs(8))
     logs: list[str] = []
     first = stream_ids(open_data([tmp_path / "a.jsonl"], log=logs.append))
-    assert len(logs) == 2 and logs[0].startswith("tokenizing 1 files")
+    assert len(logs) == 2 and logs[0].startswith("tokenizing 1 file (")
     assert stream_ids(open_data([tmp_path / "a.jsonl"], log=logs.append)) == first
     assert len(logs) == 2  # reused
     # Several builders of the same cache at once (processes of a job): one cache, no leftovers.
@@ -371,17 +371,17 @@ def test_load_bytes_files_and_directories(tmp_path):
 
 
 def test_check_splits_names_the_flags_and_what_to_do():
-    check_splits(10_000, 300, seq_len=32, batch_size=8)  # 300 - 1 >= 8 * 32: fine
+    check_splits(10_000, 300, seq_len=32, batch_size=8, data=["a"])  # 300 - 1 >= 8 * 32: fine
     with pytest.raises(DataError) as info:
-        check_splits(10_000, 200, seq_len=32, batch_size=8)
+        check_splits(10_000, 200, seq_len=32, batch_size=8, data=["book.txt"])
     message = str(info.value)
-    for needle in ("--data", "validation split", "200 tokens", "--batch-size 8", "--seq-len 32",
-                   "257", "2,571 tokens of data"):
+    for needle in ("--data book.txt:", "validation split", "200 tokens", "--batch-size 8",
+                   "--seq-len 32", "257", "2,571 tokens of data"):
         assert needle in message, (needle, message)
-    with pytest.raises(DataError, match="built-in corpus's validation files"):
-        check_splits(10_000, 200, seq_len=32, batch_size=8, builtin=True)
+    with pytest.raises(DataError, match="^--data: the built-in corpus's validation files"):
+        check_splits(10_000, 200, seq_len=32, batch_size=8)
     with pytest.raises(DataError, match="training split has 20 tokens.*--seq-len \\+ 1 = 33"):
-        check_splits(20, 10_000, seq_len=32, batch_size=8)
+        check_splits(20, 10_000, seq_len=32, batch_size=8, data=["a"])
 
 
 # ----------------------------------------------------------------------------- batches
@@ -522,3 +522,89 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
     assert r["token_file_peak_rise_mb"] < RSS_CAP_MB, r
     assert r["encode_peak_rise_mb"] < RSS_CAP_MB, r
     assert r["control_peak_rise_mb"] > 0.8 * r["control_expected_mb"], r  # it can see growth
+
+
+# ----------------------------------------------------------------------------- shardax train
+
+# As in test_train.py: tiny SGD runs on llama-tiny, 8 x 32 tokens.
+TINY = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
+            eval_every=100, ckpt_every=2)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+
+def test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly(tmp_path, llama_tokenizer):
+    import shutil
+
+    from shardax.train.loop import TrainConfig, generate, train
+
+    docs = _write_jsonl(tmp_path / "docs.jsonl", _docs() * 5, field="content")
+    config = dict(TINY, data=[str(docs)], tokenizer=str(llama_tokenizer), text_field="content")
+    out = tmp_path / "run"
+    train(TrainConfig(out=str(out), **config))
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["tokenizer"], saved["text_field"]) == (str(llama_tokenizer), "content")
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == \
+        (llama_tokenizer / "tokenizer.json").read_bytes()
+    # Stopped after step 2, resumed: the data position comes from the checkpoint.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "4")
+    train(TrainConfig(out=str(resumed), resume=True, **config))
+    assert _losses(resumed) == _losses(out) and sorted(_losses(out)) == [1, 2, 3, 4]
+    # generate uses the run's copy of the tokenizer, even with the original gone.
+    shutil.rmtree(llama_tokenizer)
+    try:
+        text = generate(str(out), prompt="def f(x):", max_tokens=4)
+    finally:
+        _train_tokenizer(llama_tokenizer, "llama")
+    assert text.startswith("def f(x):") and "<s>" not in text
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(monkeypatch, capsys,
+                                                                   tmp_path, gpt2_tokenizer):
+    from shardax.cli import main
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
+    code = main(["train", "--tokenizer", str(gpt2_tokenizer), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    for needle in ("--model llama-tiny", "256", "300", str(gpt2_tokenizer), "llama-small"):
+        assert needle in err, (needle, err)
+    assert not (tmp_path / "run").exists()
+
+
+def test_unusable_data_from_the_command_line(tmp_path):
+    """The four ``--data`` cases of issue 14: one line on stderr naming the path and what to
+    do, exit code 2, nothing written (run concurrently: each pays JAX's start-up)."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bins").mkdir()
+    for name in ("a.o", "b.pyc"):
+        (tmp_path / "bins" / name).write_bytes(b"\x7fELF\x02\x01\x00" * 100)
+    (tmp_path / "small.txt").write_text("x = 1\n" * 333)  # 1,998 bytes: 10% < 8 x 32 + 1
+    cases = {
+        "empty": ([str(tmp_path / "empty")], ["empty", "no data files", "holds no files"]),
+        "bins": ([str(tmp_path / "bins")], ["bins", "all binary", "text files (UTF-8)"]),
+        "zero": (["/dev/zero"], ["/dev/zero", "not a regular file or directory"]),
+        "small": ([str(tmp_path / "small.txt")], ["small.txt", "validation split", "200 tokens",
+                                                  "--batch-size 8", "2,571 tokens",
+                                                  "lower --batch-size or --seq-len"]),
+    }
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "shardax.cli", "train", "--batch-size", "8", "--seq-len",
+             "32", "--steps", "2", "--out", str(tmp_path / f"run_{name}"), "--data", *paths],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (paths, _) in cases.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (name, proc.returncode, err)
+        assert lines[0].startswith("shardax train: error: --data "), (name, err)
+        for needle in cases[name][1]:
+            assert needle in lines[0], (name, needle, err)
+        assert not (tmp_path / f"run_{name}").exists()

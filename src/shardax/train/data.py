@@ -318,17 +318,22 @@ def count_batches(n_tokens: int, seq_len: int, batch_size: int) -> int:
 
 
 def check_splits(train_tokens: int, val_tokens: int, seq_len: int, batch_size: int,
-                 builtin: bool = False, val_fraction: float = VAL_FRACTION) -> None:
-    """Raises `DataError` (naming the flags and what to do) when the training split holds no
-    window of ``seq_len + 1`` tokens or the validation split not one batch of them.
+                 data: Sequence[str | os.PathLike] = (),
+                 val_fraction: float = VAL_FRACTION) -> None:
+    """Raises `DataError` (naming the flags, the ``--data`` paths and what to do) when the
+    training split holds no window of ``seq_len + 1`` tokens or the validation split not one
+    batch of them. No ``data``: the built-in corpus.
 
     Example::
 
-        check_splits(len(train), len(val), seq_len=128, batch_size=16)
+        check_splits(len(train), len(val), seq_len=128, batch_size=16, data=["corpus/"])
     """
+    builtin = not data
+    flag = "--data" if builtin else "--data " + " ".join(str(p) for p in data[:3]) + (
+        " ..." if len(data) > 3 else "")
     if train_tokens < seq_len + 1:
         raise DataError(
-            f"--data: the training split has {train_tokens:,} tokens, fewer than --seq-len + 1 "
+            f"{flag}: the training split has {train_tokens:,} tokens, fewer than --seq-len + 1 "
             f"= {seq_len + 1}; give more data or lower --seq-len")
     need = batch_size * seq_len + 1
     if count_batches(val_tokens, seq_len, batch_size) < 1:
@@ -337,7 +342,7 @@ def check_splits(train_tokens: int, val_tokens: int, seq_len: int, batch_size: i
         total = "" if builtin else f"give at least {int(need / val_fraction) + 1:,} tokens of " \
                                    "data in all, or "
         raise DataError(
-            f"--data: {where} {val_tokens:,} tokens, fewer than one batch of --batch-size "
+            f"{flag}: {where} {val_tokens:,} tokens, fewer than one batch of --batch-size "
             f"{batch_size} x --seq-len {seq_len} (+1) = {need:,}; {total}lower --batch-size or "
             "--seq-len")
 

@@ -168,7 +168,8 @@ def encode_files(files: Sequence[DataFile], tokenizer: Tokenizer, text_field: st
     tmp = final.parent / f".{final.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"
     start, size = time.perf_counter(), sum(f.path.stat().st_size for f in files)
     if log:
-        log(f"tokenizing {len(files)} files ({size / 1e6:,.1f} MB) into {final}")
+        log(f"tokenizing {len(files)} file{'s' * (len(files) != 1)} ({size / 1e6:,.1f} MB) "
+            f"into {final}")
     try:
         tmp.mkdir()
         count = 0

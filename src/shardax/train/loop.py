@@ -33,7 +33,7 @@ from shardax.rules import LogicalAxisRules
 from shardax.train import data as data_lib
 from shardax.train.checkpoint import Checkpointer, abstract_state
 from shardax.train.step import eval_loss, init_state, make_optimizer, train_step
-from shardax.train.tokenizer import Tokenizer, load_tokenizer
+from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 from shardax.utils import flatten_tree
 
 __all__ = ["TrainConfig", "UsageError", "train", "generate"]
@@ -112,7 +112,7 @@ def _load_tokens(config: TrainConfig, tokenizer: Tokenizer):
         train, val = data_lib.load_splits(config.data, tokenizer, config.text_field,
                                           config.token_dtype or None, log=log)
         data_lib.check_splits(len(train), len(val), config.seq_len, config.batch_size,
-                              builtin=not config.data)
+                              data=config.data)
     except data_lib.DataError as e:
         raise UsageError(str(e)) from None
     return train, val
@@ -186,8 +186,9 @@ def _pipeline_summary(model_config, stages: int) -> str:
             f"microbatches{virtual}, bubble {bubble:.1%} of each step")
 
 
-def prepare(config: TrainConfig) -> _Run:
-    """Checks the config against the machine and builds the run; bad input is a UsageError."""
+def prepare(config: TrainConfig, tokenizer: Tokenizer | None = None) -> _Run:
+    """Checks the config against the machine and builds the run; bad input is a UsageError.
+    ``tokenizer``: use it instead of loading ``config.tokenizer``."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
                  "ckpt_every"):
         _usage(getattr(config, name) > 0, f"--{name.replace('_', '-')} must be positive")
@@ -210,7 +211,7 @@ def prepare(config: TrainConfig) -> _Run:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = tokenizer or load_tokenizer(config.tokenizer)
     except ValueError as e:
         raise UsageError(str(e)) from None
     _check_vocab(config, model_config.vocab_size, tokenizer)
@@ -488,14 +489,16 @@ def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 
     if ckpt.latest_step() is None:
         raise UsageError(f"no checkpoint in {ckpt_dir}")
     config = TrainConfig(**json.loads((out_path / "config.json").read_text()))
-    if (out_path / TOKENIZER_DIR / "tokenizer.json").is_file():  # the run's own copy
-        config.tokenizer = str(out_path / TOKENIZER_DIR)
+    try:
+        tokenizer = run_tokenizer(out_path / TOKENIZER_DIR, config.tokenizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     stacked = _pipelined(config.mesh)  # a pipelined run saved its layers stacked
     config.mesh = f"dp={jax.device_count()}"  # sampling is small: replicate the model
     config.resume = True
     config.tp_mode, config.sequence_parallel, config.pp_schedule = "none", False, "gpipe"
     config.microbatches, config.virtual_stages = 0, 1
-    run = prepare(config)
+    run = prepare(config, tokenizer)
     if stacked:
         run.model_config = dataclasses.replace(run.model_config, scan_layers=True)
     graphdef, state_shape = _abstract(run)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer",
+           "run_tokenizer"]
 
 #: ``--tokenizer`` value of the byte-level tokenizer.
 BYTES = "bytes"
@@ -203,3 +204,15 @@ def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
         raise ValueError(f"--tokenizer {spec!r}: no such file or directory (give 'bytes', a "
                          "Hugging Face model directory or a tokenizer.json file)")
     return HFTokenizer(path)
+
+
+def run_tokenizer(copy: str | Path, spec: str) -> Tokenizer:
+    """A training run's tokenizer: the copy it saved (``Tokenizer.save`` into ``copy``) when
+    there is one, so a run moved or copied elsewhere still decodes; else ``spec``.
+
+    Example::
+
+        tok = run_tokenizer("runs/a/tokenizer", config["tokenizer"])
+    """
+    copy = Path(copy)
+    return load_tokenizer(copy) if (copy / "tokenizer.json").is_file() else load_tokenizer(spec)
