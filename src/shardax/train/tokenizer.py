@@ -25,11 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BYTES", "ByteTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer",
-           "run_tokenizer"]
+__all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
+           "load_tokenizer", "run_tokenizer"]
 
 #: ``--tokenizer`` value of the byte-level tokenizer.
 BYTES = "bytes"
+#: Where a training run keeps a copy of its Hugging Face tokenizer (`Tokenizer.save`).
+TOKENIZER_DIR = "tokenizer"
 # Looked up, in this order, when tokenizer_config.json names no eos_token.
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -206,13 +208,14 @@ def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
     return HFTokenizer(path)
 
 
-def run_tokenizer(copy: str | Path, spec: str) -> Tokenizer:
-    """A training run's tokenizer: the copy it saved (``Tokenizer.save`` into ``copy``) when
-    there is one, so a run moved or copied elsewhere still decodes; else ``spec``.
+def run_tokenizer(out: str | Path, spec: str) -> Tokenizer:
+    """The tokenizer of the training run in directory ``out``: the copy it saved in
+    ``out/tokenizer`` when there is one (so a run moved or copied elsewhere still decodes),
+    else ``spec`` (its ``--tokenizer``).
 
     Example::
 
-        tok = run_tokenizer("runs/a/tokenizer", config["tokenizer"])
+        tok = run_tokenizer("runs/a", config.tokenizer)
     """
-    copy = Path(copy)
+    copy = Path(out) / TOKENIZER_DIR
     return load_tokenizer(copy) if (copy / "tokenizer.json").is_file() else load_tokenizer(spec)
