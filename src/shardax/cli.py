@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in ("tyro", "flax", "optax", "orbax", "rich",
-                                                 "etils"):
+                                                 "etils", "grain"):
             raise
         message = (f"{e.name} is not installed; shardax {command} needs the train extra: "
                    "pip install 'shardax[train]'")
