@@ -47,7 +47,7 @@ from shardax.train.config import (
 from shardax.train.generate import generate
 from shardax.train.step import eval_loss, train_step
 from shardax.train.stop import Stopped, StopRequests
-from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer, load_tokenizer
+from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer, load_tokenizer, run_tokenizer
 
 __all__ = ["CHECKPOINT_DIR", "Stopped", "TrainConfig", "UsageError", "check_run_dir",
            "generate", "prepare", "train"]
@@ -164,12 +164,13 @@ def _load_tokens(config: TrainConfig, tokenizer: Tokenizer):
 
 
 def _tokenizer(config: TrainConfig, model_vocab: int) -> Tokenizer:
-    """``--tokenizer``, checked to fit the model: the model's vocabulary (its preset's
-    ``vocab_size``) must hold every id of the tokenizer."""
+    """``--tokenizer`` (resuming: the run's copy of it, if any), checked to fit the model: the
+    model's vocabulary (its preset's ``vocab_size``) must hold every id of the tokenizer."""
     from shardax import models
 
     try:
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = (run_tokenizer(config.out, config.tokenizer) if config.resume
+                     else load_tokenizer(config.tokenizer))
     except ValueError as e:
         raise UsageError(str(e)) from None
     if model_vocab < tokenizer.vocab_size:
