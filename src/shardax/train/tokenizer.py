@@ -176,6 +176,8 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        if directory.resolve() == self.directory.resolve():  # read from there: nothing to do
+            return
         for name in _FILES:
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
