@@ -18,12 +18,14 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.generate import generate
 from shardax.train.loop import SET_ASIDE_DIR, train
+from shardax.train.step import make_optimizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = dict(steps=6, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
@@ -144,9 +146,14 @@ def test_resume_step_picks_an_older_checkpoint(reference, tmp_path):
 
 
 def test_a_single_step_run(tmp_path):
-    out = tmp_path / "run"
-    records = train(_config(out, steps=1, optimizer="adamw", ckpt_every=100))
-    assert [r["step"] for r in records] == [1]
+    # `--steps 1` used to fail building adamw's schedule (warm-up 1 + decay over 0 steps).
+    tx = make_optimizer("adamw", 3e-3, steps=1, warmup=0)
+    params = {"w": jnp.ones(3)}
+    updates, _ = tx.update({"w": jnp.ones(3)}, tx.init(params), params)
+    assert bool(jnp.all(jnp.isfinite(updates["w"])))
+    out = tmp_path / "run"  # the loop itself (SGD: the reference's compiled programs)
+    records = train(_config(out, steps=1, ckpt_every=100))
+    assert [r["step"] for r in records] == [1] and "val_loss" in records[0]
     assert _committed(out) == [1]
 
 

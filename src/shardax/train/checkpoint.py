@@ -205,7 +205,9 @@ class Checkpointer:
     ``max_to_keep=N`` deletes all but the newest N committed steps. With ``async_save`` the
     arrays are copied off the devices before `save` returns and written in the background, so
     the caller may donate or overwrite them at once. All processes must call `save` and
-    `restore` together; each writes and reads only its own shards.
+    `restore` together; each writes and reads only its own shards. ``read_only=True`` opens
+    an existing directory for reading only: nothing is created, cleaned up or deleted (safe
+    while another process trains into it), and `save` raises.
 
     Example::
 
