@@ -275,8 +275,7 @@ def test_killed_worker_stops_the_job_and_resume_is_bit_identical(env, two_proces
 def test_sigterm_to_the_launcher_saves_one_step_in_every_process(env, two_processes,
                                                                   tmp_path):
     """A scheduler preempts the job: SIGTERM to `shardax launch` reaches every worker; they
-    agree on a step, save it together, and the launcher exits with 143. Resuming continues
-    the straight run."""
+    agree on a step, save it together, and the launcher exits with 143."""
     out = tmp_path / "run"
     cmd = _cli("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
                *_cli("train", *_flags(steps=40, ckpt_every=100), "--mesh", "fsdp=-1",
@@ -309,9 +308,7 @@ def test_sigterm_to_the_launcher_saves_one_step_in_every_process(env, two_proces
     for key in ("loss", "grad_norm"):  # the steps before the stop: exactly the straight run
         assert _series(_metrics(out), key) == {s: v for s, v in _series(straight, key).items()
                                               if s <= step}
-    records = train(TrainConfig(out=str(out), mesh="fsdp=-1", resume=True, **TINY))
-    for key in ("loss", "grad_norm", "val_loss"):  # resumed in one process: REL
-        _assert_close(_series(records, key), _series(straight, key))
+    # (Resuming a two-process checkpoint, bit for bit: test_killed_worker_... below.)
 
 
 def test_unreachable_coordinator_is_a_clear_error(env, tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
+from shardax.cli import main
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.generate import generate
@@ -155,6 +156,23 @@ def test_a_single_step_run(tmp_path):
     records = train(_config(out, steps=1, ckpt_every=100))
     assert [r["step"] for r in records] == [1] and "val_loss" in records[0]
     assert _committed(out) == [1]
+
+
+def test_unreadable_data_is_one_line(tmp_path, monkeypatch, capsys):
+    """Checked after the backend starts (the data is read then), still one line, exit 2."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("text\n" * 100)
+    secret.chmod(0)
+    # root reads any file; /proc/self/mem fails to read (EIO) even for root
+    data = "/proc/self/mem" if os.geteuid() == 0 else str(secret)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
+    out = tmp_path / "run"
+    capsys.readouterr()
+    code = main(["train", *_flags(), "--data", data, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"shardax train: error: --data {data}: "), err
+    assert not out.exists()
 
 
 # ----------------------------------------------------------------------------- generate

@@ -152,9 +152,10 @@ def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
         return (data_lib.load_bytes(data_lib.default_corpus("train")),
                 data_lib.load_bytes(data_lib.default_corpus("val")))
     except (OSError, ValueError) as e:
-        reason = _os_reason(e) if isinstance(e, OSError) and e.strerror else str(e)
-        where = f" {e.filename}" if isinstance(e, OSError) and e.filename else ""
-        raise UsageError(f"--data{where}: {reason}") from None
+        if isinstance(e, OSError) and e.strerror:  # name the file (or the flag's paths)
+            raise UsageError(f"--data {e.filename or ' '.join(config.data)}: "
+                             f"{e.strerror}") from None
+        raise UsageError(f"--data: {e}") from None
 
 
 def prepare(config: TrainConfig) -> _Run:
