@@ -240,7 +240,12 @@ class Checkpointer:
                 save_interval_steps=0, enable_async_checkpointing=False)
         else:
             options = ocp.CheckpointManagerOptions(
-                save_decision_policy=policies.FixedIntervalPolicy(save_every),
+                # A preemption notice (multi-process jobs) also saves, when `save` is called
+                # at every step without force (shardax train handles signals itself).
+                save_decision_policy=policies.AnySavePolicy([
+                    policies.FixedIntervalPolicy(save_every),
+                    policies.PreemptionCheckpointingPolicy(),
+                ]),
                 preservation_policy=policies.LatestN(max_to_keep),
                 enable_async_checkpointing=async_save,
                 # Leftover tmp dirs of an interrupted save are never read; remove them on
