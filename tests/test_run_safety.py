@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import pytest
 
 from shardax.cli import main
+from shardax.train import report
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.generate import generate
@@ -293,3 +294,11 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     assert proc.returncode == 128 + signal.SIGINT
     assert "interrupted again; aborting without saving" in stderr, stderr
     assert "stopped at step" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_without_matplotlib_the_plot_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` fails
+    assert report.plot(tmp_path, [{"step": 1, "loss": 2.0}]) is None
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matplotlib is not installed, so no loss.png" in err
+    assert not (tmp_path / "loss.png").exists()
