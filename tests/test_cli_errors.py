@@ -103,6 +103,9 @@ def _make_fixtures(root: Path) -> dict[str, str]:
     (torn / "metrics.jsonl").write_text("".join(
         json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in (1, 2, 3)))
 
+    path("run.yaml").write_text("steps: 50\nbatch_size: 8\nmesh: dp=2,fsdp=-1\n"
+                                "data: [a.txt, b.txt]\nresume: false\n")
+    path("run.toml").write_text('steps = 50\nbatch-size = 8\nlr = 0.01\n')
     path("bad.yaml").write_text("steps: [1, 2\n")
     path("unknown.toml").write_text("steps = 10\nwarmup = 3\n")
     path("typo.yaml").write_text("steps: ten\n")
@@ -180,24 +183,33 @@ CASES = [
 ]
 
 
+# Valid command lines that print the effective config (and start nothing).
+PRINT_CONFIG = [
+    ["train", "--config", "{run.yaml}", "--steps", "70", "--print-config"],
+    ["train", "--config", "{run.toml}", "--resume", "--print-config"],
+]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every case of `CASES` run once, in one subprocess; snapshots of the fixture files
-    before and after."""
+    """Every case of `CASES` and `PRINT_CONFIG` run once, in one subprocess; snapshots of the
+    fixture files before and after."""
     root = tmp_path_factory.mktemp("cli_errors")
     paths = _make_fixtures(root)
-    argvs = [[_fill(a, paths) for a in argv] for _, argv, _ in CASES]
+    argvs = [[_fill(a, paths) for a in argv] for argv in
+             [argv for _, argv, _ in CASES] + PRINT_CONFIG]
     before = _snapshot(root)
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=_env(),
                           capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return dict(zip((name for name, _, _ in CASES), out)), before, _snapshot(root), paths
+    by_name = dict(zip((name for name, _, _ in CASES), out))
+    return by_name, before, _snapshot(root), paths, out[len(CASES):]
 
 
 @pytest.mark.parametrize("name, argv, needles", CASES, ids=[c[0] for c in CASES])
 def test_bad_command_line(name, argv, needles, results):
-    by_name, _, _, paths = results
+    by_name, _, _, paths, _ = results
     r = by_name[name]
     lines = r["err"].strip().splitlines()
     assert r["code"] == 2, r
@@ -211,7 +223,7 @@ def test_bad_command_line(name, argv, needles, results):
 
 
 def test_bad_command_lines_touch_no_file(results):
-    _, before, after, _ = results
+    _, before, after, _, _ = results
     assert after == before
     assert not Path("/sys/shardax-test").exists()
 
@@ -233,22 +245,18 @@ def test_the_shardax_entry_point_prints_one_line(args, needle, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_config_file_flags_override_and_print_config(tmp_path):
-    (tmp_path / "run.yaml").write_text("steps: 50\nbatch_size: 8\nmesh: dp=2,fsdp=-1\n"
-                                       "data: [a.txt, b.txt]\nresume: false\n")
-    (tmp_path / "run.toml").write_text('steps = 50\nbatch-size = 8\nlr = 0.01\n')
-    proc = _cli("train", "--config", "run.yaml", "--steps", "70", "--print-config",
-                cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    printed = json.loads(proc.stdout)
+def test_config_file_flags_override_and_print_config(results):
+    yaml_run, toml_run = results[4]
+    for r in (yaml_run, toml_run):
+        assert r["code"] == 0 and not r["err"] and not r["backend"], r
+    printed = json.loads(yaml_run["out"])
     assert printed["steps"] == 70  # the flag wins over the file
     assert printed["batch_size"] == 8 and printed["mesh"] == "dp=2,fsdp=-1"
     assert printed["data"] == ["a.txt", "b.txt"] and printed["resume"] is False
     assert printed["seq_len"] == 128  # neither: the default
-    proc = _cli("train", "--config", "run.toml", "--resume", "--print-config", cwd=tmp_path)
-    printed = json.loads(proc.stdout)
+    printed = json.loads(toml_run["out"])
     assert (printed["batch_size"], printed["lr"], printed["resume"]) == (8, 0.01, True)
-    assert not (tmp_path / "runs").exists()  # --print-config trains nothing
+    # --print-config trains nothing: test_bad_command_lines_touch_no_file
 
 
 def test_help_and_launch_need_only_the_core_install(tmp_path):

@@ -176,7 +176,7 @@ def test_list_data_files_formats(tmp_path):
 
 
 @pytest.mark.parametrize("make, needles", [
-    (lambda p: p / "missing", ["does not exist", "missing"]),
+    (lambda p: p / "missing", ["no such file or directory", "missing"]),
     (lambda p: (p / "empty").mkdir() or p / "empty", ["empty", "no data files",
                                                         "holds no files"]),
     (lambda p: [(p / "bins").mkdir(), (p / "bins" / "x.dat").write_bytes(b"\x00" * 9)]

@@ -207,7 +207,10 @@ def _train(argv: list[str]) -> int:
     try:
         train(config)
     except Stopped as e:
-        print(f"shardax train: {e}", file=sys.stderr, flush=True)
+        import jax
+
+        if jax.process_index() == 0:  # every process saved; one says so
+            print(f"shardax train: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0
 

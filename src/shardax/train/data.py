@@ -229,7 +229,7 @@ def _check_ids(tokens: TokenFile, file: DataFile, vocab_size: int) -> None:
     top = max(int(b.max()) for b in blocks if len(b))
     if top >= vocab_size:
         raise DataError(
-            f"--data {str(file.path)!r}: token id {top} is outside the tokenizer's vocabulary of "
+            f"--data {file.path}: token id {top} is outside the tokenizer's vocabulary of "
             f"{vocab_size}; give the --tokenizer the file was made with (or the right "
             "--token-dtype / extension)")
 
@@ -251,7 +251,7 @@ def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = 
     try:
         empty = all(f.path.stat().st_size == 0 for f in files)
     except OSError as e:
-        raise DataError(f"--data: cannot read {e.filename!r} ({e.strerror})") from None
+        raise DataError(f"--data {e.filename}: cannot read it ({e.strerror})") from None
     if empty:
         raise DataError(f"--data: all data files are empty: {[str(f) for f in files][:5]}")
     segments, names, group = [], [], []

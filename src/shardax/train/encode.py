@@ -138,7 +138,7 @@ def _writable_root() -> Path:
         (root / "tokens").mkdir(parents=True, exist_ok=True)
     except OSError as e:
         if os.environ.get(CACHE_ENV):
-            raise DataError(f"cannot create the token cache {str(root)!r} ({e.strerror}); set "
+            raise DataError(f"cannot create the token cache {root} ({e.strerror}); set "
                             f"{CACHE_ENV} to a writable directory") from None
         root = Path(tempfile.gettempdir()) / f"shardax-{os.getuid()}"
         (root / "tokens").mkdir(parents=True, exist_ok=True)
@@ -187,14 +187,14 @@ def encode_files(files: Sequence[DataFile], tokenizer: Tokenizer, text_field: st
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise DataError(f"cannot write the token cache {str(final)!r} ({e.strerror}); set "
+        raise DataError(f"cannot write the token cache {final} ({e.strerror}); set "
                         f"{CACHE_ENV} to a directory with room") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tokens = _open(final)
     if tokens is None:
-        raise DataError(f"the token cache {str(final)!r} is unreadable; delete it and retry")
+        raise DataError(f"the token cache {final} is unreadable; delete it and retry")
     if log:
         seconds = time.perf_counter() - start
         log(f"tokenized {len(tokens):,} tokens in {seconds:.1f} s "

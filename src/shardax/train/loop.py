@@ -157,9 +157,10 @@ def _load_tokens(config: TrainConfig, tokenizer: Tokenizer):
         data_lib.check_splits(len(train), len(val), config.seq_len, config.batch_size,
                               data=config.data)
     except (OSError, ValueError) as e:
-        reason = _os_reason(e) if isinstance(e, OSError) and e.strerror else str(e)
-        where = f"--data {e.filename}: " if isinstance(e, OSError) and e.filename else ""
-        raise UsageError(f"{where}{reason}") from None
+        if isinstance(e, OSError) and e.strerror:  # name the file (or the flag's paths)
+            raise UsageError(f"--data {e.filename or ' '.join(config.data)}: "
+                             f"{e.strerror}") from None
+        raise UsageError(str(e)) from None  # DataError: already names --data and the file
     return train, val
 
 

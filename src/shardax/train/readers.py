@@ -115,17 +115,17 @@ def _classify(path: Path, token_dtype: str | None, explicit: bool) -> DataFile |
     if suffix == ".parquet":
         return DataFile(path, "parquet")
     if suffix == ".bin" and explicit:
-        raise DataError(f"--data {str(path)!r}: a .bin token file needs --token-dtype uint16 or "
+        raise DataError(f"--data {path}: a .bin token file needs --token-dtype uint16 or "
                         "uint32 (or name it .u16 / .u32)")
     try:
         text = is_text(path)
     except OSError as e:
-        raise DataError(f"--data {str(path)!r}: cannot read it ({e.strerror})") from None
+        raise DataError(f"--data {path}: cannot read it ({e.strerror})") from None
     if text:
         return DataFile(path, "text")
     if explicit:
         raise DataError(
-            f"--data {str(path)!r}: not a text file (NUL bytes or not UTF-8) and not a known "
+            f"--data {path}: not a text file (NUL bytes or not UTF-8) and not a known "
             "format (.jsonl, .parquet, .u8/.u16/.u32 token files, .bin with --token-dtype)")
     return None
 
@@ -138,13 +138,13 @@ def _scan(directory: Path, token_dtype: str | None) -> list[DataFile]:
                                         for s in p.relative_to(directory).parts)),
             key=lambda p: p.relative_to(directory).as_posix())
     except OSError as e:
-        raise DataError(f"--data {str(directory)!r}: cannot list it ({e.strerror})") from None
+        raise DataError(f"--data {directory}: cannot list it ({e.strerror})") from None
     files = [f for f in (_classify(p, token_dtype, explicit=False) for p in found) if f]
     if not files:
-        what = (f"its {len(found)} files are all binary (e.g. {str(found[0])!r})" if found
+        what = (f"its {len(found)} files are all binary (e.g. {found[0]})" if found
                 else "it holds no files")
         raise DataError(
-            f"--data {str(directory)!r}: no data files: {what}; give text files (UTF-8), "
+            f"--data {directory}: no data files: {what}; give text files (UTF-8), "
             ".jsonl, .parquet or token files (.u8/.u16/.u32)")
     return files
 
@@ -168,15 +168,15 @@ def list_data_files(paths: Sequence[str | os.PathLike],
         try:
             mode = path.stat().st_mode
         except FileNotFoundError:
-            raise DataError(f"--data path does not exist: {str(path)!r}") from None
+            raise DataError(f"--data {path}: no such file or directory") from None
         except OSError as e:
-            raise DataError(f"--data {str(path)!r}: cannot read it ({e.strerror})") from None
+            raise DataError(f"--data {path}: cannot read it ({e.strerror})") from None
         if stat.S_ISDIR(mode):
             out += _scan(path, token_dtype)
         elif stat.S_ISREG(mode):
             out.append(_classify(path, token_dtype, explicit=True))
         else:
-            raise DataError(f"--data {str(path)!r}: not a regular file or directory (a device, "
+            raise DataError(f"--data {path}: not a regular file or directory (a device, "
                             "pipe or socket); give files or directories of data")
     return out
 
@@ -208,14 +208,14 @@ def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
             try:
                 record = json.loads(line)
             except ValueError as e:
-                raise DataError(f"--data {str(path)!r} line {number}: not JSON ({e})") from None
+                raise DataError(f"--data {path} line {number}: not JSON ({e})") from None
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"--data {str(path)!r} line {number}: no {text_field!r} field "
+                raise DataError(f"--data {path} line {number}: no {text_field!r} field "
                                 f"(has {keys}); choose the field with --text-field")
             text = record[text_field]
             if not isinstance(text, str):
-                raise DataError(f"--data {str(path)!r} line {number}: field {text_field!r} is "
+                raise DataError(f"--data {path} line {number}: field {text_field!r} is "
                                 f"{type(text).__name__}, not a string; choose the text field "
                                 "with --text-field")
             yield Piece(text, True, True)
@@ -225,21 +225,21 @@ def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DataError(f"--data {str(path)!r}: reading Parquet needs pyarrow: "
+        raise DataError(f"--data {path}: reading Parquet needs pyarrow: "
                         "pip install 'shardax[data]'") from None
     try:
         parquet = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid (and others) for a bad file
-        raise DataError(f"--data {str(path)!r}: not a readable Parquet file "
+        raise DataError(f"--data {path}: not a readable Parquet file "
                         f"({str(e).splitlines()[0]})") from None
     names = parquet.schema_arrow.names
     if text_field not in names:
-        raise DataError(f"--data {str(path)!r}: no column {text_field!r} (has {names}); choose "
+        raise DataError(f"--data {path}: no column {text_field!r} (has {names}); choose "
                         "the column with --text-field")
     for batch in parquet.iter_batches(batch_size=256, columns=[text_field]):
         for text in batch.column(0).to_pylist():
             if text is not None and not isinstance(text, (str, bytes)):
-                raise DataError(f"--data {str(path)!r}: column {text_field!r} holds "
+                raise DataError(f"--data {path}: column {text_field!r} holds "
                                 f"{type(text).__name__}, not text; choose it with --text-field")
             if text is not None:
                 yield Piece(text, True, True)
@@ -262,7 +262,7 @@ def read_pieces(file: DataFile, text_field: str = "text") -> Iterator[Piece]:
         else:
             raise ValueError(f"read_pieces reads text, jsonl and parquet files, not {file.kind}")
     except OSError as e:
-        raise DataError(f"--data {str(file.path)!r}: cannot read it ({e.strerror})") from None
+        raise DataError(f"--data {file.path}: cannot read it ({e.strerror})") from None
 
 
 class TokenFile:
@@ -302,7 +302,7 @@ class TokenFile:
             while want:
                 chunk = os.pread(fd, want, offset)
                 if not chunk:
-                    raise DataError(f"--data {str(self.path)!r}: the file shrank while in use")
+                    raise DataError(f"--data {self.path}: the file shrank while in use")
                 chunks.append(chunk)
                 want, offset = want - len(chunk), offset + len(chunk)
         finally:
@@ -321,9 +321,9 @@ def open_token_file(file: DataFile) -> TokenFile:
     try:
         size = file.path.stat().st_size
     except OSError as e:
-        raise DataError(f"--data {str(file.path)!r}: cannot read it ({e.strerror})") from None
+        raise DataError(f"--data {file.path}: cannot read it ({e.strerror})") from None
     if size % itemsize:
-        raise DataError(f"--data {str(file.path)!r}: {size} bytes is not a whole number of "
+        raise DataError(f"--data {file.path}: {size} bytes is not a whole number of "
                         f"{np.dtype(file.dtype).name} tokens; is --token-dtype / the extension "
                         "right?")
     return TokenFile(file.path, file.dtype, size)

@@ -120,10 +120,10 @@ class HFTokenizer(Tokenizer):
             raw = self.path.read_bytes()
             self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
         except OSError as e:
-            raise ValueError(f"--tokenizer {str(self.path)!r}: cannot read it ({e.strerror})") \
+            raise ValueError(f"--tokenizer {self.path}: cannot read it ({e.strerror})") \
                 from None
         except Exception as e:  # tokenizers raises its own Exception types for bad JSON
-            raise ValueError(f"--tokenizer {str(self.path)!r}: not a Hugging Face tokenizer.json "
+            raise ValueError(f"--tokenizer {self.path}: not a Hugging Face tokenizer.json "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
                 from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -138,18 +138,18 @@ class HFTokenizer(Tokenizer):
             try:
                 eos = json.loads(config.read_text()).get("eos_token")
             except (OSError, ValueError) as e:
-                raise ValueError(f"--tokenizer: cannot read {str(config)!r}: {e}") from None
+                raise ValueError(f"--tokenizer: cannot read {config}: {e}") from None
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if eos is not None:
                 if eos not in vocab:
-                    raise ValueError(f"--tokenizer: eos_token {eos!r} of {str(config)!r} is not "
-                                     f"in the vocabulary of {str(self.path)!r}")
+                    raise ValueError(f"--tokenizer: eos_token {eos!r} of {config} is not "
+                                     f"in the vocabulary of {self.path}")
                 return vocab[eos]
         for name in _EOS_NAMES:
             if name in vocab:
                 return vocab[name]
         raise ValueError(
-            f"--tokenizer {str(self.path)!r}: no end-of-text token (no eos_token in "
+            f"--tokenizer {self.path}: no end-of-text token (no eos_token in "
             f"tokenizer_config.json, none of {list(_EOS_NAMES)} in the vocabulary); add one "
             "to the tokenizer or name it as eos_token in tokenizer_config.json")
 
@@ -201,11 +201,11 @@ def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
     path = Path(spec.removeprefix("hf:"))
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise ValueError(f"--tokenizer {spec!r}: no tokenizer.json in this directory "
+            raise ValueError(f"--tokenizer {spec}: no tokenizer.json in this directory "
                              "(give a Hugging Face model directory or a tokenizer.json file)")
         path = path / "tokenizer.json"
     elif not path.is_file():
-        raise ValueError(f"--tokenizer {spec!r}: no such file or directory (give 'bytes', a "
+        raise ValueError(f"--tokenizer {spec}: no such file or directory (give 'bytes', a "
                          "Hugging Face model directory or a tokenizer.json file)")
     return HFTokenizer(path)
 
