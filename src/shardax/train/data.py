@@ -180,14 +180,11 @@ class TokenStream:
         train, val = stream.view(0, 900), stream.view(900, len(stream))
     """
 
-    def __init__(self, segments: Sequence[np.ndarray | TokenFile],
-                 names: Sequence[str] | None = None):
+    def __init__(self, segments: Sequence[np.ndarray | TokenFile]):
         self.segments = [s for s in segments if len(s)]
         for s in self.segments:
             if s.ndim != 1:
                 raise ValueError(f"tokens must be 1-D, got shape {s.shape}")
-        kept = [n for s, n in zip(segments, names or [""] * len(segments)) if len(s)]
-        self.names = kept
         self._offsets = np.cumsum([0] + [len(s) for s in self.segments])
         self.start, self.stop = 0, int(self._offsets[-1])
 
@@ -199,7 +196,7 @@ class TokenStream:
         if not 0 <= start <= stop <= len(self):
             raise ValueError(f"view [{start}, {stop}) outside a stream of {len(self)} tokens")
         out = object.__new__(TokenStream)
-        out.segments, out.names, out._offsets = self.segments, self.names, self._offsets
+        out.segments, out._offsets = self.segments, self._offsets
         out.start, out.stop = self.start + start, self.start + stop
         return out
 
@@ -254,12 +251,11 @@ def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = 
         raise DataError(f"--data {e.filename}: cannot read it ({e.strerror})") from None
     if empty:
         raise DataError(f"--data: all data files are empty: {[str(f) for f in files][:5]}")
-    segments, names, group = [], [], []
+    segments, group = [], []
 
     def flush():
         if group:
             segments.append(encode_files(group, tokenizer, text_field, log=log))
-            names.append(f"{len(group)} files from {group[0]}")
             group.clear()
 
     for f in files:
@@ -271,9 +267,8 @@ def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = 
         if len(tokens):
             _check_ids(tokens, f, tokenizer.vocab_size)
         segments.append(tokens)
-        names.append(str(f.path))
     flush()
-    return TokenStream(segments, names)
+    return TokenStream(segments)
 
 
 def load_splits(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = None,
@@ -290,7 +285,7 @@ def load_splits(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None 
     tokenizer = tokenizer or ByteTokenizer()
     if not paths:
         return tuple(TokenStream([encode_files([DataFile(p, "text") for p in default_corpus(s)],
-                                               tokenizer, log=log)], [f"stdlib {s}"])
+                                               tokenizer, log=log)])
                      for s in ("train", "val"))
     return split_tokens(open_data(paths, tokenizer, text_field, token_dtype, log), val_fraction)
 
