@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from shardax.mesh import current_context
+from shardax import _context
 from shardax.rules import match_specs_flat
 
 __all__ = ["with_sharding_constraint", "with_sharding_annotation"]
@@ -25,7 +25,7 @@ def with_sharding_constraint(pytree: Any, rule_or_spec: Any, *, what: str = "con
 
     >>> x = with_sharding_constraint(x, PartitionSpec("fsdp", None))  # doctest: +SKIP
     """
-    context = current_context()
+    context = _context.current()
     if context is None:
         return pytree
     mesh = context.mesh_helper.mesh
@@ -43,7 +43,7 @@ def with_sharding_annotation(pytree: Any, name: str) -> Any:
     The model code names the value; the call site decides how it is sharded. A name the
     context does not know is left unconstrained, with one warning per trace.
     """
-    context = current_context()
+    context = _context.current()
     if context is None:
         return pytree
     rule = context.annotation_shardings.get(name)
