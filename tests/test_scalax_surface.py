@@ -91,6 +91,7 @@ def test_sjit_compiled_function_and_jitted_function_by_args():
     np.testing.assert_array_equal(out, x * 3)
     assert out.sharding.spec == PartitionSpec("fsdp")
     assert "sharding" in jitted.lower(x, 3).as_text()
+    assert step.get_jitted_function_by_args(x, 3) is jitted  # one jax.jit per signature
 
 
 def test_largest_power_of_two_divisor():

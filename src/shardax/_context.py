@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "Frame",
+    "ActiveFrames",
     "current",
     "pushed",
     "logical_rules",
@@ -34,7 +35,7 @@ class Frame:
     axis rules in force, and the annotation names already warned about."""
 
     mesh_helper: Any
-    annotation_shardings: Mapping[str, Any] = field(default_factory=dict)
+    annotation_shardings: Mapping[str, Any] | None = None
     logical_axis_rules: Any = None
     warned_annotations: set[str] = field(default_factory=set)
 
@@ -47,6 +48,13 @@ class _State(threading.local):
 
 
 _STATE = _State()
+
+
+class ActiveFrames:
+    """A class attribute that reads this thread's active contexts, innermost last."""
+
+    def __get__(self, instance: Any, owner: Any) -> list[Frame]:
+        return list(_STATE.frames)
 
 
 def current() -> Frame | None:

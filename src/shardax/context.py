@@ -33,9 +33,7 @@ class ShardingContext(_context.Frame):
     """
 
     _exits: list[contextlib.ExitStack] = field(default_factory=list, repr=False)
-
-    def __post_init__(self) -> None:
-        self.annotation_shardings = dict(self.annotation_shardings or {})
+    global_contexts = _context.ActiveFrames()  # scalax's class attribute: this thread's stack
 
     @classmethod
     def get_global_context(cls) -> _context.Frame | None:

@@ -97,6 +97,8 @@ class _Signature:
     in_specs: list[Any]
     in_shardings: list[NamedSharding | None]
     out_shardings: Any
+    arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
+    by_args: Any = None  # the jax.jit taking the original arguments, made on request
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,9 @@ class ShardedFunction:
             donate_argnums=donate,
             **self.jit_kwargs,
         )
-        return _Signature(jitted, paths, in_specs, in_shardings, out_shardings)
+        arg_shardings = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(dyn_args), in_shardings[:n_args])
+        return _Signature(jitted, paths, in_specs, in_shardings, out_shardings, arg_shardings)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
@@ -327,29 +331,32 @@ class ShardedFunction:
     def _body(self, helper, static_args, static_kwargs, treedef, expected) -> Callable:
         """The traced function: flat dynamic leaves in, the user's output out.
 
-        It enters the sharding context while it is traced, wherever that happens (top level or
-        under another transformation), and refuses arguments of another signature, whose
-        shardings would have to be resolved again.
+        It refuses arguments of another signature, whose shardings would have to be resolved
+        again.
         """
-        fun, constraint = self.fun, self.args_sharding_constraint
 
         def body(*flat):
             if not _same_signature(expected, flat):
                 raise _NewSignature
-            with self._context(helper):
-                dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
-                if constraint is not None:
-                    rules = self._per_arg(constraint, dyn_args, "args_sharding_constraint")
-                    dyn_args = with_sharding_constraint(
-                        dyn_args, rules, what="args_sharding_constraint"
-                    )
-                args = list(dyn_args)
-                for i, value in static_args:
-                    args.insert(i, value)
-                return fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
+            return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
 
-        body.__name__ = getattr(fun, "__name__", "sjit_body")
+        body.__name__ = getattr(self.fun, "__name__", "sjit_body")
         return body
+
+    def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs) -> Any:
+        """The user's function under its sharding context, entered while it is traced
+        (wherever that happens: top level or under another transformation)."""
+        with self._context(helper):
+            if self.args_sharding_constraint is not None:
+                rules = self._per_arg(self.args_sharding_constraint, dyn_args,
+                                      "args_sharding_constraint")
+                dyn_args = with_sharding_constraint(dyn_args, rules,
+                                                    what="args_sharding_constraint")
+            args = list(dyn_args)
+            for i, value in static_args:
+                args.insert(i, value)
+            return self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
 
     def _context(self, helper: Any) -> ShardingContext:
         return ShardingContext(helper, self.annotation_shardings, self.logical_axis_rules)
@@ -397,19 +404,29 @@ class ShardedFunction:
     def get_jitted_function_by_args(self, *args: Any, **kwargs: Any) -> Any:
         """The ``jax.jit`` object for these arguments' signature (scalax's method).
 
-        It takes the same arguments as the sjit function (static ones included); called
-        directly it skips sjit's own dispatch.
+        It takes the same positional arguments as the sjit function (static ones included),
+        has the resolved shardings, enters the sharding context when it traces, and is the same
+        object for every call with this signature.
         """
         entry, _ = self._resolve(args, kwargs)
-        split = self._split
+        if entry.by_args is None:
+            helper = self._helper()
 
-        def by_args(*call_args: Any, **call_kwargs: Any) -> Any:
-            _, _, dyn_args, dyn_kwargs = split(call_args, call_kwargs)
-            return entry.jitted(*jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+            def by_args(*call_args: Any, **call_kwargs: Any) -> Any:
+                static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(call_args,
+                                                                               call_kwargs)
+                return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
 
-        by_args.lower = lambda *a, **k: entry.jitted.lower(
-            *jax.tree_util.tree_leaves(split(a, k)[2:]))
-        return functools.wraps(self.fun)(by_args)
+            entry.by_args = jax.jit(
+                functools.wraps(self.fun)(by_args),
+                in_shardings=entry.arg_shardings,
+                out_shardings=entry.out_shardings,
+                static_argnums=self.static_argnums,
+                static_argnames=tuple(self.static_argnames),
+                donate_argnums=tuple(sorted(self.donate_argnums)),
+                **self.jit_kwargs,
+            )
+        return entry.by_args
 
 
 SJITCompiledFunction = ShardedFunction  # scalax's name for what sjit returns

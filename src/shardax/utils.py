@@ -158,14 +158,14 @@ def named_tree_map(
 
 
 def flatten_tree(
-    tree: Any, is_leaf: Callable[[Any], bool] | None = None, sep: str | None = None
+    xs: Any, is_leaf: Callable[[Any], bool] | None = None, sep: str | None = None
 ) -> dict[Any, Any]:
-    """A flat ``{path: leaf}`` dict of a pytree.
+    """A flat ``{path: leaf}`` dict of the pytree ``xs``.
 
     >>> flatten_tree({"a": 1, "b": [2, 3]}, sep="/")
     {'a': 1, 'b/0': 2, 'b/1': 3}
     """
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    leaves, _ = jax.tree_util.tree_flatten_with_path(xs, is_leaf=is_leaf)
     return {tree_path_to_string(path, sep=sep): leaf for path, leaf in leaves}
 
 
