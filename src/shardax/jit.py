@@ -15,6 +15,7 @@ that ``jax.jit`` object, whose C++ dispatch checks the rest.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect as _inspect
 from collections import OrderedDict
@@ -92,22 +93,24 @@ def _same_signature(expected: tuple, flat: Sequence[Any]) -> bool:
 class _Signature:
     """One resolved call signature."""
 
-    jitted: Any  # the jax.jit object, taking the flat dynamic leaves
+    jitted: Any  # the jax.jit object: over the arguments if positional, else the flat leaves
+    positional: bool  # only positional dynamic arguments (no static, no keyword ones)
+    args_treedef: Any  # tree structure of the dynamic positional arguments
     in_paths: list[str]
     in_specs: list[Any]
-    in_shardings: list[NamedSharding | None]
+    in_shardings: list[NamedSharding | None]  # one per flat dynamic leaf
     out_shardings: Any
     arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
-    by_args: Any = None  # the jax.jit taking the original arguments, made on request
+    needs_mesh: bool  # no sharding anywhere: call under the ambient mesh to get the devices
+    by_args: Any = None  # for a non-positional signature, the jax.jit taking the arguments
 
 
 @dataclass(frozen=True)
 class _Fast:
-    """The last signature called at top level, for calls with the same tree structure."""
+    """The last positional signature called; the next call tries its jax.jit first."""
 
-    treedef: Any
     jitted: Any
-    mesh: Any
+    mesh: Any  # set the ambient mesh around the call (only when the program needs it)
 
 
 class ShardedFunction:
@@ -276,31 +279,43 @@ class ShardedFunction:
             )
         in_specs = arg_specs + [None] * n_kwargs
         in_shardings = [None if s is None else NamedSharding(mesh, s) for s in in_specs]
+        args_treedef = jax.tree_util.tree_structure(dyn_args)
+        arg_shardings = jax.tree_util.tree_unflatten(args_treedef, in_shardings[:n_args])
 
         flat = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
         expected = tuple(_shape_dtype(x) for x in flat)
-        body = self._body(helper, static_args, static_kwargs, treedef, expected)
-        donate = self._donated_leaves(dyn_args, dyn_kwargs, static_args)
+        # A call with positional dynamic arguments only (the usual train step) gets a jax.jit
+        # over those arguments themselves, so later calls go straight to its C++ dispatch;
+        # static or keyword arguments need the flat form (jax.jit refuses keyword arguments
+        # next to in_shardings).
+        positional = not dyn_kwargs and not static_args and not static_kwargs
+        if positional:
+            body = self._positional_body(helper, args_treedef, expected)
+            abstract = jax.tree_util.tree_unflatten(args_treedef, _abstract(flat))
+            jit_in, donate = arg_shardings, tuple(i for i in sorted(self.donate_argnums)
+                                                  if 0 <= i < len(dyn_args))
+        else:
+            body = self._body(helper, static_args, static_kwargs, treedef, expected)
+            abstract = _abstract(flat)
+            jit_in, donate = tuple(in_shardings), self._donated_leaves(dyn_args, dyn_kwargs,
+                                                                       static_args)
         out_shardings = None
         if self.out_shardings is not None:
-            with _compat.mesh_context(mesh):  # as at the call, so jit reuses this trace
-                out_shape = jax.eval_shape(body, *_abstract(flat))
-            rules = self.out_shardings
-            _, _, out_specs = match_specs_flat(rules, out_shape, mesh, what="out_shardings")
+            # Traced as the call traces it (same function, no ambient mesh), so jit reuses it.
+            out_shape = jax.eval_shape(body, *abstract)
+            _, _, out_specs = match_specs_flat(self.out_shardings, out_shape, mesh,
+                                               what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(out_shape),
                 [None if s is None else NamedSharding(mesh, s) for s in out_specs],
             )
-        jitted = jax.jit(
-            body,
-            in_shardings=tuple(in_shardings),
-            out_shardings=out_shardings,
-            donate_argnums=donate,
-            **self.jit_kwargs,
-        )
-        arg_shardings = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(dyn_args), in_shardings[:n_args])
-        return _Signature(jitted, paths, in_specs, in_shardings, out_shardings, arg_shardings)
+        # Without any sharding, only the ambient mesh tells the program its devices.
+        named = [s for s in in_shardings + jax.tree_util.tree_leaves(out_shardings)
+                 if s is not None]
+        jitted = jax.jit(body, in_shardings=jit_in, out_shardings=out_shardings,
+                         donate_argnums=donate, **self.jit_kwargs)
+        return _Signature(jitted, positional, args_treedef, paths, in_specs, in_shardings,
+                          out_shardings, arg_shardings, needs_mesh=not named)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
@@ -329,17 +344,28 @@ class ShardedFunction:
         return tuple(donated)
 
     def _body(self, helper, static_args, static_kwargs, treedef, expected) -> Callable:
-        """The traced function: flat dynamic leaves in, the user's output out.
-
-        It refuses arguments of another signature, whose shardings would have to be resolved
-        again.
-        """
+        """The traced function of a signature with static or keyword arguments: the flat
+        dynamic leaves in, the user's output out. It refuses arguments of another signature,
+        whose shardings would have to be resolved again."""
 
         def body(*flat):
             if not _same_signature(expected, flat):
                 raise _NewSignature
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
             return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
+
+        body.__name__ = getattr(self.fun, "__name__", "sjit_body")
+        return body
+
+    def _positional_body(self, helper, args_treedef, expected) -> Callable:
+        """The traced function of a signature with positional dynamic arguments only; it
+        refuses another tree structure or other shapes (checked while tracing only)."""
+
+        def body(*args):
+            flat, treedef = jax.tree_util.tree_flatten(args)
+            if treedef != args_treedef or not _same_signature(expected, flat):
+                raise _NewSignature
+            return self._run(helper, (), (), args, {})
 
         body.__name__ = getattr(self.fun, "__name__", "sjit_body")
         return body
@@ -366,21 +392,22 @@ class ShardedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fast = self._fast
         if fast is not None and not kwargs:
-            flat, treedef = jax.tree_util.tree_flatten(args)
-            if treedef == fast.treedef:
-                try:
-                    with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
-                        return fast.jitted(*flat)
-                except (_NewSignature, ValueError):
-                    pass  # new shapes, or an input on another sharding: resolve it below
+            try:
+                if fast.mesh is None:
+                    return fast.jitted(*args)
+                with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
+                    return fast.jitted(*args)
+            except (_NewSignature, ValueError):
+                pass  # new structure or shapes, or an input on another sharding
         entry, flat = self._resolve(args, kwargs)
         mesh = self._helper().mesh
-        # The ambient mesh gives the program its devices even where no input has a rule.
-        with _compat.mesh_context(mesh):
-            out = entry.jitted(*_placed(flat, entry.in_shardings))
-        if (self.mesh_helper is not None and not kwargs and not self.static_argnums
-                and not self.static_argnames):
-            self._fast = _Fast(jax.tree_util.tree_structure(args), entry.jitted, mesh)
+        placed = _placed(flat, entry.in_shardings)
+        with _compat.mesh_context(mesh) if entry.needs_mesh else contextlib.nullcontext():
+            if not entry.positional:
+                return entry.jitted(*placed)
+            out = entry.jitted(*jax.tree_util.tree_unflatten(entry.args_treedef, placed))
+        if self.mesh_helper is not None and not self.static_argnums and not self.static_argnames:
+            self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None)
         return out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
@@ -389,8 +416,12 @@ class ShardedFunction:
         Arrays may be replaced by ``jax.ShapeDtypeStruct``s.
         """
         entry, flat = self._resolve(args, kwargs)
-        with _compat.mesh_context(self._helper().mesh):
-            return entry.jitted.lower(*_abstract(flat, entry.in_shardings))
+        abstract = _abstract(flat, entry.in_shardings)
+        if entry.positional:
+            abstract = jax.tree_util.tree_unflatten(entry.args_treedef, abstract)
+        with _compat.mesh_context(self._helper().mesh) if entry.needs_mesh \
+                else contextlib.nullcontext():
+            return entry.jitted.lower(*abstract)
 
     def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The ``ShardingPlan``: per-leaf specs and bytes, collectives and memory of the step.
@@ -409,6 +440,8 @@ class ShardedFunction:
         object for every call with this signature.
         """
         entry, _ = self._resolve(args, kwargs)
+        if entry.positional:
+            return entry.jitted
         if entry.by_args is None:
             helper = self._helper()
 
