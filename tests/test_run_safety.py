@@ -278,6 +278,24 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(reference, t
         assert _series(_metrics(out), key) == _series(reference[1], key), key
 
 
+def test_a_first_ctrl_c_saves_the_current_step(tmp_path):
+    out = tmp_path / "run"
+    proc = _start(out, tmp_path)
+    try:
+        _wait_for(proc.stdout, r"^step\s+1\s", proc)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    stopped = re.findall(r"stopped at step (\d+), saved; continue with --resume", stderr)
+    assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+    step = int(stopped[0])
+    assert _committed(out) == [step] and step >= max(r["step"] for r in _metrics(out))
+
+
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, tmp_path)

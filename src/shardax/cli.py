@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         return runners[command](rest)
     except BrokenPipeError:  # e.g. `shardax train --print-config | head`
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before training started (nothing to save yet)
+        print(f"shardax {command}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in ("tyro", "flax", "optax", "orbax", "rich",
                                                  "etils", "grain"):

@@ -100,7 +100,7 @@ def _is_key(x: Any) -> bool:
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-    return flatten_tree(tree)
+    return flatten_tree(tree, sep="/")
 
 
 def _as_words(x: jax.Array) -> jax.Array:

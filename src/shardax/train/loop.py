@@ -250,8 +250,8 @@ def _check_extra(restored: Restored) -> None:
 
 
 def _resume(run: _Run, state_shape: Any, shardings: Any) -> tuple[int, Any]:
-    """Restores the newest good checkpoint (or ``--resume-step``), skipping damaged ones with a
-    note, and moves committed steps past it aside so the run can save them again."""
+    """Restores the newest good checkpoint, skipping damaged ones with a note (or exactly
+    ``--resume-step``)."""
     config, ckpt_dir = run.config, run.out / CHECKPOINT_DIR
 
     def skipped(step: int, why: str) -> None:
@@ -260,11 +260,13 @@ def _resume(run: _Run, state_shape: Any, shardings: Any) -> tuple[int, Any]:
     try:
         with Checkpointer(ckpt_dir, read_only=True) as reader:
             restored, state = build.restore(reader, state_shape, shardings,
-                                            step=config.resume_step, fallback=True,
+                                            step=config.resume_step,
+                                            fallback=config.resume_step is None,
                                             check=_check_extra, on_skip=skipped)
     except CorruptCheckpointError as e:
-        raise UsageError(f"--resume: no usable checkpoint in {ckpt_dir}; the oldest one "
-                         f"failed too: {e}") from None
+        which = (f"--resume-step {config.resume_step}" if config.resume_step is not None
+                 else "--resume: no usable checkpoint; the oldest one")
+        raise UsageError(f"{which} failed its checks: {e}") from None
     start = restored.step
     if start > config.steps:
         raise UsageError(f"--steps {config.steps}: the run is already at step {start}; pass "
