@@ -73,16 +73,25 @@ class Attention(nnx.Module):
         self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x)
+        out = constrain(gqa_attention(q, k, v), ("batch", "length", "heads", "head_dim"))
+        return self.out(out)
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v [b, s, heads, d]."""
         dt = self.dtype
-        names = ("batch", "length", "heads", "head_dim")
 
         def proj(w, b):
             y = jnp.einsum("bse,ehd->bshd", x, w[...].astype(dt)) + b[...].astype(dt)
-            return constrain(y, names)
+            return constrain(y, ("batch", "length", "heads", "head_dim"))
 
-        q, k, v = proj(self.wq, self.bq), proj(self.wk, self.bk), proj(self.wv, self.bv)
-        out = constrain(gqa_attention(q, k, v), names)
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
+        return proj(self.wq, self.bq), proj(self.wk, self.bk), proj(self.wv, self.bv)
+
+    def out(self, attended: jax.Array) -> jax.Array:
+        """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
+        dt = self.dtype
+        y = jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(dt))
+        return y + self.bo[...].astype(dt)
 
 
 class MLPBlock(nnx.Module):

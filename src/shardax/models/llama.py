@@ -175,14 +175,18 @@ class Attention(nnx.Module):
                  load_balanced: bool = False) -> jax.Array:
         if self.config.tp_mode != "none":
             return self._tensor_parallel(x, cos, sin, load_balanced)
-        q, k, v = self._qkv(x)
+        q, k, v = self.qkv(x)
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         out = constrain(attend(q, k, v, load_balanced), ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(self.dtype))
+        return self.out(out)
 
-    def _qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def out(self, attended: jax.Array) -> jax.Array:
+        """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
+        return jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(self.dtype))
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, d], k and v [b, s, kv_heads, d], before RoPE."""
         dt = self.dtype
         out = []
