@@ -164,24 +164,47 @@ def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_toke
     """``max_new_tokens`` new tokens after each prompt (greedy when ``temperature <= 0``).
 
     With ``mesh`` and ``rules`` (``LogicalAxisRules``) the computation runs under them (the
-    model's arrays should already be sharded; the cache follows the rules). Prompt plus new
-    tokens must fit ``max_seq_len``.
+    model's arrays should already be sharded; the cache follows the rules). When the longest
+    prompt plus the new tokens exceed ``max_seq_len``, generation goes in rounds: each round
+    re-reads (prefills) the last ``max_seq_len // 2`` tokens of every row and fills the rest
+    of the window.
 
     Example::
 
         out = generate(model, [tok.encode('def ')], 64, temperature=0.8)
         print(out.tokens_per_s)
     """
-    from shardax.logical import use_logical_rules
-
-    c = model.config
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    length = model.config.max_seq_len
+    seqs = [list(p) for p in prompts]
+    new: list[list[int]] = [[] for _ in seqs]
+    out = Generated(new, 0.0, 0.0)
+    remaining, round_ = max_new_tokens, 0
+    while remaining > 0:
+        if max(map(len, seqs)) + remaining > length:
+            seqs = [s[-(length // 2):] for s in seqs]
+        n = min(remaining, length - max(map(len, seqs)))
+        got = _once(model, seqs, n, temperature, seed + round_, use_cache, mesh, rules)
+        for r, toks in enumerate(got.tokens):
+            new[r].extend(toks)
+            seqs[r].extend(toks)
+        out.prefill_s += got.prefill_s
+        out.decode_s += got.decode_s
+        remaining -= n
+        round_ += 1
+    return out
+
+
+def _once(model, prompts, max_new_tokens, temperature, seed, use_cache, mesh, rules
+          ) -> Generated:
+    """One round of :func:`generate`: prompt plus new tokens fit ``max_seq_len``."""
+    from shardax.logical import use_logical_rules
+
     width = max(len(p) for p in prompts)
     total = width + max_new_tokens
-    if total > c.max_seq_len:
-        raise ValueError(f"longest prompt ({width} tokens) + {max_new_tokens} new tokens = "
-                         f"{total} exceeds the model's max_seq_len={c.max_seq_len}")
     b = len(prompts)
     pad = np.array([width - len(p) for p in prompts], np.int32)
     buf = np.zeros((b, total), np.int32)

@@ -309,6 +309,9 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
                   "--steps to train on)")
             return records
         _tidy_checkpoints(run, start)
+    elif config.init_from is not None:
+        state = build.create_from_hf(config, run.model_config, run.tx, mesh, rules)
+        start, records = 0, []
     else:
         init = mesh.sjit(lambda: build.create(run.model_config, run.tx, config.seed)[1],
                          out_shardings=rules)
