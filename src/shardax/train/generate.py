@@ -99,8 +99,8 @@ def restore_model(out: str, step: int | None = None, mesh_spec: str | None = Non
 def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int = 200,
              temperature: float = 0.8, seed: int = 0, step: int | None = None, *,
              source: str | None = None, stats: dict | None = None) -> str | list[str]:
-    """The ``prompt`` followed by ``max_tokens`` bytes sampled from the newest good checkpoint in run
-    directory ``out`` (or checkpoint ``step``), or from the Hugging Face model ``source``
+    """The ``prompt`` followed by ``max_tokens`` bytes sampled from the newest good checkpoint
+    in run directory ``out`` (or checkpoint ``step``), or from the Hugging Face model ``source``
     (``'hf:DIR'``); ``temperature`` 0 takes the likeliest byte. Several prompts (a list) are
     sampled as one batch with the KV cache and give a list of texts. ``stats``, if given,
     receives ``tokens``, ``seconds`` and ``tokens_per_s``.
