@@ -79,6 +79,18 @@ def test_logits_match_transformers_on_fsdp4_tp2(arch):
     assert_logits_close(logits_of(model, ref["tokens"], mesh, rules), ref["logits"])
 
 
+@pytest.mark.parametrize("mesh_spec", ["fsdp=4,tp=2", "tp=8"])
+def test_qwen2_biases_under_megatron_tensor_parallelism(mesh_spec):
+    """tp_mode='sync' adds the q/k/v biases inside the fused column-parallel QKV, also when
+    'tp' (8) exceeds the 4 heads and they are repeated."""
+    ref = reference("qwen2")
+    mesh = MeshShardingHelper.from_string(mesh_spec)
+    config = hf.load_config(FIXTURES / "qwen2", tp_mode="sync")
+    rules = hf.default_rules(config, mesh.mesh)
+    model = nnx.merge(*hf.load_params(FIXTURES / "qwen2", config, mesh, rules))
+    assert_logits_close(logits_of(model, ref["tokens"], mesh, rules), ref["logits"])
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_kv_cache_greedy_tokens_equal_transformers(arch):
     ref = reference(arch)
