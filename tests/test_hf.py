@@ -111,6 +111,11 @@ def test_kv_cache_equals_full_recompute_sharded_with_ragged_prompts(arch):
     config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
     model = nnx.merge(*hf.load_params(FIXTURES / arch, config, mesh, rules))
+    with jax.set_mesh(mesh.mesh), use_logical_rules(rules):  # split like the activations
+        cache = jax.jit(lambda: decode.init_cache(model, 4, 32))()
+    want = jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec(
+        None, "fsdp", None, "tp", None))
+    assert cache.k.sharding.is_equivalent_to(want, 5), cache.k.sharding
     kw = dict(temperature=0.7, seed=3, mesh=mesh, rules=rules)
     cached = decode.generate(model, prompts, 12, **kw)
     recomputed = decode.generate(model, prompts, 12, use_cache=False, **kw)
