@@ -150,6 +150,27 @@ def llama_config(name: str, policy: Policy, **overrides: Any) -> Any:
 
 # ----------------------------------------------------------------------------- timing
 
+def import_scalax() -> tuple[Any, str | None]:
+    """``(scalax.sharding, version)`` from ``benchmarks/.peers`` (where ``run.py`` installs it)
+    or the environment; ``(None, why)`` when it cannot be imported."""
+    peers = ROOT / "benchmarks" / ".peers"
+    if peers.exists() and str(peers) not in sys.path:
+        sys.path.insert(0, str(peers))
+    try:
+        from importlib.metadata import version
+
+        import scalax.sharding as scalax_sharding
+
+        return scalax_sharding, version("scalax")
+    except Exception as e:  # any import failure is a result to report
+        return None, f"import failed: {type(e).__name__}: {e}"
+
+
+def paired_ratio(samples: Sequence[float], reference: Sequence[float]) -> float:
+    """Median of per-round ratios: drift on a shared machine hits both sides of a round."""
+    return median([s / r for s, r in zip(samples, reference)])
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """Seconds one call of ``fn`` takes (results blocked on), and its result."""
     start = time.perf_counter()

@@ -10,14 +10,12 @@ environment; when it cannot be imported or run, the error is recorded instead of
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 import traceback
 from functools import partial
 from typing import Any
 
 from _common import (
-    ROOT,
     MeshShardingHelper,
     Policy,
     abstract_train_state,
@@ -25,10 +23,12 @@ from _common import (
     batch_shape,
     emit,
     goal_row,
+    import_scalax,
     interleaved,
     jax,
     llama_config,
     median,
+    paired_ratio,
     real_batch,
     real_train_state,
     train_step,
@@ -39,23 +39,9 @@ from jax.sharding import PartitionSpec as P
 from shardax.inspect import hlo_collectives, summarize_collectives
 from shardax.rules import FSDPShardingRule
 
-PEERS_DIR = ROOT / "benchmarks" / ".peers"
 MIN_FSDP_SIZE = 2**10  # so that llama-tiny's leaves are sharded too
 GOAL = 1.05
 REFERENCE = "jax.jit + NamedSharding"  # the hand-written program every peer is compared with
-
-
-def _scalax() -> tuple[Any, str | None]:
-    if PEERS_DIR.exists() and str(PEERS_DIR) not in sys.path:
-        sys.path.insert(0, str(PEERS_DIR))
-    try:
-        from importlib.metadata import version
-
-        import scalax.sharding as scalax_sharding
-
-        return scalax_sharding, version("scalax")
-    except Exception as e:  # any import failure is a result to report
-        return None, f"import failed: {type(e).__name__}: {e}"
 
 
 def _builders(model: str, scalax_sharding: Any) -> tuple[dict[str, Any], Any, Any, Any]:
@@ -137,7 +123,7 @@ def step_times(model: str, scalax_sharding: Any, rounds: int) -> dict[str, Any]:
     # Paired: each round's time over the reference's in the same round, so load that drifts
     # between rounds of a shared machine cancels; the median of those is the reported ratio.
     ref = samples.get(REFERENCE)
-    paired = {k: median([t / r for t, r in zip(v, ref)]) for k, v in samples.items()} if ref else {}
+    paired = {k: paired_ratio(v, ref) for k, v in samples.items()} if ref else {}
     return {"first_call_s": first, "step_s": {k: median(v) for k, v in samples.items()},
             "paired_ratio": paired, "samples": samples, "errors": errors, "rounds": rounds}
 
@@ -239,7 +225,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the result here (default: stdout)")
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
-    scalax_sharding, scalax_info = _scalax()
+    scalax_sharding, scalax_info = import_scalax()
     scalax_text = (f"{scalax_info} from PyPI, installed into `benchmarks/.peers` only"
                    if scalax_sharding is not None
                    else f"not available ({scalax_info})")

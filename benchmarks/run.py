@@ -116,10 +116,10 @@ def main() -> None:
             outcomes[section] = _run("memory_comm.py", ["--dtypes"], args.timeout,
                                      _env(flags))
             shutil.rmtree(dump, ignore_errors=True)
-        elif section == "peers":
+        elif section in ("peers", "overhead"):  # both compare with scalax
             problem = install_scalax()
-            outcomes[section] = _run("peers.py", [], args.timeout, _env())
-            if problem and "result" in outcomes[section]:
+            outcomes[section] = _run(f"{section}.py", [], args.timeout, _env())
+            if problem and section == "peers" and "result" in outcomes[section]:
                 outcomes[section]["result"]["scalax"] += f"; install: {problem}"
         else:
             outcomes[section] = _run(f"{section}.py", [], args.timeout, _env())

@@ -201,7 +201,36 @@ def test_uncommitted_steps_are_ignored(tmp_path):
     with pytest.raises(FileNotFoundError, match="step 3 is not a committed checkpoint"):
         ckpt.restore(3)
     assert not tmp.exists()  # leftover tmp dirs are cleaned up on start
+    # The half-written step 3 does not block saving step 3 (it is replaced).
+    ckpt.save(3, {"x": jnp.arange(8.0) + 1}, force=True)
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 3]
+    assert not (directory / "3" / "state" / "garbage").exists()
     ckpt.close()
+
+
+def test_read_only_checkpointer_writes_nothing(tmp_path):
+    state = {"x": jnp.arange(8.0)}
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(1, state)
+    in_flight = directory / "2.orbax-checkpoint-tmp-1234567"  # a trainer's save in progress
+    (in_flight / "state").mkdir(parents=True)
+
+    def listing():
+        return sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+
+    before = listing()
+    with Checkpointer(directory, read_only=True) as reader:
+        assert reader.all_steps() == [1]
+        step, got, _ = reader.restore(target=abstract_state(state))
+        np.testing.assert_array_equal(got["x"], np.arange(8.0))
+        with pytest.raises(ValueError, match="read-only"):
+            reader.save(2, state, force=True)
+    assert listing() == before  # the in-flight folder untouched, nothing created
+    with pytest.raises(FileNotFoundError):
+        Checkpointer(tmp_path / "missing", read_only=True)
+    assert not (tmp_path / "missing").exists()
 
 
 def test_corrupted_checkpoint_is_detected(tmp_path):

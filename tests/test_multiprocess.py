@@ -272,6 +272,45 @@ def test_killed_worker_stops_the_job_and_resume_is_bit_identical(env, two_proces
     assert _committed(out)[-1] == TINY["steps"]
 
 
+def test_sigterm_to_the_launcher_saves_one_step_in_every_process(env, two_processes,
+                                                                  tmp_path):
+    """A scheduler preempts the job: SIGTERM to `shardax launch` reaches every worker; they
+    agree on a step, save it together, and the launcher exits with 143."""
+    out = tmp_path / "run"
+    cmd = _cli("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+               *_cli("train", *_flags(steps=40, ckpt_every=100), "--mesh", "fsdp=-1",
+                     "--out", str(out)))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + BOUND_S
+        for line in iter(proc.stdout.readline, ""):
+            if re.match(r"\[0\] step\s+2\s", line):
+                break
+            assert time.monotonic() < deadline, "no step 2 in time"
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "received SIGTERM; passing SIGTERM on to every process" in err
+    stopped = re.findall(r"\[(\d)\] shardax train: stopped at step (\d+), saved; continue "
+                         r"with --resume", rest)
+    assert len(stopped) == 1 and stopped[0][0] == "0", rest[-3000:]  # process 0 says so
+    assert "Traceback" not in rest
+    step = int(stopped[0][1])
+    assert _committed(out) == [step] and 2 <= step < TINY["steps"]
+    state = out / "checkpoints" / str(step) / "state"
+    assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
+    straight = _metrics(two_processes[0])
+    for key in ("loss", "grad_norm"):  # the steps before the stop: exactly the straight run
+        assert _series(_metrics(out), key) == {s: v for s, v in _series(straight, key).items()
+                                              if s <= step}
+    # (Resuming a two-process checkpoint, bit for bit: test_killed_worker_... below.)
+
+
 def test_unreachable_coordinator_is_a_clear_error(env, tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
     proc = _run(_cli("train", *_flags(), "--out", str(tmp_path / "run")),

@@ -369,6 +369,34 @@ def test_new_shapes_and_dtypes_resolve_rules_again(mesh):
     assert len(traces) == count
 
 
+def test_the_cache_is_keyed_on_the_mesh_not_the_helper_object():
+    """Two meshes, one shape, one function: each call runs the program of its own mesh."""
+    f = sharding.sjit(lambda x: x * 2, in_shardings=PS("fsdp"), out_shardings=PS("fsdp"))
+    devices = jax.devices()
+    forward = MeshShardingHelper([8], ["fsdp"], devices=devices)
+    backward = MeshShardingHelper([8], ["fsdp"], devices=devices[::-1])
+    x = arange(8)
+    with forward.get_context():
+        a = f(x)
+    with backward.get_context():
+        b = f(x)
+    assert a.sharding == NamedSharding(forward.mesh, PS("fsdp"))
+    assert b.sharding == NamedSharding(backward.mesh, PS("fsdp"))
+    first_row_on = {s.device: float(s.data[0]) for s in b.addressable_shards}
+    assert first_row_on[devices[0]] == 14.0 and first_row_on[devices[7]] == 0.0
+    assert len(f._cache) == 2
+
+
+def test_the_cache_is_bounded_least_recently_used_first(mesh, monkeypatch):
+    import shardax.jit as jit_module
+
+    monkeypatch.setattr(jit_module, "CACHE_SIZE", 3)
+    f = mesh.sjit(lambda x: x + 1)
+    for n in (1, 2, 3, 1, 4):  # 1 is used again, so 2 is the oldest when 4 arrives
+        f(jnp.zeros(n))
+    assert [key[-1][0][0] for key in f._cache] == [(3,), (1,), (4,)]
+
+
 def test_tree_structure_is_part_of_the_cache_key(mesh):
     f = mesh.sjit(lambda t: jax.tree.map(lambda x: x + 1, t),
                   in_shardings=FSDPShardingRule(min_fsdp_size=0))
@@ -448,6 +476,9 @@ def test_committed_input_with_another_sharding_is_resharded(mesh3d, where):
                     out_shardings=PS(("dp", "fsdp")))
     out = f(placed)
     np.testing.assert_array_equal(out, x - 1)
+    assert out.sharding == NamedSharding(mesh3d.mesh, PS(("dp", "fsdp")))
+    np.testing.assert_array_equal(f(out), x - 2)  # the program's own sharding: no move
+    out = f(placed)  # after the first call, a misplaced input is still moved, not refused
     assert out.sharding == NamedSharding(mesh3d.mesh, PS(("dp", "fsdp")))
 
 

@@ -6,6 +6,7 @@ module so the rest of shardax reads as plain, current JAX.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["AUTO", "make_mesh", "set_mesh", "abstract_mesh"]
+__all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer"]
 
 AUTO = AxisType.Auto
 
@@ -30,6 +31,29 @@ def make_mesh(devices: np.ndarray, axis_names: Sequence[str]) -> Mesh:
 def set_mesh(mesh: Mesh) -> Any:
     """Context manager that makes ``mesh`` the ambient mesh (``jax.set_mesh``)."""
     return jax.set_mesh(mesh)
+
+
+def mesh_context(mesh: Mesh) -> Any:
+    """Makes ``mesh`` the ambient mesh, also while a JAX transformation is tracing.
+
+    ``jax.set_mesh`` refuses to run under a trace (it raises ``ValueError`` before changing
+    anything); there the abstract mesh is what tracing reads, so that is set instead, unless the
+    trace already has this mesh's axes (e.g. inside ``jax.shard_map``, whose manual axes must
+    stay as they are).
+    """
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError:
+        pass
+    ambient = jax.sharding.get_abstract_mesh()
+    if ambient is not None and not ambient.empty and ambient.shape == mesh.abstract_mesh.shape:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def is_tracer(x: Any) -> bool:
+    """True for a value being traced by a JAX transformation (jit, grad, vmap, eval_shape...)."""
+    return isinstance(x, jax.core.Tracer)
 
 
 def abstract_mesh() -> Any | None:

@@ -72,17 +72,24 @@ def _set_devices(count: int) -> None:
 
 
 def _one_line(box: str, prog: str) -> str:
-    """tyro reports a parse error as a box of several lines; this keeps its first paragraph
-    and tyro's "perhaps you meant" flags, on one line."""
-    rows = [line.strip().strip("│").strip() for line in box.splitlines()
-            if line.strip().startswith("│")]
+    """tyro reports a parse error as a box of several lines (drawn with ASCII when the output
+    is not a terminal); this keeps its message and its "perhaps you meant" flags, on one
+    line."""
+    drawn = "│" in box
     sections: list[list[str]] = [[]]
-    for row in rows:
-        if row and set(row) == {"─"}:
+    for line in box.splitlines():
+        row = line.strip()
+        if row.startswith(("╭", "╰")):
+            continue
+        row = row.strip("│").strip()
+        if row and set(row) <= {"─", "-"}:
             sections.append([])
         elif row:
             sections[-1].append(row)
-    message = " ".join(sections[0]) or "cannot read the arguments"
+    if not drawn:
+        sections = sections[1:]  # the title (a box draws it into its top border)
+    sections = [s for s in sections if s]
+    message = " ".join(sections[0]) if sections else "cannot read the arguments"
     hints = [row.split()[0] for section in sections[1:] if section[:1] == ["Perhaps you meant:"]
              for row in section[1:] if row.startswith("-")]
     hint = f" (did you mean {' or '.join(dict.fromkeys(hints))}?)" if hints else ""
@@ -222,7 +229,10 @@ def _train(argv: list[str]) -> int:
     try:
         train(config)
     except Stopped as e:
-        print(f"shardax train: {e}", file=sys.stderr, flush=True)
+        import jax
+
+        if jax.process_index() == 0:  # every process saved; one says so
+            print(f"shardax train: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0
 
@@ -315,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         return runners[command](rest)
     except BrokenPipeError:  # e.g. `shardax train --print-config | head`
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before training started (nothing to save yet)
+        print(f"shardax {command}: interrupted", file=sys.stderr)
+        return 130
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] not in ("tyro", "flax", "optax", "orbax", "rich",
                                                  "etils"):

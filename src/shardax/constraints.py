@@ -14,22 +14,22 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from shardax.mesh import current_context
+from shardax import _context
 from shardax.rules import match_specs_flat
 
 __all__ = ["with_sharding_constraint", "with_sharding_annotation"]
 
 
-def with_sharding_constraint(pytree: Any, rule_or_spec: Any, *, what: str = "constraint") -> Any:
+def with_sharding_constraint(pytree: Any, sharding_rule: Any, *, what: str = "constraint") -> Any:
     """Constrains ``pytree`` to the sharding a rule, a spec, or a prefix tree of them gives.
 
     >>> x = with_sharding_constraint(x, PartitionSpec("fsdp", None))  # doctest: +SKIP
     """
-    context = current_context()
+    context = _context.current()
     if context is None:
         return pytree
     mesh = context.mesh_helper.mesh
-    _, leaves, specs = match_specs_flat(rule_or_spec, pytree, mesh, what=what)
+    _, leaves, specs = match_specs_flat(sharding_rule, pytree, mesh, what=what)
     constrained = [
         leaf if spec is None else jax.lax.with_sharding_constraint(leaf, NamedSharding(mesh, spec))
         for leaf, spec in zip(leaves, specs)
@@ -37,25 +37,26 @@ def with_sharding_constraint(pytree: Any, rule_or_spec: Any, *, what: str = "con
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pytree), constrained)
 
 
-def with_sharding_annotation(pytree: Any, name: str) -> Any:
+def with_sharding_annotation(pytree: Any, sharding_name: str) -> Any:
     """Constrains ``pytree`` to whatever ``annotation_shardings[name]`` of the active sjit says.
 
     The model code names the value; the call site decides how it is sharded. A name the
     context does not know is left unconstrained, with one warning per trace.
     """
-    context = current_context()
+    context = _context.current()
     if context is None:
         return pytree
-    rule = context.annotation_shardings.get(name)
+    known = context.annotation_shardings or {}
+    rule = known.get(sharding_name)
     if rule is None:
-        if name not in context.warned_annotations and name not in context.annotation_shardings:
-            context.warned_annotations.add(name)
+        if sharding_name not in context.warned_annotations and sharding_name not in known:
+            context.warned_annotations.add(sharding_name)
             warnings.warn(
-                f"sharding annotation {name!r} is not in annotation_shardings "
-                f"(known: {sorted(context.annotation_shardings)}); leaving it unconstrained",
+                f"sharding annotation {sharding_name!r} is not in annotation_shardings "
+                f"(known: {sorted(known)}); leaving it unconstrained",
                 UserWarning,
                 stacklevel=2,
             )
         return pytree
-    return with_sharding_constraint(pytree, rule, what=f"annotation {name!r}")
+    return with_sharding_constraint(pytree, rule, what=f"annotation {sharding_name!r}")
 

@@ -266,7 +266,7 @@ class ShardingPlan:
         ]
         out_leaves = jax.tree_util.tree_flatten_with_path(compiled.out_info)[0]
         rows += [
-            _row("output", "output" + (f"/{tree_path_to_string(p)}" if p else ""),
+            _row("output", "output" + (f"/{tree_path_to_string(p, sep='/')}" if p else ""),
                  info.shape, info.dtype, info.sharding)
             for p, info in out_leaves
         ]

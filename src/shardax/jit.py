@@ -1,8 +1,12 @@
 """``sjit``: ``jax.jit`` whose shardings come from rules resolved against the actual arguments.
 
 Data flows one way: rules + argument tree + mesh -> PartitionSpecs -> NamedShardings -> jax.jit.
-Each distinct call signature (static values, tree structure, shapes, dtypes) resolves its rules
-once and keeps its own ``jax.jit`` object.
+Each distinct call signature (mesh, static values, tree structure, shapes, dtypes) resolves its
+rules once and keeps its own ``jax.jit`` object; a bounded LRU holds them. The traced function
+enters the sharding context itself, so an sjit function called under any JAX transformation
+(``jit``, ``grad``, ``vmap``, ``eval_shape``, another sjit...) is a nested ``jax.jit`` with the
+resolved shardings. After the first call, a call with the same tree structure goes straight to
+that ``jax.jit`` object, whose C++ dispatch checks the rest.
 
 >>> step = mesh.sjit(train_step, in_shardings=(FSDPShardingRule(), None),
 ...                  out_shardings=(FSDPShardingRule(), None))  # doctest: +SKIP
@@ -11,8 +15,10 @@ once and keeps its own ``jax.jit`` object.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect as _inspect
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +27,21 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from shardax.mesh import MeshShardingHelper, get_global_mesh_helper
+from shardax import _compat, _context
+from shardax.constraints import with_sharding_constraint
+from shardax.context import ShardingContext
+from shardax.inspect import ShardingPlan
 from shardax.rules import LogicalAxisRules, ShardingRule, match_specs_flat
+from shardax.utils import tree_path_to_string
 
-__all__ = ["sjit", "ShardedFunction"]
+__all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]
 
 _SCALARS = (bool, int, float, complex)
+CACHE_SIZE = 64  # resolved signatures kept per sjit function (least recently used dropped)
+
+
+class _NewSignature(Exception):
+    """Raised while tracing a signature's ``jax.jit`` with arguments it was not resolved for."""
 
 
 def _as_tuple(x: int | str | Sequence[Any] | None) -> tuple:
@@ -52,18 +67,50 @@ def _leaf_key(path: str, x: Any) -> tuple:
             f"argument {path!r} is {kind}, which is not a valid JAX array; pass it as a static "
             f"argument (static_argnums / static_argnames) or close over it"
         )
-    return (tuple(shape), dtype, bool(getattr(x, "weak_type", False)))
+    return (tuple(shape), dtype, bool(getattr(getattr(x, "aval", x), "weak_type", False)))
+
+
+def _shape_dtype(x: Any) -> tuple:
+    """What a signature's shardings depend on: shape and dtype (None for Python scalars)."""
+    if isinstance(x, _SCALARS):
+        return ((), None)
+    return (tuple(np.shape(x)), _canonical(x.dtype))
+
+
+def _canonical(dtype: Any) -> Any:
+    """The dtype a value has once on a device (host float64 becomes float32 without x64)."""
+    return jax.dtypes.canonicalize_dtype(dtype, allow_extended_dtype=True)
+
+
+def _same_signature(expected: tuple, flat: Sequence[Any]) -> bool:
+    return len(expected) == len(flat) and all(
+        shape == tuple(np.shape(x)) and (dtype is None or dtype == _canonical(x.dtype))
+        for (shape, dtype), x in zip(expected, flat)
+    )
 
 
 @dataclass
-class _Compiled:
+class _Signature:
     """One resolved call signature."""
 
-    jitted: Any  # the jax.jit object, taking the flat dynamic leaves
+    jitted: Any  # the jax.jit object: over the arguments if positional, else the flat leaves
+    positional: bool  # only positional dynamic arguments (no static, no keyword ones)
+    args_treedef: Any  # tree structure of the dynamic positional arguments
     in_paths: list[str]
     in_specs: list[Any]
-    in_shardings: list[NamedSharding | None]
-    executable: jax.stages.Compiled | None = None  # compiled at the first call
+    in_shardings: list[NamedSharding | None]  # one per flat dynamic leaf
+    out_shardings: Any
+    arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
+    needs_mesh: bool  # no sharding anywhere: call under the ambient mesh to get the devices
+    by_args: Any = None  # for a non-positional signature, the jax.jit taking the arguments
+
+
+@dataclass(frozen=True)
+class _Fast:
+    """The last positional signature called; the next call tries its jax.jit first."""
+
+    jitted: Any
+    mesh: Any  # set the ambient mesh around the call (only when the program needs it)
 
 
 class ShardedFunction:
@@ -72,7 +119,7 @@ class ShardedFunction:
     def __init__(
         self,
         fun: Callable[..., Any],
-        mesh: MeshShardingHelper | None = None,
+        mesh: Any = None,
         in_shardings: Any = None,
         out_shardings: Any = None,
         static_argnums: int | Sequence[int] | None = None,
@@ -97,7 +144,8 @@ class ShardedFunction:
             self.in_shardings, self.out_shardings, self.args_sharding_constraint
         )
         self.jit_kwargs = jit_kwargs
-        self._cache: dict[tuple, _Compiled] = {}
+        self._cache: OrderedDict[tuple, _Signature] = OrderedDict()
+        self._fast: _Fast | None = None
         try:
             self._signature = _inspect.signature(fun)
         except (TypeError, ValueError):
@@ -131,8 +179,14 @@ class ShardedFunction:
                       if 0 <= i < len(positional) and positional[i] in keyword_ok}
         return tuple(sorted(nums)), frozenset(names)
 
-    def _helper(self) -> MeshShardingHelper:
-        helper = self.mesh_helper or get_global_mesh_helper()
+    @property
+    def mesh(self) -> Any:
+        """The ``MeshShardingHelper`` given at creation (scalax's attribute), or None."""
+        return self.mesh_helper
+
+    def _helper(self) -> Any:
+        frame = _context.current()
+        helper = self.mesh_helper or (frame.mesh_helper if frame is not None else None)
         if helper is None:
             raise ValueError(
                 "this sjit function has no mesh: create it with mesh.sjit(...) or call it inside "
@@ -163,7 +217,7 @@ class ShardedFunction:
                 ) from None
         return static_args, static_kwargs, dynamic_args, dynamic_kwargs
 
-    def _resolve(self, args: tuple, kwargs: dict) -> tuple[_Compiled, list, Any]:
+    def _resolve(self, args: tuple, kwargs: dict) -> tuple[_Signature, list]:
         helper = self._helper()
         static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(args, kwargs)
         flat, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
@@ -173,12 +227,18 @@ class ShardedFunction:
             for path, x in zip(self._paths(dyn_args, dyn_kwargs, static_args), flat):
                 _leaf_key(path, x)
             raise
-        key = (id(helper), static_args, static_kwargs, treedef, leaf_keys)
+        # The mesh itself (devices, axis names and types), never an object id: a helper
+        # built later may reuse a collected one's id.
+        key = (helper.mesh, static_args, static_kwargs, treedef, leaf_keys)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._build(helper, static_args, static_kwargs, dyn_args, dyn_kwargs, treedef)
             self._cache[key] = entry
-        return entry, flat, helper
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return entry, flat
 
     def _paths(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> list[str]:
         """Human names for every dynamic leaf: the parameter name, then the path inside it."""
@@ -219,27 +279,43 @@ class ShardedFunction:
             )
         in_specs = arg_specs + [None] * n_kwargs
         in_shardings = [None if s is None else NamedSharding(mesh, s) for s in in_specs]
+        args_treedef = jax.tree_util.tree_structure(dyn_args)
+        arg_shardings = jax.tree_util.tree_unflatten(args_treedef, in_shardings[:n_args])
 
-        body = self._body(helper, static_args, static_kwargs, treedef, n_args)
-        donate = self._donated_leaves(dyn_args, dyn_kwargs, static_args)
+        flat = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        expected = tuple(_shape_dtype(x) for x in flat)
+        # A call with positional dynamic arguments only (the usual train step) gets a jax.jit
+        # over those arguments themselves, so later calls go straight to its C++ dispatch;
+        # static or keyword arguments need the flat form (jax.jit refuses keyword arguments
+        # next to in_shardings).
+        positional = not dyn_kwargs and not static_args and not static_kwargs
+        if positional:
+            body = self._positional_body(helper, args_treedef, expected)
+            abstract = jax.tree_util.tree_unflatten(args_treedef, _abstract(flat))
+            jit_in, donate = arg_shardings, tuple(i for i in sorted(self.donate_argnums)
+                                                  if 0 <= i < len(dyn_args))
+        else:
+            body = self._body(helper, static_args, static_kwargs, treedef, expected)
+            abstract = _abstract(flat)
+            jit_in, donate = tuple(in_shardings), self._donated_leaves(dyn_args, dyn_kwargs,
+                                                                       static_args)
         out_shardings = None
         if self.out_shardings is not None:
-            with self._context(helper):
-                out_shape = jax.eval_shape(body, *_abstract(dyn_args, dyn_kwargs))
-            rules = self.out_shardings
-            _, _, out_specs = match_specs_flat(rules, out_shape, mesh, what="out_shardings")
+            # Traced as the call traces it (same function, no ambient mesh), so jit reuses it.
+            out_shape = jax.eval_shape(body, *abstract)
+            _, _, out_specs = match_specs_flat(self.out_shardings, out_shape, mesh,
+                                               what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(out_shape),
                 [None if s is None else NamedSharding(mesh, s) for s in out_specs],
             )
-        jitted = jax.jit(
-            body,
-            in_shardings=tuple(in_shardings),
-            out_shardings=out_shardings,
-            donate_argnums=donate,
-            **self.jit_kwargs,
-        )
-        return _Compiled(jitted, paths, in_specs, in_shardings)
+        # Without any sharding, only the ambient mesh tells the program its devices.
+        named = [s for s in in_shardings + jax.tree_util.tree_leaves(out_shardings)
+                 if s is not None]
+        jitted = jax.jit(body, in_shardings=jit_in, out_shardings=out_shardings,
+                         donate_argnums=donate, **self.jit_kwargs)
+        return _Signature(jitted, positional, args_treedef, paths, in_specs, in_shardings,
+                          out_shardings, arg_shardings, needs_mesh=not named)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
@@ -267,88 +343,126 @@ class ShardedFunction:
             start += count
         return tuple(donated)
 
-    def _body(self, helper, static_args, static_kwargs, treedef, n_args) -> Callable:
-        """The traced function: flat dynamic leaves in, the user's output out."""
-        fun, constraint = self.fun, self.args_sharding_constraint
+    def _body(self, helper, static_args, static_kwargs, treedef, expected) -> Callable:
+        """The traced function of a signature with static or keyword arguments: the flat
+        dynamic leaves in, the user's output out. It refuses arguments of another signature,
+        whose shardings would have to be resolved again."""
 
         def body(*flat):
+            if not _same_signature(expected, flat):
+                raise _NewSignature
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
-            if constraint is not None:
-                from shardax.constraints import with_sharding_constraint
+            return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
 
-                rules = self._per_arg(constraint, dyn_args, "args_sharding_constraint")
-                dyn_args = with_sharding_constraint(
-                    dyn_args, rules, what="args_sharding_constraint"
-                )
+        body.__name__ = getattr(self.fun, "__name__", "sjit_body")
+        return body
+
+    def _positional_body(self, helper, args_treedef, expected) -> Callable:
+        """The traced function of a signature with positional dynamic arguments only; it
+        refuses another tree structure or other shapes (checked while tracing only)."""
+
+        def body(*args):
+            flat, treedef = jax.tree_util.tree_flatten(args)
+            if treedef != args_treedef or not _same_signature(expected, flat):
+                raise _NewSignature
+            return self._run(helper, (), (), args, {})
+
+        body.__name__ = getattr(self.fun, "__name__", "sjit_body")
+        return body
+
+    def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs) -> Any:
+        """The user's function under its sharding context, entered while it is traced
+        (wherever that happens: top level or under another transformation)."""
+        with self._context(helper):
+            if self.args_sharding_constraint is not None:
+                rules = self._per_arg(self.args_sharding_constraint, dyn_args,
+                                      "args_sharding_constraint")
+                dyn_args = with_sharding_constraint(dyn_args, rules,
+                                                    what="args_sharding_constraint")
             args = list(dyn_args)
             for i, value in static_args:
                 args.insert(i, value)
-            return fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            return self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
 
-        body.__name__ = getattr(fun, "__name__", "sjit_body")
-        return body
-
-    def _context(self, helper: MeshShardingHelper):
-        return helper.get_context(self.annotation_shardings, self.logical_axis_rules)
+    def _context(self, helper: Any) -> ShardingContext:
+        return ShardingContext(helper, self.annotation_shardings, self.logical_axis_rules)
 
     # ------------------------------------------------------------------ public
 
-    def _executable(self, entry: _Compiled, flat: list, helper: MeshShardingHelper):
-        """The compiled program of a signature, traced once under the sharding context.
-
-        Later calls run it directly: no context to enter, no trace cache to consult.
-        """
-        if entry.executable is None:
-            # Leaves with a rule are lowered by shape, so a committed input on another
-            # sharding does not stop compilation (it is moved at the call).
-            args = [
-                x if s is None or isinstance(x, _SCALARS)
-                else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s,
-                                          weak_type=getattr(x, "weak_type", False))
-                for x, s in zip(flat, entry.in_shardings)
-            ]
-            with self._context(helper):
-                entry.executable = entry.jitted.lower(*args).compile()
-        return entry.executable
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        entry, flat, helper = self._resolve(args, kwargs)
-        executable = self._executable(entry, flat, helper)
-        try:
-            return executable(*flat)
-        except ValueError as e:
-            if "disagree with the shardings" not in str(e) and "does not match" not in str(e):
-                raise
-        # A committed input lives on another sharding than the program takes: move it there
-        # (what jit does for uncommitted inputs) rather than refuse.
-        expected = jax.tree_util.tree_leaves(
-            executable.input_shardings[0], is_leaf=lambda x: x is None
-        )
-        flat = [
-            jax.device_put(x, s) if s is not None and isinstance(x, jax.Array) else x
-            for x, s in zip(flat, expected)
-        ]
-        return executable(*flat)
+        fast = self._fast
+        if fast is not None and not kwargs:
+            try:
+                if fast.mesh is None:
+                    return fast.jitted(*args)
+                with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
+                    return fast.jitted(*args)
+            except (_NewSignature, ValueError):
+                pass  # new structure or shapes, or an input on another sharding
+        entry, flat = self._resolve(args, kwargs)
+        mesh = self._helper().mesh
+        placed = _placed(flat, entry.in_shardings)
+        with _compat.mesh_context(mesh) if entry.needs_mesh else contextlib.nullcontext():
+            if not entry.positional:
+                return entry.jitted(*placed)
+            out = entry.jitted(*jax.tree_util.tree_unflatten(entry.args_treedef, placed))
+        if self.mesh_helper is not None and not self.static_argnums and not self.static_argnames:
+            self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these arguments (``.as_text()``, ``.compile()``...).
 
         Arrays may be replaced by ``jax.ShapeDtypeStruct``s.
         """
-        entry, flat, helper = self._resolve(args, kwargs)
-        with self._context(helper):
-            return entry.jitted.lower(*flat)
+        entry, flat = self._resolve(args, kwargs)
+        abstract = _abstract(flat, entry.in_shardings)
+        if entry.positional:
+            abstract = jax.tree_util.tree_unflatten(entry.args_treedef, abstract)
+        with _compat.mesh_context(self._helper().mesh) if entry.needs_mesh \
+                else contextlib.nullcontext():
+            return entry.jitted.lower(*abstract)
 
-    def plan(self, *args: Any, **kwargs: Any):
+    def plan(self, *args: Any, **kwargs: Any) -> ShardingPlan:
         """The ``ShardingPlan``: per-leaf specs and bytes, collectives and memory of the step.
 
         >>> print(step.plan(state, batch))  # doctest: +SKIP
         """
-        from shardax.inspect import ShardingPlan
+        entry, _ = self._resolve(args, kwargs)
+        compiled = self.lower(*args, **kwargs).compile()
+        return ShardingPlan.from_compiled(compiled, entry.in_paths, self._helper().mesh)
 
-        entry, flat, helper = self._resolve(args, kwargs)
-        executable = self._executable(entry, flat, helper)
-        return ShardingPlan.from_compiled(executable, entry.in_paths, helper.mesh)
+    def get_jitted_function_by_args(self, *args: Any, **kwargs: Any) -> Any:
+        """The ``jax.jit`` object for these arguments' signature (scalax's method).
+
+        It takes the same positional arguments as the sjit function (static ones included),
+        has the resolved shardings, enters the sharding context when it traces, and is the same
+        object for every call with this signature.
+        """
+        entry, _ = self._resolve(args, kwargs)
+        if entry.positional:
+            return entry.jitted
+        if entry.by_args is None:
+            helper = self._helper()
+
+            def by_args(*call_args: Any, **call_kwargs: Any) -> Any:
+                static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(call_args,
+                                                                               call_kwargs)
+                return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
+
+            entry.by_args = jax.jit(
+                functools.wraps(self.fun)(by_args),
+                in_shardings=entry.arg_shardings,
+                out_shardings=entry.out_shardings,
+                static_argnums=self.static_argnums,
+                static_argnames=tuple(self.static_argnames),
+                donate_argnums=tuple(sorted(self.donate_argnums)),
+                **self.jit_kwargs,
+            )
+        return entry.by_args
+
+
+SJITCompiledFunction = ShardedFunction  # scalax's name for what sjit returns
 
 
 def _find_logical_rules(*rule_trees: Any) -> LogicalAxisRules | None:
@@ -363,19 +477,37 @@ def _find_logical_rules(*rule_trees: Any) -> LogicalAxisRules | None:
 
 
 def _join(name: str, path: tuple) -> str:
-    from shardax.utils import tree_path_to_string
-
-    rest = tree_path_to_string(path)
+    rest = tree_path_to_string(path, sep="/")
     return f"{name}/{rest}" if rest else name
 
 
-def _abstract(dyn_args: tuple, dyn_kwargs: dict) -> list:
-    """Flat abstract values for eval_shape (keeps tracing free of device transfers)."""
+def _abstract(flat: Sequence[Any], shardings: Sequence[Any] | None = None) -> list:
+    """Abstract values of the leaves (keeps tracing free of device transfers).
+
+    With ``shardings``, a leaf with a rule is described on that sharding, so a committed input
+    on another sharding does not stop lowering (the call moves it).
+    """
+    shardings = shardings or [None] * len(flat)
     return [
-        x
-        if isinstance(x, _SCALARS)
-        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=getattr(x, "weak_type", False))
-        for x in jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        x if isinstance(x, _SCALARS) or _compat.is_tracer(x)
+        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s,
+                                  weak_type=getattr(x, "weak_type", False))
+        for x, s in zip(flat, shardings)
+    ]
+
+
+def _placed(flat: list, shardings: list) -> list:
+    """Moves each committed input that lives on another sharding than the program takes.
+
+    ``jax.jit`` moves uncommitted inputs itself and refuses committed ones; sjit's rules decide
+    where a leaf belongs, so it moves those too.
+    """
+    return [
+        jax.device_put(x, s)
+        if s is not None and isinstance(x, jax.Array) and not _compat.is_tracer(x)
+        and x.committed and not x.sharding.is_equivalent_to(s, x.ndim)
+        else x
+        for x, s in zip(flat, shardings)
     ]
 
 
@@ -387,7 +519,7 @@ def sjit(
     args_sharding_constraint: Any = None,
     annotation_shardings: dict[str, Any] | None = None,
     *,
-    mesh: MeshShardingHelper | None = None,
+    mesh: Any = None,
     logical_axis_rules: LogicalAxisRules | None = None,
     **jit_kwargs: Any,
 ) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:

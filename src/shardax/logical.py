@@ -10,29 +10,22 @@ runs on one device. The rules object is duck-typed: anything with a
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import jax
 from jax.sharding import AxisType, PartitionSpec
 
+from shardax import _context
+
 
 class SpecFor(Protocol):
     def spec_for(self, names: Sequence[str | None]) -> PartitionSpec: ...
 
 
-class _Stack(threading.local):
-    def __init__(self) -> None:
-        self.rules: list[Any] = []
-
-
-_STACK = _Stack()
-
-
 @contextlib.contextmanager
 def use_logical_rules(rules: SpecFor) -> Iterator[SpecFor]:
-    """Make ``rules`` the logical-axis rules that ``constrain`` uses in this thread.
+    """Make ``rules`` the logical-axis rules that ``with_logical_constraint`` uses in this thread.
 
     Example::
 
@@ -43,22 +36,14 @@ def use_logical_rules(rules: SpecFor) -> Iterator[SpecFor]:
         raise ValueError(
             f"use_logical_rules needs an object with a spec_for(names) method, got {rules!r}"
         )
-    _STACK.rules.append(rules)
-    try:
+    with _context.pushed_logical_rules(rules):
         yield rules
-    finally:
-        _STACK.rules.pop()
 
 
 def current_logical_rules() -> SpecFor | None:
     """The innermost rules of this thread: pushed by ``use_logical_rules``, else those of the
     active ``sjit`` / ``get_context`` (its ``logical_axis_rules``), else ``None``."""
-    if _STACK.rules:
-        return _STACK.rules[-1]
-    from shardax.mesh import current_context
-
-    context = current_context()
-    return None if context is None else context.logical_axis_rules
+    return _context.logical_rules()
 
 
 def _entry_axes(entry: Any) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Mesh construction and the (thread-local) sharding context stack.
+"""``MeshShardingHelper``: a device mesh and the tools that use it (sjit, contexts, data).
 
 >>> helper = MeshShardingHelper([-1, 2], ["fsdp", "tp"])   # 8 devices -> fsdp=4, tp=2
 >>> helper.shape
@@ -7,26 +7,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, PartitionSpec
 
-from shardax import _compat
-
-if TYPE_CHECKING:
-    from shardax.jit import ShardedFunction
-    from shardax.rules import ShardingRule
+from shardax import _compat, _context, constraints
+from shardax.context import ShardingContext
+from shardax.jit import ShardedFunction, sjit
+from shardax.rules import ShardingRule, match_specs, specs_to_shardings
+from shardax.utils import named_tree_map
 
 __all__ = [
     "MeshShardingHelper",
-    "ShardingContext",
     "get_global_mesh_helper",
     "get_global_mesh",
     "get_global_annotation_shardings",
@@ -183,18 +180,45 @@ class MeshShardingHelper:
         """A context manager making this mesh (and its annotation rules) the global one.
 
         Inside it ``with_sharding_constraint``/``with_sharding_annotation`` take effect,
-        ``with_logical_constraint`` maps names by ``logical_axis_rules``, and ``jax.set_mesh``
-        is set, so bare ``PartitionSpec``s in user code work too.
+        ``with_logical_constraint`` maps names by ``logical_axis_rules``, and JAX's ambient
+        mesh is set, so bare ``PartitionSpec``s in user code work too. It may be entered inside
+        a traced function as well.
         """
         return ShardingContext(self, annotation_shardings, logical_axis_rules)
 
     def sjit(self, fun=None, **kwargs: Any) -> ShardedFunction:
         """``jax.jit`` with sharding rules; see :func:`shardax.jit.sjit`."""
-        from shardax.jit import sjit
-
         return sjit(fun, mesh=self, **kwargs)
 
     sharded_jit = sjit  # scalax's older name
+
+    # scalax's class-level forms of the module functions, for code that calls them this way
+    # (``shard_map(..., mesh=MeshShardingHelper.get_global_mesh())``).
+
+    @staticmethod
+    def get_global_mesh_helper() -> MeshShardingHelper | None:
+        """The innermost active ``MeshShardingHelper``, or None outside any context."""
+        return get_global_mesh_helper()
+
+    @staticmethod
+    def get_global_mesh() -> Mesh | None:
+        """The innermost active ``Mesh``, or None outside any context."""
+        return get_global_mesh()
+
+    @staticmethod
+    def get_global_annotation_shardings() -> dict[str, Any] | None:
+        """The innermost context's ``annotation_shardings``, or None outside any context."""
+        return get_global_annotation_shardings()
+
+    @staticmethod
+    def with_sharding_constraint(pytree: Any, sharding_rule: Any) -> Any:
+        """:func:`shardax.constraints.with_sharding_constraint` (a no-op outside a context)."""
+        return constraints.with_sharding_constraint(pytree, sharding_rule)
+
+    @staticmethod
+    def with_sharding_annotation(pytree: Any, sharding_name: str) -> Any:
+        """:func:`shardax.constraints.with_sharding_annotation` (a no-op outside a context)."""
+        return constraints.with_sharding_annotation(pytree, sharding_name)
 
     def match_sharding_rule(self, sharding_rules: Any, pytree: Any) -> Any:
         """A tree of ``NamedSharding`` (None where unspecified) for ``pytree``.
@@ -202,8 +226,6 @@ class MeshShardingHelper:
         ``sharding_rules`` is a tree prefix of ``pytree`` whose leaves are ``ShardingRule``s,
         ``PartitionSpec``s or None. Specs are checked against the mesh and the leaf shapes.
         """
-        from shardax.rules import match_specs, specs_to_shardings
-
         return specs_to_shardings(match_specs(sharding_rules, pytree, self.mesh), self.mesh)
 
     def make_shard_and_gather_fns(
@@ -279,67 +301,13 @@ class MeshShardingHelper:
                 )
             return jax.make_array_from_process_local_data(sharding, local, tuple(shape))
 
-        from shardax.utils import named_tree_map
-
-        return named_tree_map(to_global, pytree)
-
-
-class ShardingContext:
-    """The active mesh helper, its named annotation rules and logical axis rules.
-
-    Entering it also sets ``jax.set_mesh`` and turns off Flax NNX's eager sharding of new
-    variables: inside ``sjit`` the output rules place them, so a model written with logical
-    names is created directly in its sharded layout.
-    """
-
-    def __init__(
-        self,
-        mesh_helper: MeshShardingHelper,
-        annotation_shardings: Mapping[str, Any] | None = None,
-        logical_axis_rules: Any = None,
-    ):
-        self.mesh_helper = mesh_helper
-        self.annotation_shardings = dict(annotation_shardings or {})
-        self.logical_axis_rules = logical_axis_rules
-        self.warned_annotations: set[str] = set()
-        self._exit_stack: contextlib.ExitStack | None = None
-
-    def __enter__(self) -> ShardingContext:
-        from shardax import frameworks
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(_compat.set_mesh(self.mesh_helper.mesh))
-        contexts = frameworks.tracing_contexts(self.logical_axis_rules, self.mesh_helper.mesh)
-        for context in contexts:
-            stack.enter_context(context)
-        _stack().append(self)
-        self._exit_stack = stack
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _stack().pop()
-        self._exit_stack.__exit__(*exc)
-
-
-_local = threading.local()
-
-
-def _stack() -> list[ShardingContext]:
-    if not hasattr(_local, "stack"):
-        _local.stack = []
-    return _local.stack
-
-
-def current_context() -> ShardingContext | None:
-    """The innermost active ``ShardingContext`` of this thread, or None."""
-    stack = _stack()
-    return stack[-1] if stack else None
+        return named_tree_map(to_global, pytree, sep="/")
 
 
 def get_global_mesh_helper() -> MeshShardingHelper | None:
     """The innermost active ``MeshShardingHelper``, or None outside any context."""
-    context = current_context()
-    return None if context is None else context.mesh_helper
+    frame = _context.current()
+    return None if frame is None else frame.mesh_helper
 
 
 def get_global_mesh() -> Mesh | None:
@@ -350,5 +318,5 @@ def get_global_mesh() -> Mesh | None:
 
 def get_global_annotation_shardings() -> dict[str, Any] | None:
     """The innermost context's ``annotation_shardings``, or None outside any context."""
-    context = current_context()
-    return None if context is None else context.annotation_shardings
+    frame = _context.current()
+    return None if frame is None else frame.annotation_shardings

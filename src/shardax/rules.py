@@ -10,10 +10,8 @@ same rule serves parameters, optimizer states and activations alike.
 from __future__ import annotations
 
 import abc
-import contextlib
 import math
 import re
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -21,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardax import _compat, frameworks
+from shardax import _compat, _context, frameworks
 from shardax.utils import leaf_shape, tree_path_to_string
 
 __all__ = [
@@ -61,7 +59,7 @@ def _is_rule_leaf(x: Any) -> bool:
 def _map_leaves(f: Callable[[str, Any], Any], pytree: Any) -> Any:
     """Maps ``f(path, leaf)`` over leaves, treating framework boxes as leaves."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: f(tree_path_to_string(path), x), pytree, is_leaf=_is_rule_leaf
+        lambda path, x: f(tree_path_to_string(path, sep="/"), x), pytree, is_leaf=_is_rule_leaf
     )
 
 
@@ -71,28 +69,17 @@ def _shape(leaf: Any) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- the active mesh
 
-_resolving = threading.local()
-
-
-@contextlib.contextmanager
-def _resolving_on(mesh: Any) -> Iterator[None]:
-    """Makes ``mesh`` the one rules consult (axis sizes, axis names) while matching."""
-    previous = getattr(_resolving, "mesh", None)
-    _resolving.mesh = mesh
-    try:
-        yield
-    finally:
-        _resolving.mesh = previous
-
 
 def active_mesh() -> Any | None:
-    """The mesh rules consult: the one being matched against, else the ambient one."""
-    mesh = getattr(_resolving, "mesh", None)
+    """The mesh rules consult: the one being matched against, else the active context's, else
+    JAX's ambient one (``jax.set_mesh``)."""
+    mesh = _context.resolving_mesh()
     if mesh is not None:
         return mesh
-    from shardax.mesh import get_global_mesh
-
-    return get_global_mesh() or _compat.abstract_mesh()
+    frame = _context.current()
+    if frame is not None:
+        return frame.mesh_helper.mesh
+    return _compat.abstract_mesh()
 
 
 def _axis_size(axes: MeshAxes, mesh: Any) -> int | None:
@@ -129,11 +116,20 @@ class FSDPShardingRule(ShardingRule):
         self.fsdp_axis_size = fsdp_axis_size
         self.min_fsdp_size = min_fsdp_size
 
+    @staticmethod
+    def largest_power_of_two_divisor(n: int) -> int:
+        """The largest power of two dividing ``n`` (scalax's guess of an axis size).
+
+        >>> FSDPShardingRule.largest_power_of_two_divisor(24)
+        8
+        """
+        return n & -n if n else 1
+
     def _spec(self, shape: tuple[int, ...], size: int | None) -> PartitionSpec:
         if not shape or math.prod(shape) < self.min_fsdp_size:
             return PartitionSpec()
         if size is None:  # no mesh to ask: shard the dim with the largest power-of-two factor
-            twos = [-(n & -n) if n > 1 else 0 for n in shape]
+            twos = [-self.largest_power_of_two_divisor(n) if n > 1 else 0 for n in shape]
             order = np.argsort(twos, kind="stable")
             candidates = [i for i in order if shape[i] > 1]
         else:
@@ -345,7 +341,7 @@ def match_specs_flat(
     """
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(pytree)
     if paths is None:
-        paths = [tree_path_to_string(p) for p, _ in path_leaves]
+        paths = [tree_path_to_string(p, sep="/") for p, _ in path_leaves]
     leaves = [leaf for _, leaf in path_leaves]
     rule_leaves, rule_def = jax.tree_util.tree_flatten(rules, is_leaf=_is_spec_leaf)
     try:
@@ -356,7 +352,7 @@ def match_specs_flat(
             f"applied to (rules must be a tree prefix of it): {e}"
         ) from None
     specs: list[PartitionSpec | None] = []
-    with _resolving_on(mesh):
+    with _context.resolving_on(mesh):
         for rule, subtree in zip(rule_leaves, subtrees):
             count = len(jax.tree_util.tree_leaves(subtree))
             if rule is None or isinstance(rule, PartitionSpec):

@@ -7,12 +7,12 @@
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.constraints import with_sharding_annotation, with_sharding_constraint
+from shardax.context import ShardingContext
 from shardax.inspect import ShardingPlan
-from shardax.jit import ShardedFunction, sjit
+from shardax.jit import ShardedFunction, SJITCompiledFunction, sjit
 from shardax.logical import use_logical_rules, with_logical_constraint
 from shardax.mesh import (
     MeshShardingHelper,
-    ShardingContext,
     get_global_annotation_shardings,
     get_global_mesh,
     get_global_mesh_helper,
@@ -25,6 +25,9 @@ from shardax.rules import (
     TreePathShardingRule,
     match_specs,
 )
+from shardax.utils import named_tree_map
+
+MeshShardingContext = ShardingContext  # scalax's name
 
 __all__ = [
     "Mesh",
@@ -32,7 +35,9 @@ __all__ = [
     "PartitionSpec",
     "MeshShardingHelper",
     "ShardingContext",
+    "MeshShardingContext",
     "ShardedFunction",
+    "SJITCompiledFunction",
     "ShardingPlan",
     "sjit",
     "ShardingRule",
@@ -48,4 +53,5 @@ __all__ = [
     "get_global_mesh_helper",
     "get_global_mesh",
     "get_global_annotation_shardings",
+    "named_tree_map",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["is_box", "unbox", "logical_names", "tracing_contexts"]
+__all__ = ["is_box", "unbox", "logical_names"]
 
 # Metadata keys under which Flax NNX has stored logical axis names, newest first.
 _NNX_NAME_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -62,23 +62,3 @@ def logical_names(x: Any) -> tuple[str | None, ...] | None:
         if isinstance(names, (tuple, list)):
             return tuple(names)
     return None
-
-
-def tracing_contexts(logical_axis_rules: Any = None, mesh: Any = None) -> list[Any]:
-    """Context managers every shardax context enters, one per loaded framework.
-
-    Flax NNX (0.12+) shards a variable carrying logical names as it is created, which needs
-    those names to be mesh axes. Inside a shardax context the rules place every output, so
-    eager sharding is switched off there. Flax linen's ``nn.with_logical_constraint`` reads
-    Flax's own rule context, so it is set from the context's logical axis rules.
-    """
-    contexts: list[Any] = []
-    nnx = sys.modules.get("flax.nnx")
-    use_eager_sharding = getattr(nnx, "use_eager_sharding", None)
-    if use_eager_sharding is not None:
-        contexts.append(use_eager_sharding(False))
-    if logical_axis_rules is not None and "flax.linen" in sys.modules:
-        from shardax.frameworks.linen import logical_axis_rules as linen_rules
-
-        contexts.append(linen_rules(logical_axis_rules, mesh))
-    return contexts

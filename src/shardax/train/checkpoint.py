@@ -100,7 +100,7 @@ def _is_key(x: Any) -> bool:
 
 
 def _flat(tree: Any) -> dict[str, Any]:
-    return flatten_tree(tree)
+    return flatten_tree(tree, sep="/")
 
 
 def _as_words(x: jax.Array) -> jax.Array:
@@ -205,7 +205,9 @@ class Checkpointer:
     ``max_to_keep=N`` deletes all but the newest N committed steps. With ``async_save`` the
     arrays are copied off the devices before `save` returns and written in the background, so
     the caller may donate or overwrite them at once. All processes must call `save` and
-    `restore` together; each writes and reads only its own shards.
+    `restore` together; each writes and reads only its own shards. ``read_only=True`` opens
+    an existing directory for reading only: nothing is created, cleaned up or deleted (safe
+    while another process trains into it), and `save` raises.
 
     Example::
 
@@ -238,7 +240,12 @@ class Checkpointer:
                 save_interval_steps=0, enable_async_checkpointing=False)
         else:
             options = ocp.CheckpointManagerOptions(
-                save_decision_policy=policies.FixedIntervalPolicy(save_every),
+                # A preemption notice (multi-process jobs) also saves, when `save` is called
+                # at every step without force (shardax train handles signals itself).
+                save_decision_policy=policies.AnySavePolicy([
+                    policies.FixedIntervalPolicy(save_every),
+                    policies.PreemptionCheckpointingPolicy(),
+                ]),
                 preservation_policy=policies.LatestN(max_to_keep),
                 enable_async_checkpointing=async_save,
                 # Leftover tmp dirs of an interrupted save are never read; remove them on

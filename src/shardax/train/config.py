@@ -332,13 +332,14 @@ def parse_mesh(spec: str) -> dict[str, int]:
         ok = eq and name.isidentifier() and size.lstrip("-").isdigit()
         _usage(bool(ok), f"--mesh {spec!r}: expected comma-separated name=size pairs such as "
                          f"'dp=2,fsdp=-1' (one size may be -1), got {part.strip()!r}")
-        _usage(name in MESH_AXES, f"--mesh {spec!r}: unknown axis {name!r}; shardax train "
-                                  f"knows {list(MESH_AXES)}")
         _usage(name not in sizes, f"--mesh {spec!r}: axis {name!r} given twice")
         sizes[name] = int(size)
         _usage(sizes[name] >= 1 or sizes[name] == -1,
                f"--mesh {spec!r}: axis {name!r} has size {size}; sizes are >= 1, or -1 once")
     _usage(list(sizes.values()).count(-1) <= 1, f"--mesh {spec!r}: only one size may be -1")
+    unknown = [a for a in sizes if a not in MESH_AXES]
+    _usage(not unknown, f"--mesh {spec!r}: unknown axes {unknown}; shardax train knows "
+                        f"{list(MESH_AXES)}")
     return sizes
 
 

@@ -152,9 +152,10 @@ def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
         return (data_lib.load_bytes(data_lib.default_corpus("train")),
                 data_lib.load_bytes(data_lib.default_corpus("val")))
     except (OSError, ValueError) as e:
-        reason = _os_reason(e) if isinstance(e, OSError) and e.strerror else str(e)
-        where = f" {e.filename}" if isinstance(e, OSError) and e.filename else ""
-        raise UsageError(f"--data{where}: {reason}") from None
+        if isinstance(e, OSError) and e.strerror:  # name the file (or the flag's paths)
+            raise UsageError(f"--data {e.filename or ' '.join(config.data)}: "
+                             f"{e.strerror}") from None
+        raise UsageError(f"--data: {e}") from None
 
 
 def prepare(config: TrainConfig) -> _Run:
@@ -220,8 +221,8 @@ def _check_extra(restored: Restored) -> None:
 
 
 def _resume(run: _Run, state_shape: Any, shardings: Any) -> tuple[int, Any]:
-    """Restores the newest good checkpoint (or ``--resume-step``), skipping damaged ones with a
-    note, and moves committed steps past it aside so the run can save them again."""
+    """Restores the newest good checkpoint, skipping damaged ones with a note (or exactly
+    ``--resume-step``)."""
     config, ckpt_dir = run.config, run.out / CHECKPOINT_DIR
 
     def skipped(step: int, why: str) -> None:
@@ -230,11 +231,13 @@ def _resume(run: _Run, state_shape: Any, shardings: Any) -> tuple[int, Any]:
     try:
         with Checkpointer(ckpt_dir, read_only=True) as reader:
             restored, state = build.restore(reader, state_shape, shardings,
-                                            step=config.resume_step, fallback=True,
+                                            step=config.resume_step,
+                                            fallback=config.resume_step is None,
                                             check=_check_extra, on_skip=skipped)
     except CorruptCheckpointError as e:
-        raise UsageError(f"--resume: no usable checkpoint in {ckpt_dir}; the oldest one "
-                         f"failed too: {e}") from None
+        which = (f"--resume-step {config.resume_step}" if config.resume_step is not None
+                 else "--resume: no usable checkpoint; the oldest one")
+        raise UsageError(f"{which} failed its checks: {e}") from None
     start = restored.step
     if start > config.steps:
         raise UsageError(f"--steps {config.steps}: the run is already at step {start}; pass "

@@ -1,0 +1,85 @@
+"""The core is layered: no import cycles anywhere in ``src/shardax`` (module level and inside
+functions alike), and ``shardax.parallel`` needs nothing from shardax but ``_compat``."""
+
+import ast
+import pathlib
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {
+        ".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (SRC / "shardax").rglob("*.py")
+    }
+
+
+def _imports(name: str, path: pathlib.Path, modules: dict) -> set[str]:
+    """The shardax modules ``name`` imports, wherever the import statement stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    assert "shardax._context" in graph["shardax.rules"]
+    assert "shardax.jit" in graph["shardax.mesh"]
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles, done, stack = [], set(), []
+
+    def visit(module):
+        if module in stack:
+            cycles.append(" -> ".join(stack[stack.index(module):] + [module]))
+            return
+        if module in done:
+            return
+        done.add(module)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        stack.pop()
+
+    for module in sorted(graph):
+        visit(module)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_context_state_is_the_bottom():
+    assert _graph()["shardax._context"] == set()
+
+
+def test_parallel_needs_only_jax_and_compat():
+    graph = _graph()
+    outside = {
+        (module, target)
+        for module, targets in graph.items() if module.startswith("shardax.parallel")
+        for target in targets
+        if not target.startswith("shardax.parallel") and target != "shardax._compat"
+    }
+    assert not outside, f"shardax.parallel imports {sorted(outside)}"
