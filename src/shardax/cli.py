@@ -254,7 +254,8 @@ def _generate(argv: list[str]) -> int:
     texts = generate(config.out, prompts, config.max_tokens, config.temperature, config.seed,
                      config.step, source=config.source, stats=stats)
     print("\n\n".join(texts) if len(texts) > 1 else texts[0])
-    print(f"shardax generate: {stats['tokens']} tokens for {len(prompts)} prompt(s) in "
+    # Not a "shardax generate:" note (those report problems): a plain statistics line.
+    print(f"generated {stats['tokens']} tokens for {len(prompts)} prompt(s) in "
           f"{stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s (KV cache, "
           "compile included)", file=sys.stderr)
     return 0
