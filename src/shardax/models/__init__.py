@@ -19,18 +19,24 @@ from flax import nnx
 
 from shardax.models import gpt2, llama
 from shardax.models._annotate import constrain, current_logical_rules, use_logical_rules
-from shardax.models._layers import REMAT_POLICIES, cross_entropy, stack_states
-from shardax.models.gpt2 import GPT2, GPT2Config
-from shardax.models.llama import Llama, LlamaConfig, check_mesh
+from shardax.models._layers import cross_entropy, stack_states
+from shardax.models.configs import (
+    CONFIGS,
+    REMAT_POLICIES,
+    GPT2Config,
+    LlamaConfig,
+    RopeScaling,
+    config_from_hf,
+)
+from shardax.models.gpt2 import GPT2
+from shardax.models.llama import Llama, check_mesh
 from shardax.models.mlp import MLP
 from shardax.models.presets import PRESETS
 
-CONFIGS: dict[str, LlamaConfig | GPT2Config] = {**llama.CONFIGS, **gpt2.CONFIGS}
-
 __all__ = [
     "CONFIGS", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "MLP", "PRESETS", "REMAT_POLICIES",
-    "check_mesh", "constrain", "create", "cross_entropy", "current_logical_rules", "get_config",
-    "param_count", "stack_states", "use_logical_rules",
+    "RopeScaling", "check_mesh", "config_from_hf", "constrain", "create", "cross_entropy",
+    "current_logical_rules", "get_config", "param_count", "stack_states", "use_logical_rules",
 ]
 
 

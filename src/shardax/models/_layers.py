@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.models.configs import REMAT_POLICIES
+
 LAYERS = "layers"
-REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 
 
 def param(

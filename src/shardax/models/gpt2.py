@@ -10,7 +10,7 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,47 +18,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import REMAT_POLICIES, make_layers, param, run_layers
-from shardax.models.llama import gqa_attention
+from shardax.models._layers import cross_entropy, make_layers, param, run_layers
+from shardax.models.configs import GPT2_CONFIGS, GPT2Config
+from shardax.models.ops import gqa_attention, layer_norm
+
+__all__ = ["CONFIGS", "GPT2", "GPT2Config", "param_count"]
 
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros
 
 
-@dataclasses.dataclass(frozen=True)
-class GPT2Config:
-    """GPT-2 hyper-parameters; ``dtype`` computes, ``param_dtype`` stores; see ``LlamaConfig``."""
-
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    mlp_dim: int = 256
-    max_seq_len: int = 128
-    norm_eps: float = 1e-5
-    param_dtype: Any = jnp.float32
-    dtype: Any = jnp.float32
-    scan_layers: bool = False
-    remat: str = "none"
-
-    def __post_init__(self):
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-
-CONFIGS: dict[str, GPT2Config] = {
-    "gpt2-tiny": GPT2Config(),
-    # GPT-2 small (124M); vocabulary 50257 padded to 50304 (a multiple of 128) so it splits
-    # evenly over tensor-parallel axes.
-    "gpt2": GPT2Config(vocab_size=50304, dim=768, n_layers=12, n_heads=12, mlp_dim=3072,
-                       max_seq_len=1024),
-}
+CONFIGS = GPT2_CONFIGS
 
 
 def param_count(config: GPT2Config) -> int:
@@ -73,15 +43,6 @@ def param_count(config: GPT2Config) -> int:
     mlp = 2 * c.dim * c.mlp_dim + c.mlp_dim + c.dim
     layer = attn + mlp + 4 * c.dim
     return (c.vocab_size + c.max_seq_len) * c.dim + c.n_layers * layer + 2 * c.dim
-
-
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm computed in float32, returned in ``x.dtype``."""
-    xf = x.astype(jnp.float32)
-    mean = xf.mean(-1, keepdims=True)
-    var = jnp.square(xf - mean).mean(-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + eps)
-    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -112,16 +73,25 @@ class Attention(nnx.Module):
         self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self.qkv(x)
+        out = constrain(gqa_attention(q, k, v), ("batch", "length", "heads", "head_dim"))
+        return self.out(out)
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v [b, s, heads, d]."""
         dt = self.dtype
-        names = ("batch", "length", "heads", "head_dim")
 
         def proj(w, b):
             y = jnp.einsum("bse,ehd->bshd", x, w[...].astype(dt)) + b[...].astype(dt)
-            return constrain(y, names)
+            return constrain(y, ("batch", "length", "heads", "head_dim"))
 
-        q, k, v = proj(self.wq, self.bq), proj(self.wk, self.bk), proj(self.wv, self.bv)
-        out = constrain(gqa_attention(q, k, v), names)
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dt)) + self.bo[...].astype(dt)
+        return proj(self.wq, self.bq), proj(self.wk, self.bk), proj(self.wv, self.bv)
+
+    def out(self, attended: jax.Array) -> jax.Array:
+        """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
+        dt = self.dtype
+        y = jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(dt))
+        return y + self.bo[...].astype(dt)
 
 
 class MLPBlock(nnx.Module):
@@ -169,16 +139,48 @@ class GPT2(nnx.Module):
         self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, c.scan_layers)
         self.ln_f = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """Logits ``[b, s, vocab]`` (float32); ``positions`` [b, s] index the learned position
+        table (default ``0 .. s-1``)."""
+        c = self.config
+        x = self._embed(tokens, positions)
+        x = run_layers(self.layers, x, lambda layer, h: layer(h), c.scan_layers, c.remat)
+        return self._head(x)
+
+    def training_loss(self, tokens: jax.Array, targets: jax.Array,
+                      positions: jax.Array | None = None, *, load_balanced: bool = False,
+                      cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+                      ) -> tuple[jax.Array, jax.Array]:
+        """``(objective, cross-entropy)``, both the mean token cross-entropy of ``targets``
+        under ``cast(logits)``: the interface every shardax language model shares (see
+        ``Llama.training_loss``). GPT-2 has no context parallelism (``load_balanced``).
+
+        Example::
+
+            objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
+        """
+        if load_balanced:
+            raise ValueError("GPT-2 has no context parallelism: use a mesh without a 'cp' axis "
+                             "(or a llama model)")
+        ce = cross_entropy(cast(self(tokens, positions)), targets)
+        return ce, ce
+
+    def _embed(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
         c = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
         if tokens.shape[1] > c.max_seq_len:
             raise ValueError(f"length {tokens.shape[1]} exceeds max_seq_len={c.max_seq_len}")
         table = constrain(self.wte[...], ("vocab", None))  # see Llama: gather 'embed' first
-        x = jnp.take(table, tokens, axis=0) + self.wpe[: tokens.shape[1]]
-        x = constrain(x.astype(c.dtype), ("batch", "length", "embed"))
-        x = run_layers(self.layers, x, lambda layer, h: layer(h), c.scan_layers, c.remat)
+        if positions is None:
+            pos = self.wpe[: tokens.shape[1]]
+        else:
+            pos = jnp.take(self.wpe[...], jnp.clip(positions, 0, c.max_seq_len - 1), axis=0)
+        x = jnp.take(table, tokens, axis=0) + pos
+        return constrain(x.astype(c.dtype), ("batch", "length", "embed"))
+
+    def _head(self, x: jax.Array) -> jax.Array:
+        c = self.config
         x = self.ln_f(x)
         logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(c.dtype)).astype(jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))

@@ -27,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,132 +35,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import (
-    REMAT_POLICIES,
-    cross_entropy,
-    make_layers,
-    param,
-    remat_policy,
-    run_layers,
-)
+from shardax.models._layers import cross_entropy, make_layers, param, remat_policy, run_layers
+from shardax.models.axes import TOKEN_AXES
+from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
+from shardax.models.ops import apply_rope, attend, gqa_attention, rms_norm, rope_tables
 from shardax.parallel import (
     column_parallel,
     pipeline,
     pipeline_size,
-    ring_attention,
     row_parallel,
     to_stage_layout,
     tp_size,
 )
 
-TP_MODES = ("none", "sync", "async", "async_bidi")
-PP_SCHEDULES = ("gpipe", "circular", "1f1b")
-# Mesh axes the sharded batch may span, major to minor (the order of the 'batch' rule).
-_BATCH_AXES = ("ep", "dp", "fsdp")
+__all__ = ["CONFIGS", "PP_SCHEDULES", "TP_MODES", "Llama", "LlamaConfig", "apply_rope", "attend",
+           "check_mesh", "gqa_attention", "param_count", "rms_norm", "rope_tables"]
 
 _normal = nnx.initializers.normal
-
-
-@dataclasses.dataclass(frozen=True)
-class LlamaConfig:
-    """Llama hyper-parameters. ``dtype`` is the compute dtype, ``param_dtype`` the storage one.
-
-    ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``;
-    ``remat`` is one of 'none', 'full', 'save_dots', 'offload' (a ``jax.checkpoint`` policy).
-
-    Parallelism (no effect without the matching mesh axis): ``tp_mode`` 'none' leaves tensor
-    parallelism to XLA and the rules, 'sync'/'async'/'async_bidi' use ``shardax.parallel``'s
-    column/row-parallel blocks; ``sequence_parallel`` needs one of those (the async modes
-    imply it). ``pp_*``: pipeline schedule, microbatches and virtual stages over 'pp' (needs
-    ``scan_layers``). ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with
-    ``mlp_dim`` hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
-    """
-
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    mlp_dim: int = 176
-    max_seq_len: int = 128
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    param_dtype: Any = jnp.float32
-    dtype: Any = jnp.float32
-    scan_layers: bool = False
-    remat: str = "none"
-    tp_mode: str = "none"
-    sequence_parallel: bool = False
-    pp_schedule: str = "gpipe"
-    pp_microbatches: int = 1
-    pp_virtual_stages: int = 1
-    n_experts: int = 0
-    top_k: int = 2
-    capacity_factor: float = 1.25
-    moe_aux_weight: float = 0.01
-
-    def __post_init__(self):
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
-            )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        if self.tp_mode not in TP_MODES:
-            raise ValueError(f"tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
-        if self.sequence_parallel and self.tp_mode == "none":
-            raise ValueError("sequence_parallel needs explicit tensor parallelism: "
-                             "tp_mode 'sync', 'async' or 'async_bidi'")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got "
-                             f"{self.pp_schedule!r}")
-        if self.pp_microbatches < 1 or self.pp_virtual_stages < 1:
-            raise ValueError(f"pp_microbatches={self.pp_microbatches} and pp_virtual_stages="
-                             f"{self.pp_virtual_stages} must be >= 1")
-        if self.pp_schedule != "circular" and self.pp_virtual_stages != 1:
-            raise ValueError(f"pp_virtual_stages={self.pp_virtual_stages} needs "
-                             f"pp_schedule='circular' ({self.pp_schedule} has one stage per "
-                             "device)")
-        if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
-            raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
-                             "in [1, n_experts]")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def sp(self) -> bool:
-        """Sequence-parallel activations: asked for, or implied by an async TP mode."""
-        return self.sequence_parallel or self.tp_mode.startswith("async")
-
-
-CONFIGS: dict[str, LlamaConfig] = {
-    # Byte-level; trains visibly in a minute on 2 CPU cores.
-    "llama-tiny": LlamaConfig(),
-    # ~25M parameters.
-    "llama-small": LlamaConfig(
-        vocab_size=32000, dim=384, n_layers=8, n_heads=8, n_kv_heads=4, mlp_dim=1024,
-        max_seq_len=512, tie_embeddings=True,
-    ),
-    # ~125M parameters.
-    "llama-125m": LlamaConfig(
-        vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=4, mlp_dim=2048,
-        max_seq_len=1024,
-    ),
-    # TinyLlama-1.1B shapes.
-    "llama-1b": LlamaConfig(
-        vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632,
-        max_seq_len=2048,
-    ),
-    # llama-tiny with a 4-expert, top-2 mixture-of-experts MLP in every layer.
-    "llama-moe-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2),
-}
+_zeros = nnx.initializers.zeros
+CONFIGS = LLAMA_CONFIGS
 
 
 def check_mesh(
@@ -221,52 +113,14 @@ def param_count(config: LlamaConfig) -> int:
     """
     c = config
     attn = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
+    if c.qkv_bias:
+        attn += c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
     mlp = 3 * c.dim * c.mlp_dim
     if c.n_experts:
         mlp = c.n_experts * mlp + c.dim * c.n_experts
     layer = attn + mlp + 2 * c.dim
     head = 0 if c.tie_embeddings else c.dim * c.vocab_size
     return c.vocab_size * c.dim + c.n_layers * layer + c.dim + head
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, returned in ``x.dtype``."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables of shape [batch, length, head_dim // 2] for rotary embeddings."""
-    freqs = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * freqs
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x`` [b, s, heads, head_dim] by the position angles (rotate-half convention)."""
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal grouped-query attention without materialising repeated K/V heads.
-
-    ``q``: [b, s, heads, d]; ``k``, ``v``: [b, t, kv_heads, d]; query head ``i`` reads kv head
-    ``i // (heads // kv_heads)``. Scores and softmax are in float32. Returns [b, s, heads, d].
-    """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
-    causal = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
 
 
 class RMSNorm(nnx.Module):
@@ -293,17 +147,7 @@ def _tp_kwargs(c: LlamaConfig) -> dict[str, Any]:
     sync_sp = c.tp_mode == "sync" and c.sp
     # Only sync SP needs the batch axes manual (see shardax.parallel.tensor).
     return dict(mode=c.tp_mode, sequence_parallel=c.sp,
-                batch_axes=_BATCH_AXES if sync_sp else ())
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False) -> jax.Array:
-    """Causal GQA attention; ring attention over 'cp' when the mesh has a 'cp' axis > 1.
-
-    ``load_balanced``: q, k, v are in ``shardax.parallel.load_balance`` order (cp only).
-    """
-    if tp_size("cp") > 1:
-        return ring_attention(q, k, v, causal=True, load_balanced=load_balanced)
-    return gqa_attention(q, k, v)
+                batch_axes=TOKEN_AXES if sync_sp else ())
 
 
 class Attention(nnx.Module):
@@ -320,20 +164,38 @@ class Attention(nnx.Module):
                         ("embed", "kv_heads", "head_dim"), pd)
         self.wo = param(rngs.params(), _normal(out_std), (c.n_heads, hd, c.dim),
                         ("heads", "head_dim", "embed"), pd)
+        if c.qkv_bias:
+            self.bq = param(rngs.params(), _zeros, (c.n_heads, hd), ("heads", "head_dim"), pd)
+            self.bk = param(rngs.params(), _zeros, (c.n_kv_heads, hd), ("kv_heads", "head_dim"),
+                            pd)
+            self.bv = param(rngs.params(), _zeros, (c.n_kv_heads, hd), ("kv_heads", "head_dim"),
+                            pd)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  load_balanced: bool = False) -> jax.Array:
         if self.config.tp_mode != "none":
             return self._tensor_parallel(x, cos, sin, load_balanced)
-        dt = self.dtype
-        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...].astype(dt))
+        q, k, v = self.qkv(x)
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         out = constrain(attend(q, k, v, load_balanced), ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dt))
+        return self.out(out)
+
+    def out(self, attended: jax.Array) -> jax.Array:
+        """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
+        return jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(self.dtype))
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q [b, s, heads, d], k and v [b, s, kv_heads, d], before RoPE."""
+        dt = self.dtype
+        out = []
+        for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")):
+            y = jnp.einsum("bse,ehd->bshd", x, getattr(self, w)[...].astype(dt))
+            if self.config.qkv_bias:
+                y = y + getattr(self, bias)[...].astype(dt)
+            out.append(y)
+        return tuple(out)
 
     def _tensor_parallel(self, x, cos, sin, load_balanced):
         """Megatron attention: one fused column-parallel QKV matmul (each 'tp' slice holds the
@@ -356,6 +218,10 @@ class Attention(nnx.Module):
         q = qkv[..., :nq].reshape(b, s, heads, hd)
         k = qkv[..., nq:nq + nk].reshape(b, s, kv_heads, hd)
         v = qkv[..., nq + nk:].reshape(b, s, kv_heads, hd)
+        if c.qkv_bias:
+            q = q + jnp.repeat(self.bq[...].astype(dt), rq, axis=0)
+            k = k + jnp.repeat(self.bk[...].astype(dt), rk, axis=0)
+            v = v + jnp.repeat(self.bv[...].astype(dt), rk, axis=0)
         out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced)
         wo = jnp.repeat(self.wo[...].astype(dt), rq, axis=0)
         if rq > 1:
@@ -544,7 +410,7 @@ class Llama(nnx.Module):
         table = constrain(self.embed[...], ("vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(c.dtype)
         x = constrain(x, ("batch", "length", "embed"))
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         return x, cos, sin
 
     def _layers(self, x, cos, sin, load_balanced):

@@ -21,16 +21,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._layers import param
+from shardax.models.axes import BATCH_AXES
 from shardax.parallel import moe_mlp
 
 if TYPE_CHECKING:
-    from shardax.models.llama import LlamaConfig
+    from shardax.models.configs import LlamaConfig
 
 __all__ = ["MoE"]
 
 _normal = nnx.initializers.normal
-# Mesh axes that split the tokens next to 'ep' (the 'batch' rule's order, 'ep' major).
-_TOKEN_AXES = ("dp", "fsdp")
 
 
 class MoE(nnx.Module):
@@ -52,7 +51,7 @@ class MoE(nnx.Module):
         c, dt = self.config, self.config.dtype
         mesh = jax.sharding.get_abstract_mesh()
         names = () if mesh.empty else mesh.axis_names
-        axes = tuple(a for a in _TOKEN_AXES if a in names) if "ep" in names else ()
+        axes = tuple(a for a in BATCH_AXES if a in names) if "ep" in names else ()
         y, aux = moe_mlp(
             x, self.router[...], self.w_up[...].astype(dt), self.w_down[...].astype(dt),
             self.w_gate[...].astype(dt), top_k=c.top_k, capacity_factor=c.capacity_factor,

@@ -31,9 +31,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardax.models.axes import BATCH_AXES
+
 Rule = tuple[str, str | tuple[str, ...] | None]
 
-_BATCH: list[Rule] = [("batch", ("dp", "fsdp"))]
+_BATCH: list[Rule] = [("batch", BATCH_AXES)]
 
 _REPLICATED: list[Rule] = [
     ("length", None),

@@ -22,12 +22,12 @@ from shardax.mesh import MeshShardingHelper
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.train.checkpoint import Checkpointer, Restored, abstract_state
-from shardax.train.config import TrainConfig, UsageError, flag
+from shardax.train.config import TrainConfig, UsageError, flag, hf_dir
 from shardax.train.step import init_state, make_optimizer
 from shardax.utils import flatten_tree
 
-__all__ = ["abstract", "create", "flat", "make_mesh", "make_tx", "model_and_rules", "model_config",
-           "pipeline_summary", "restore"]
+__all__ = ["abstract", "create", "create_from_hf", "flat", "make_mesh", "make_tx",
+           "model_and_rules", "model_config", "pipeline_summary", "restore"]
 
 
 def make_mesh(config: TrainConfig) -> MeshShardingHelper:
@@ -44,9 +44,21 @@ def make_tx(config: TrainConfig):
 
 
 def model_config(config: TrainConfig) -> Any:
-    """The model config of ``--model`` with ``--precision``, ``--remat`` and ``--seq-len``
-    applied (no parallelism flags)."""
+    """The model config of ``--model`` (or of the ``--init-from hf:DIR`` model) with
+    ``--precision``, ``--remat`` and ``--seq-len`` applied (no parallelism flags)."""
     policy = Policy.from_string(config.precision)
+    if config.init_from is not None:
+        from shardax import hf
+
+        try:
+            c = hf.load_config(hf_dir(config.init_from, "--init-from"), remat=config.remat,
+                               dtype=policy.compute, param_dtype=policy.params)
+        except ValueError as e:
+            raise UsageError(f"--init-from {config.init_from}: {e}") from None
+        if config.seq_len > c.max_seq_len:
+            raise UsageError(f"--seq-len {config.seq_len} exceeds the model's "
+                             f"max_position_embeddings {c.max_seq_len} ({config.init_from})")
+        return c
     return models.get_config(
         config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
         max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
@@ -105,6 +117,26 @@ def pipeline_summary(model_config: Any, stages: int) -> str:
 def create(model_config: Any, tx: Any, seed: int):
     """``(graphdef, state)`` of a fresh model and optimizer (call under ``sjit``)."""
     return init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
+
+
+def create_from_hf(config: TrainConfig, model_config: Any, tx: Any, mesh: MeshShardingHelper,
+                   rules: Any) -> Any:
+    """The train state of step 0 with the parameters of ``--init-from hf:DIR``, read straight
+    into their sharding under ``rules`` (each process reads only its devices' slices) and the
+    optimizer state created sharded alike."""
+    from shardax import hf
+
+    try:
+        graphdef, loaded = hf.load_params(hf_dir(config.init_from, "--init-from"),
+                                          model_config, mesh, rules)
+    except ValueError as e:
+        raise UsageError(f"--init-from {config.init_from}: {e}") from None
+    _, params, rest = nnx.split(nnx.merge(graphdef, loaded), nnx.Param, ...)
+    opt_state = mesh.sjit(tx.init, in_shardings=(rules,), out_shardings=rules)(params)
+    return {"params": params, "rest": rest, "opt_state": opt_state,
+            "step": jax.device_put(jax.numpy.int32(0),
+                                   jax.sharding.NamedSharding(mesh.mesh,
+                                                              jax.sharding.PartitionSpec()))}
 
 
 def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper

@@ -20,16 +20,19 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 __all__ = [
     "CONFIG_FILE",
+    "ExportConfig",
     "FIXED_ON_RESUME",
     "GenerateConfig",
     "TrainConfig",
     "UsageError",
     "check",
+    "check_export",
     "check_generate",
+    "hf_dir",
     "check_resume",
     "flag",
     "from_dict",
@@ -43,10 +46,19 @@ __all__ = [
 CONFIG_FILE = "config.json"
 #: Settings a resumed run must share with the run it continues (the mesh may change, and
 #: ``steps`` may grow).
-FIXED_ON_RESUME = ("model", "seed", "batch_size", "seq_len", "data", "optimizer", "lr",
-                   "grad_accum", "precision", "tokenizer", "text_field", "token_dtype")
+FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
+                   "lr", "grad_accum", "precision", "tokenizer", "text_field", "token_dtype")
 MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 _MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take a uint32 seed here
+
+
+def _arg(name: str) -> Any:
+    """tyro's flag-name marker (``--from`` for a field that cannot be called ``from``)."""
+    try:
+        import tyro
+    except ImportError:  # config files and checks work without the CLI stack
+        return name
+    return tyro.conf.arg(name=name)
 
 
 class UsageError(ValueError):
@@ -59,6 +71,9 @@ class TrainConfig:
 
     model: str = "llama-tiny"
     """model name, e.g. llama-tiny, llama-moe-tiny, gpt2-tiny (shardax.models.CONFIGS)"""
+    init_from: str | None = None
+    """hf:DIR: fine-tune the Hugging Face model in DIR (config.json + safetensors; Llama,
+    Mistral, Qwen2, GPT-2), loaded straight into its sharded layout (replaces --model)"""
     mesh: str = "fsdp=-1"
     """mesh axes out of dp, fsdp, tp, pp, cp, ep, e.g. fsdp=-1 or pp=2,fsdp=2,tp=2"""
     rules: str = "fsdp_tp"
@@ -124,10 +139,14 @@ class TrainConfig:
 class GenerateConfig:
     """Everything ``shardax generate`` takes; field names are the CLI flags."""
 
-    out: str
+    out: str | None = None
     """run directory of a shardax train run (may have been moved or copied)"""
+    source: Annotated[str | None, _arg("from")] = None
+    """hf:DIR: sample from a Hugging Face model directory instead of a run (--out)"""
     prompt: str = ""
     """text to continue"""
+    prompts: list[str] = field(default_factory=list)
+    """more prompts, sampled together with --prompt as one batch (KV cache)"""
     max_tokens: int = 200
     """tokens to sample"""
     temperature: float = 0.8
@@ -136,6 +155,22 @@ class GenerateConfig:
     """sampling seed, in [0, 2**32)"""
     step: int | None = None
     """checkpoint step to sample from (default: the newest good one)"""
+
+
+@dataclass
+class ExportConfig:
+    """Everything ``shardax export`` takes; field names are the CLI flags."""
+
+    out: str
+    """run directory of a shardax train run"""
+    to: str
+    """Hugging Face model directory to write (config.json + safetensors)"""
+    step: int | None = None
+    """checkpoint step to export (default: the newest good one)"""
+    max_shard_mb: int = 2048
+    """largest safetensors file in MiB (bigger models are split, with an index)"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype of the written tensors (auto: the run's parameter dtype)"""
 
 
 def flag(name: str) -> str:
@@ -350,6 +385,8 @@ def check(config: TrainConfig) -> TrainConfig:
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
     parse_mesh(config.mesh)
     _check_precision(config.precision)
+    if config.init_from is not None:
+        hf_dir(config.init_from, "--init-from")
 
     from shardax import models
 
@@ -360,9 +397,35 @@ def check(config: TrainConfig) -> TrainConfig:
     return config
 
 
+def hf_dir(spec: str, name: str) -> Path:
+    """The directory of an ``hf:DIR`` flag value (checked on the file system only)."""
+    _usage(spec.startswith("hf:") and len(spec) > 3,
+           f"{name} {spec!r}: expected hf:DIR, a Hugging Face model directory")
+    path = Path(spec[3:])
+    _usage((path / "config.json").is_file(),
+           f"{name} {spec!r}: {path} has no config.json; not a Hugging Face model directory")
+    return path
+
+
+def check_export(config: ExportConfig) -> ExportConfig:
+    """`check` for `ExportConfig`."""
+    _check_types(config)
+    _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
+    _usage(config.max_shard_mb >= 1, f"--max-shard-mb {config.max_shard_mb}: must be >= 1")
+    _usage(bool(config.to.strip()), "--to: give a directory to write")
+    _usage(Path(config.to).resolve() != Path(config.out).resolve(),
+           "--to: must differ from --out (the run directory is only read)")
+    return config
+
+
 def check_generate(config: GenerateConfig) -> GenerateConfig:
     """`check` for `GenerateConfig`."""
     _check_types(config)
+    _usage((config.out is None) != (config.source is None),
+           "give exactly one of --out RUN and --from hf:DIR")
+    if config.source is not None:
+        hf_dir(config.source, "--from")
+        _usage(config.step is None, "--step needs --out (a run's checkpoints)")
     _usage(config.max_tokens >= 0, f"--max-tokens {config.max_tokens}: must be >= 0")
     _usage(math.isfinite(config.temperature) and config.temperature >= 0,
            f"--temperature {config.temperature}: must be a finite number >= 0")

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
+from shardax import models
 from shardax.mesh import MeshShardingHelper
+from shardax.models import decode
+from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, list_steps
 from shardax.train.config import (
@@ -27,12 +31,13 @@ from shardax.train.config import (
     TrainConfig,
     UsageError,
     check_generate,
+    hf_dir,
     load_run_config,
     pipelined,
 )
-from shardax.train.tokenizer import Tokenizer, run_tokenizer
+from shardax.train.tokenizer import BYTES, Tokenizer, load_tokenizer, run_tokenizer
 
-__all__ = ["check_run", "generate"]
+__all__ = ["check_run", "generate", "restore_model"]
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -59,65 +64,98 @@ def check_run(out: str, step: int | None = None) -> TrainConfig:
     return config
 
 
-def generate(out: str, prompt: str = "", max_tokens: int = 200, temperature: float = 0.8,
-             seed: int = 0, step: int | None = None) -> str:
-    """Samples ``max_tokens`` tokens after ``prompt`` from the newest good checkpoint in run
-    directory ``out`` (or checkpoint ``step``); ``temperature`` 0 takes the likeliest token.
-    Text is encoded and decoded with the run's tokenizer (bytes, or its copy of a Hugging Face
-    tokenizer)."""
-    check_generate(GenerateConfig(out=out, prompt=prompt, max_tokens=max_tokens,
-                                  temperature=temperature, seed=seed, step=step))
+def restore_model(out: str, step: int | None = None, mesh_spec: str | None = None,
+                  rules: Any = None) -> tuple[Any, nnx.Module, Any]:
+    """``(model_config, model, mesh)`` of checkpoint ``step`` (default: the newest good one) of
+    run ``out``, read-only, without the run's parallelism flags. ``mesh_spec`` defaults to
+    ``dp=<all devices>`` with the model replicated; with ``rules`` (a preset list) the
+    parameters are restored sharded by them instead."""
     config = check_run(out, step)
-    try:
-        tokenizer = run_tokenizer(out, config.tokenizer)
-    except ValueError as e:
-        raise UsageError(f"--out {out}: {e}") from None
     ckpt_dir = Path(out) / CHECKPOINT_DIR
-
-    # Sampling is small: the model is replicated over all devices, without the run's
-    # parallelism flags (a pipelined run saved its layers stacked, which the model keeps).
+    # A pipelined run saved its layers stacked, which the model keeps.
     model_config = build.model_config(config)
     if pipelined(config.mesh):
         model_config = dataclasses.replace(model_config, scan_layers=True)
-    mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
+    mesh = MeshShardingHelper.from_string(mesh_spec or f"dp={jax.device_count()}")
     graphdef, state_shape = build.abstract(model_config, build.make_tx(config), config.seed, mesh)
-    replicated = jax.tree.map(
-        lambda _: jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()),
-        state_shape)
+    if rules is None:
+        shardings = jax.tree.map(
+            lambda _: jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()),
+            state_shape)
+    else:
+        shardings = mesh.match_sharding_rule(LogicalAxisRules(rules), state_shape)
 
     def skipped(bad: int, why: str) -> None:
         _note(f"checkpoint step {bad} is unusable, trying the one before: {why}")
 
     try:
         with Checkpointer(ckpt_dir, read_only=True) as reader:
-            restored, state = build.restore(reader, state_shape, replicated, step=step,
+            restored, state = build.restore(reader, state_shape, shardings, step=step,
                                             fallback=step is None, on_skip=skipped)
     except CorruptCheckpointError as e:
         raise UsageError(f"--out {out}: no usable checkpoint: {e}") from None
-    model = nnx.merge(graphdef, state["params"], state["rest"])
-    return _sample(model, tokenizer, model_config.max_seq_len, prompt, max_tokens, temperature,
-                   seed)
+    return model_config, nnx.merge(graphdef, state["params"], state["rest"]), mesh
 
 
-def _sample(model, tokenizer: Tokenizer, length: int, prompt: str, max_tokens: int,
-            temperature: float, seed: int) -> str:
-    @jax.jit
-    def next_token(model, tokens, position, key):
-        logits = model(tokens)[0, position].astype(np.float32)
-        if temperature == 0:
-            return jax.numpy.argmax(logits)
-        return jax.random.categorical(key, logits / temperature)
+def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int = 200,
+             temperature: float = 0.8, seed: int = 0, step: int | None = None, *,
+             source: str | None = None, stats: dict | None = None) -> str | list[str]:
+    """The ``prompt`` followed by ``max_tokens`` tokens sampled from the newest good checkpoint
+    in run directory ``out`` (or checkpoint ``step``), or from the Hugging Face model ``source``
+    (``'hf:DIR'``); ``temperature`` 0 takes the likeliest token. Text goes through the run's
+    tokenizer (bytes, or its copy of a Hugging Face tokenizer), or the ``tokenizer.json`` of
+    ``source`` (bytes when it has none). Several prompts (a list) are sampled as one batch with
+    the KV cache and give a list of texts. ``stats``, if given, receives ``tokens``, ``seconds``
+    and ``tokens_per_s``.
 
-    data = tokenizer.encode(prompt)
-    skip = 0
-    if not data:
-        data = tokenizer.encode("\n")  # something to condition on; not part of the output
-        skip = len(data)
-    key = jax.random.key(seed)
-    for _ in range(max_tokens):
-        window = data[-length:]
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, : len(window)] = window
-        key, sub = jax.random.split(key)
-        data.append(int(next_token(model, tokens, len(window) - 1, sub)))
-    return tokenizer.decode(data[skip:])
+    >>> generate(None, ["def ", "class "], 32, source="hf:llama")  # doctest: +SKIP
+    """
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    check_generate(GenerateConfig(out=out, source=source, prompt=prompts[0] if prompts else "",
+                                  prompts=prompts[1:], max_tokens=max_tokens,
+                                  temperature=temperature, seed=seed, step=step))
+    if source is not None:
+        from shardax import hf
+
+        directory = hf_dir(source, "--from")
+        mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
+        try:
+            has_tokenizer = (Path(directory) / "tokenizer.json").is_file()
+            tokenizer = load_tokenizer(directory if has_tokenizer else BYTES)
+            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]))
+        except ValueError as e:
+            raise UsageError(f"--from {source}: {e}") from None
+    else:
+        config = check_run(out, step)
+        try:
+            tokenizer = run_tokenizer(out, config.tokenizer)
+        except ValueError as e:
+            raise UsageError(f"--out {out}: {e}") from None
+        _, model, mesh = restore_model(out, step)
+    texts = _sample(model, tokenizer, prompts, max_tokens, temperature, seed, stats)
+    return texts[0] if isinstance(prompt, str) else texts
+
+
+def _sample(model: nnx.Module, tokenizer: Tokenizer, prompts: list[str], max_tokens: int,
+            temperature: float, seed: int, stats: dict | None) -> list[str]:
+    """Sampling with the KV cache (``shardax.models.decode``): each prompt followed by its new
+    tokens. An empty prompt conditions on a newline that is not part of the output."""
+    ids, skips = [], []
+    for text in prompts:
+        encoded, skip = tokenizer.encode(text), 0
+        if not encoded:
+            encoded = tokenizer.encode("\n")
+            skip = len(encoded)
+        ids.append(encoded)
+        skips.append(skip)
+    vocab = model.config.vocab_size
+    if any(t >= vocab for row in ids for t in row):
+        raise UsageError(f"the prompt has token ids >= the model's vocab_size {vocab}; this "
+                         "model needs its own tokenizer")
+    out = decode.generate(model, ids, max_tokens, temperature=temperature, seed=seed)
+    if stats is not None:
+        n = sum(map(len, out.tokens))
+        stats.update(tokens=n, seconds=out.prefill_s + out.decode_s,
+                     tokens_per_s=out.tokens_per_s)
+    return [tokenizer.decode([*row_ids, *new][skip:])
+            for row_ids, new, skip in zip(ids, out.tokens, skips)]

@@ -175,6 +175,11 @@ def _tokenizer(config: TrainConfig, model_vocab: int) -> Tokenizer:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if model_vocab < tokenizer.vocab_size:
+        if config.init_from is not None:
+            raise UsageError(
+                f"--init-from {config.init_from} has a vocabulary of {model_vocab} tokens, fewer "
+                f"than the {tokenizer.vocab_size} of --tokenizer {config.tokenizer}; pass the "
+                "model's own tokenizer (--tokenizer with its directory)")
         fits = sorted(name for name, c in models.CONFIGS.items()
                       if c.vocab_size >= tokenizer.vocab_size)
         raise UsageError(
@@ -342,6 +347,9 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
                   "--steps to train on)")
             return records
         _tidy_checkpoints(run, start)
+    elif config.init_from is not None:
+        state = build.create_from_hf(config, run.model_config, run.tx, mesh, rules)
+        start, records = 0, []
     else:
         init = mesh.sjit(lambda: build.create(run.model_config, run.tx, config.seed)[1],
                          out_shardings=rules)

@@ -4,10 +4,10 @@ The train state is ``{"params", "rest", "opt_state", "step"}``: NNX parameters (
 with their logical-name metadata, so one ``LogicalAxisRules`` shards parameters, gradients and
 optimizer moments alike), the model's other state, the optax state and the step counter.
 
-For a Llama model the loss also follows the mesh: on a 'cp' axis the tokens, targets and RoPE
-positions are put in ``load_balance`` order once (so ring attention gives every device equal
-work, and the mean loss needs no undoing), and an MoE model's load-balancing loss, weighted by
-``moe_aux_weight``, is added to the cross-entropy.
+The loss is the model's ``training_loss`` and follows the mesh: on a 'cp' axis the tokens,
+targets and RoPE positions are put in ``load_balance`` order once (so ring attention gives
+every device equal work, and the mean loss needs no undoing), and an MoE model's
+load-balancing loss, weighted by ``moe_aux_weight``, is added to the cross-entropy.
 
 >>> graphdef, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1))
 >>> state, metrics = train_step(state, batch, graphdef=graphdef, tx=optax.sgd(0.1))
@@ -25,7 +25,6 @@ from flax import nnx
 
 from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
-from shardax.models import Llama, cross_entropy
 from shardax.parallel import load_balance, tp_size
 from shardax.precision import Policy
 
@@ -59,11 +58,9 @@ def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformatio
 
 
 def _loss(params, rest, graphdef, inputs, targets, policy: Policy):
-    """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss."""
+    """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss. Every
+    shardax language model has ``training_loss`` (``shardax.models``)."""
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    if not isinstance(model, Llama):
-        ce = cross_entropy(policy.cast_to_output(model(inputs)), targets)
-        return ce, ce
     cp = tp_size("cp")
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
     if cp > 1:

@@ -1,0 +1,24 @@
+"""Hugging Face checkpoints in and out: Llama (2/3, GQA, ``rope_theta``, Llama-3
+``rope_scaling``, tied or untied embeddings), Mistral, Qwen2 (q/k/v biases) and GPT-2.
+
+* :func:`load_model` / :func:`load_params`: a model directory (``config.json`` + single or
+  sharded ``*.safetensors``) -> shardax NNX model, created in its sharded layout on any mesh;
+  each process reads only its devices' slices (``ReadLog`` records them).
+* :func:`save_model` / :func:`save_params`: shardax parameters -> a directory that
+  ``transformers.AutoModelForCausalLM.from_pretrained`` loads, in safetensors files of bounded
+  size, written tensor by tensor.
+
+Example::
+
+    from shardax import hf
+    model = hf.load_model('TinyLlama-1.1B', MeshShardingHelper.from_string('fsdp=4,tp=2'))
+    hf.save_model(model, 'export/tinyllama', max_shard_bytes=2**30)
+"""
+
+from shardax.hf.export import save_model, save_params
+from shardax.hf.files import ReadLog, SafetensorsFile
+from shardax.hf.load import default_rules, load_config, load_model, load_params
+from shardax.hf.mapping import TensorMap, param_maps
+
+__all__ = ["ReadLog", "SafetensorsFile", "TensorMap", "default_rules", "load_config",
+           "load_model", "load_params", "param_maps", "save_model", "save_params"]

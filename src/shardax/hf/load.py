@@ -1,0 +1,154 @@
+"""Hugging Face model directory -> shardax NNX model, created directly in its sharded layout.
+
+Every parameter is built with ``jax.make_array_from_callback``: for each device of this process
+the callback reads just that device's slice from the safetensors files (``files.py``), once
+per distinct slice, so a process reads only what its devices own, host memory stays near one
+tensor's slices, and nothing is gathered on one device.
+
+Example::
+
+    mesh = MeshShardingHelper.from_string('fsdp=4,tp=2')
+    model = load_model('Llama-3.2-1B', mesh)           # rules: the fsdp_tp preset
+    logits = jax.jit(lambda m, t: m(t))(model, tokens)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardax import models
+from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
+from shardax.hf.mapping import TensorMap, param_maps, read_block
+from shardax.models.configs import GPT2Config, LlamaConfig, config_from_hf
+from shardax.rules import LogicalAxisRules, match_specs
+from shardax.utils import tree_path_to_string
+
+__all__ = ["default_rules", "load_config", "load_model", "load_params"]
+
+
+def load_config(directory: str | os.PathLike, **overrides: Any) -> LlamaConfig | GPT2Config:
+    """The shardax config of the model in ``directory`` (its ``config.json``).
+
+    Example::
+
+        cfg = load_config('Llama-3.2-1B', scan_layers=True)
+    """
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return config_from_hf(hf, **overrides)
+
+
+def default_rules(config: LlamaConfig | GPT2Config, mesh: jax.sharding.Mesh) -> LogicalAxisRules:
+    """The ``fsdp_tp`` preset fitted to ``mesh`` and the model's head counts."""
+    heads = config.n_heads
+    kv = getattr(config, "n_kv_heads", heads)
+    return LogicalAxisRules(models.presets.resolve(models.PRESETS["fsdp_tp"], dict(mesh.shape),
+                                                   heads=heads, kv_heads=kv))
+
+
+def _as_mesh(mesh: Any) -> jax.sharding.Mesh:
+    if mesh is None:
+        from shardax._compat import make_mesh
+
+        return make_mesh(np.array(jax.devices()[:1]), ("dp",))
+    return getattr(mesh, "mesh", mesh)
+
+
+def _key(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def load_params(directory: str | os.PathLike, config: LlamaConfig | GPT2Config, mesh: Any = None,
+                rules: Any = None, *, read_log: ReadLog | None = None) -> tuple[Any, Any]:
+    """``(graphdef, state)`` of ``models.create(config)`` with every parameter read from
+    ``directory`` straight into its sharding under ``rules`` on ``mesh`` (default: one
+    device). Raises ``ValueError`` naming the tensor that is missing or mis-shaped.
+
+    Example::
+
+        graphdef, state = load_params('llama', load_config('llama'), mesh, rules)
+        model = nnx.merge(graphdef, state)
+    """
+    mesh = _as_mesh(mesh)
+    rules = default_rules(config, mesh) if rules is None else rules
+    if not isinstance(rules, LogicalAxisRules) and not hasattr(rules, "apply"):
+        rules = LogicalAxisRules(rules)
+    abstract = nnx.eval_shape(lambda: models.create(config, nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    specs = jax.tree.leaves(match_specs(rules, state, mesh),
+                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    maps = param_maps(config)
+    index = tensor_index(directory, read_log)
+    out = []
+    for (path, leaf), spec in zip(leaves, specs):
+        name = tree_path_to_string(path, sep="/").removesuffix("/value")
+        if name not in maps:
+            raise ValueError(f"shardax parameter {name!r} has no Hugging Face tensor")
+        out.append(_build(name, maps[name], leaf, NamedSharding(mesh, spec), index))
+    return graphdef, jax.tree_util.tree_unflatten(treedef, out)
+
+
+def load_model(directory: str | os.PathLike, mesh: Any = None, rules: Any = None, *,
+               read_log: ReadLog | None = None, **overrides: Any) -> nnx.Module:
+    """The model in ``directory``, sharded on ``mesh`` by ``rules`` (see :func:`load_params`);
+    ``overrides`` replace config fields (``scan_layers=True``, ``dtype=jnp.bfloat16``, ...).
+
+    Example::
+
+        model = load_model('gpt2', mesh, scan_layers=True)
+    """
+    config = load_config(directory, **overrides)
+    graphdef, state = load_params(directory, config, mesh, rules, read_log=read_log)
+    return nnx.merge(graphdef, state)
+
+
+def _check(m: TensorMap, index: dict[str, SafetensorsFile], want: tuple[int, ...]) -> None:
+    f = index.get(m.name)
+    if f is None:
+        raise ValueError(f"Hugging Face tensor {m.name!r} is missing from the checkpoint")
+    shape = f.shape(m.name)
+    if shape != m.hf_shape:
+        raise ValueError(f"Hugging Face tensor {m.name!r} in {f.path.name} has shape {shape}, "
+                         f"config.json implies {m.hf_shape}")
+    if m.shape() != want:
+        raise ValueError(f"Hugging Face tensor {m.name!r} maps to {m.shape()}, shardax "
+                         f"expects {want}")
+
+
+def _build(name: str, m: TensorMap | list[TensorMap], leaf: Any, sharding: NamedSharding,
+           index: dict[str, SafetensorsFile]) -> jax.Array:
+    shape, dtype = tuple(leaf.shape), leaf.dtype
+    stacked = isinstance(m, list)
+    for one in m if stacked else [m]:
+        _check(one, index, shape[1:] if stacked else shape)
+    cache: dict[tuple, np.ndarray] = {}  # replicated slices are read once
+
+    def read_one(one: TensorMap, sl: tuple) -> np.ndarray:
+        f = index[one.name]
+        return read_block(one, sl, lambda ranges: f.read(one.name, ranges)).astype(dtype)
+
+    def callback(idx: tuple) -> np.ndarray:
+        key = _key(idx, shape)
+        if key not in cache:
+            if stacked:
+                layers = range(*key[0])
+                cache[key] = np.stack([read_one(m[i], idx[1:]) for i in layers])
+            else:
+                cache[key] = read_one(m, idx)
+        return cache[key]
+
+    return jax.make_array_from_callback(shape, sharding, callback)

@@ -1,0 +1,187 @@
+"""Where each shardax parameter lives in a Hugging Face checkpoint, and how it is laid out.
+
+A :class:`TensorMap` says: take HF tensor ``name``, view it with shape ``view``, fix the view
+dims in ``select`` (e.g. GPT-2's fused ``c_attn`` holds q, k and v on one dim), and transpose
+the remaining dims by ``perm`` to get the shardax parameter (or one layer of a stacked one).
+The same maps drive import (read a slice) and export (write the inverse).
+
+Example::
+
+    maps = param_maps(LlamaConfig(...))
+    maps['layers/0/attn/wq']   # TensorMap('model.layers.0.self_attn.q_proj.weight',
+                               #   hf_shape=(heads * head_dim, dim),
+                               #   view=(heads, head_dim, dim), perm=(2, 0, 1))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from shardax.models.configs import GPT2Config, LlamaConfig
+
+__all__ = ["TensorMap", "param_maps", "read_block", "to_hf"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """One shardax array (or one layer of it) as a view of the HF tensor ``name`` (of shape
+    ``hf_shape``)."""
+
+    name: str
+    hf_shape: tuple[int, ...]
+    view: tuple[int, ...]
+    perm: tuple[int, ...]
+    select: tuple[tuple[int, int], ...] = ()
+
+    def groups(self) -> list[list[int]]:
+        """The view dims that make up each HF dim (a view is a reshape of the HF tensor)."""
+        hf_shape = self.hf_shape
+        out: list[list[int]] = []
+        dim = 0
+        for size in hf_shape:
+            if dim == len(self.view):
+                break
+            acc, prod = [dim], self.view[dim]
+            dim += 1
+            while prod < size and dim < len(self.view):
+                prod *= self.view[dim]
+                acc.append(dim)
+                dim += 1
+            if prod != size:
+                break
+            out.append(acc)
+        if len(out) != len(hf_shape) or dim != len(self.view):
+            raise ValueError(f"Hugging Face tensor {self.name!r} has shape {tuple(hf_shape)}, "
+                             f"expected {math.prod(self.view)} elements as {self.view}")
+        return out
+
+    def shape(self) -> tuple[int, ...]:
+        """The shardax array's shape (one layer's, for a stacked parameter)."""
+        fixed = dict(self.select)
+        rest = [s for i, s in enumerate(self.view) if i not in fixed]
+        return tuple(rest[p] for p in self.perm)
+
+
+def read_block(m: TensorMap, index: Sequence[slice], read) -> np.ndarray:
+    """The shardax block at ``index`` (slices of :meth:`TensorMap.shape`), fetching from the HF
+    tensor with ``read(ranges)`` only the rows that block needs. A view dim split off a HF dim
+    reads its outer part exactly; inner parts (e.g. half of ``head_dim``) read whole, then cut."""
+    fixed = dict(m.select)
+    rest = [i for i in range(len(m.view)) if i not in fixed]
+    view_sl: list[tuple[int, int]] = [(0, 0)] * len(m.view)
+    for i, k in fixed.items():
+        view_sl[i] = (k, k + 1)
+    for j, sl in enumerate(index):
+        vi = rest[m.perm[j]]
+        start, stop, _ = sl.indices(m.view[vi])
+        view_sl[vi] = (start, stop)
+    ranges, cut = [], []
+    for group in m.groups():
+        inner = math.prod(m.view[i] for i in group[1:])
+        a, b = view_sl[group[0]]
+        ranges.append((a * inner, b * inner))
+        cut.append(slice(0, b - a))
+        cut.extend(slice(*view_sl[i]) for i in group[1:])
+    block = read(ranges)
+    shape = []
+    for group in m.groups():
+        a, b = view_sl[group[0]]
+        shape.extend([b - a, *(m.view[i] for i in group[1:])])
+    block = block.reshape(shape)[tuple(cut)]
+    block = block.reshape([b - a for i, (a, b) in enumerate(view_sl) if i not in fixed])
+    return np.transpose(block, m.perm)
+
+
+def to_hf(m: TensorMap, value: np.ndarray, out: np.ndarray) -> None:
+    """Writes the shardax array ``value`` into its place in the HF tensor ``out`` (in place)."""
+    fixed = dict(m.select)
+    view = out.reshape(m.view)
+    inverse = np.argsort(m.perm)
+    idx = tuple(fixed.get(i, slice(None)) for i in range(len(m.view)))
+    view[idx] = np.transpose(value, inverse)
+
+
+def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list[TensorMap]]:
+    """``{shardax parameter path ('/'-joined): map}``; a stacked (``scan_layers``) parameter
+    maps to one :class:`TensorMap` per layer."""
+    if isinstance(config, LlamaConfig):
+        top, layer = _llama_maps(config)
+    elif isinstance(config, GPT2Config):
+        top, layer = _gpt2_maps(config)
+    else:
+        raise ValueError(f"no Hugging Face layout for {type(config).__name__}")
+    out: dict[str, TensorMap | list[TensorMap]] = dict(top)
+    per_layer = [layer(i) for i in range(config.n_layers)]
+    for key in per_layer[0] if per_layer else ():
+        if config.scan_layers:
+            out[f"layers/{key}"] = [p[key] for p in per_layer]
+        else:
+            out.update({f"layers/{i}/{key}": p[key] for i, p in enumerate(per_layer)})
+    return out
+
+
+def _llama_maps(c: LlamaConfig):
+    if c.n_experts:
+        raise ValueError("a mixture-of-experts Llama has no Hugging Face layout here")
+    d, h, kv, hd, v, m = c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size, c.mlp_dim
+    top = {"embed": TensorMap("model.embed_tokens.weight", (v, d), (v, d), (0, 1)),
+           "final_norm/scale": TensorMap("model.norm.weight", (d,), (d,), (0,))}
+    if not c.tie_embeddings:
+        top["lm_head"] = TensorMap("lm_head.weight", (v, d), (v, d), (1, 0))
+
+    def layer(i):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        maps = {
+            "attn_norm/scale": TensorMap(p + "input_layernorm.weight", (d,), (d,), (0,)),
+            "mlp_norm/scale": TensorMap(p + "post_attention_layernorm.weight", (d,), (d,), (0,)),
+            "attn/wq": TensorMap(a + "q_proj.weight", (h * hd, d), (h, hd, d), (2, 0, 1)),
+            "attn/wk": TensorMap(a + "k_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
+            "attn/wv": TensorMap(a + "v_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
+            "attn/wo": TensorMap(a + "o_proj.weight", (d, h * hd), (d, h, hd), (1, 2, 0)),
+            "mlp/w_gate": TensorMap(p + "mlp.gate_proj.weight", (m, d), (m, d), (1, 0)),
+            "mlp/w_up": TensorMap(p + "mlp.up_proj.weight", (m, d), (m, d), (1, 0)),
+            "mlp/w_down": TensorMap(p + "mlp.down_proj.weight", (d, m), (d, m), (1, 0)),
+        }
+        if c.qkv_bias:
+            maps["attn/bq"] = TensorMap(a + "q_proj.bias", (h * hd,), (h, hd), (0, 1))
+            maps["attn/bk"] = TensorMap(a + "k_proj.bias", (kv * hd,), (kv, hd), (0, 1))
+            maps["attn/bv"] = TensorMap(a + "v_proj.bias", (kv * hd,), (kv, hd), (0, 1))
+        return maps
+
+    return top, layer
+
+
+def _gpt2_maps(c: GPT2Config):
+    d, h, hd, m = c.dim, c.n_heads, c.head_dim, c.mlp_dim
+    t = "transformer."
+    top = {"wte": TensorMap(t + "wte.weight", (c.vocab_size, d), (c.vocab_size, d), (0, 1)),
+           "wpe": TensorMap(t + "wpe.weight", (c.max_seq_len, d), (c.max_seq_len, d), (0, 1)),
+           "ln_f/scale": TensorMap(t + "ln_f.weight", (d,), (d,), (0,)),
+           "ln_f/bias": TensorMap(t + "ln_f.bias", (d,), (d,), (0,))}
+
+    def layer(i):
+        p = f"{t}h.{i}."
+        maps = {f"{ln}/{ours}": TensorMap(f"{p}{ln}.{theirs}", (d,), (d,), (0,))
+                for ln in ("ln_1", "ln_2") for ours, theirs in (("scale", "weight"),
+                                                                ("bias", "bias"))}
+        for k, name in enumerate(("q", "k", "v")):
+            maps[f"attn/w{name}"] = TensorMap(p + "attn.c_attn.weight", (d, 3 * d),
+                                              (d, 3, h, hd), (0, 1, 2), select=((1, k),))
+            maps[f"attn/b{name}"] = TensorMap(p + "attn.c_attn.bias", (3 * d,), (3, h, hd),
+                                              (0, 1), select=((0, k),))
+        maps.update({
+            "attn/wo": TensorMap(p + "attn.c_proj.weight", (d, d), (h, hd, d), (0, 1, 2)),
+            "attn/bo": TensorMap(p + "attn.c_proj.bias", (d,), (d,), (0,)),
+            "mlp/w_fc": TensorMap(p + "mlp.c_fc.weight", (d, m), (d, m), (0, 1)),
+            "mlp/b_fc": TensorMap(p + "mlp.c_fc.bias", (m,), (m,), (0,)),
+            "mlp/w_proj": TensorMap(p + "mlp.c_proj.weight", (m, d), (m, d), (0, 1)),
+            "mlp/b_proj": TensorMap(p + "mlp.c_proj.bias", (d,), (d,), (0,)),
+        })
+        return maps
+
+    return top, layer

@@ -1,0 +1,151 @@
+"""Numerical building blocks shared by the Llama and GPT-2 models: norms, rotary position
+embeddings (with ``rope_theta`` and Llama-3 ``rope_scaling``) and causal grouped-query
+attention (plain, masked for a KV cache, or ring attention over a 'cp' mesh axis).
+
+Example::
+
+    cos, sin = rope_tables(positions, head_dim=16, theta=10000.0)
+    q = apply_rope(q, cos, sin)
+    out = gqa_attention(q, k, v)          # [b, s, heads, d]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shardax.models.axes import CONTEXT_AXIS
+from shardax.parallel import ring_attention, tp_size
+
+__all__ = ["RopeScaling", "apply_rope", "attend", "gqa_attention", "layer_norm", "rms_norm",
+           "rope_frequencies", "rope_tables"]
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in ``x.dtype``.
+
+    Example::
+
+        y = rms_norm(x, jnp.ones(x.shape[-1]), 1e-5)
+    """
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm computed in float32, returned in ``x.dtype``.
+
+    Example::
+
+        y = layer_norm(x, jnp.ones(64), jnp.zeros(64), 1e-5)
+    """
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.square(xf - mean).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 RoPE frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type='llama3'``).
+
+    Example::
+
+        RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | None = None) -> np.ndarray:
+    """Inverse frequencies ``[head_dim // 2]`` (float32, computed as Hugging Face does).
+
+    Example::
+
+        rope_frequencies(128, 500000.0, RopeScaling())   # Llama 3.1
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim
+    inv = (1.0 / np.float32(theta) ** exponents).astype(np.float32)
+    if scaling is None:
+        return inv
+    s = scaling
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv).astype(np.float32)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables of shape [batch, length, head_dim // 2] for rotary embeddings.
+
+    Example::
+
+        cos, sin = rope_tables(jnp.arange(16)[None], 16, 10000.0)
+    """
+    freqs = jnp.asarray(rope_frequencies(head_dim, theta, scaling))
+    angles = positions.astype(jnp.float32)[..., None] * freqs
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x`` [b, s, heads, head_dim] by the position angles (rotate-half convention,
+    as Hugging Face Llama checkpoints store q/k)."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                  mask: jax.Array | None = None) -> jax.Array:
+    """Causal grouped-query attention without materialising repeated K/V heads.
+
+    ``q``: [b, s, heads, d]; ``k``, ``v``: [b, t, kv_heads, d]; query head ``i`` reads kv head
+    ``i // (heads // kv_heads)``. ``mask`` ([b, s, t] bool, true = may attend) replaces the
+    causal ``tril`` (a KV cache passes positions-based masks). Scores and softmax are in
+    float32. Returns [b, s, heads, d].
+
+    Example::
+
+        out = gqa_attention(q, k, v)
+    """
+    b, s, h, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, s, kv, h // kv, d)
+    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(d))
+    if mask is None:
+        mask = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
+    else:
+        mask = mask[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
+    return out.reshape(b, s, h, d)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False) -> jax.Array:
+    """Causal GQA attention; ring attention over 'cp' when the mesh has a 'cp' axis > 1.
+
+    ``load_balanced``: q, k, v are in ``shardax.parallel.load_balance`` order (cp only).
+    """
+    if tp_size(CONTEXT_AXIS) > 1:
+        return ring_attention(q, k, v, causal=True, load_balanced=load_balanced)
+    return gqa_attention(q, k, v)

@@ -1,0 +1,85 @@
+"""Creates the tiny Hugging Face models and reference outputs under tests/fixtures/hf/.
+
+Run in a separate environment with torch and transformers (never installed by `make test`):
+
+    python3 -m venv /work/hfref
+    /work/hfref/bin/pip install torch transformers safetensors numpy
+    /work/hfref/bin/python tests/reference/make_hf_fixtures.py
+
+For each architecture it builds a random-weight model with transformers (float32, CPU, fixed
+seed), saves it with ``save_pretrained`` (safetensors; 'llama_gqa' sharded with an index) and
+writes ``reference.npz``: ``tokens`` [2, 16], transformers' float32 ``logits`` for them, and
+``greedy`` [2, 16 + 32], 32 greedy tokens after each prompt (argmax, full forward per token).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+OUT = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
+VOCAB, PROMPT, NEW = 128, 16, 32
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+MODELS = {
+    # GQA (4 query heads on 2 kv heads), Llama 3 theta and rope_scaling, untied; sharded save.
+    "llama_gqa": (transformers.LlamaConfig, dict(
+        COMMON, num_key_value_heads=2, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+        "24KB"),
+    # Llama 2 style: multi-head attention, tied input/output embeddings.
+    "llama_tied": (transformers.LlamaConfig, dict(
+        COMMON, num_key_value_heads=4, tie_word_embeddings=True), None),
+    "mistral": (transformers.MistralConfig, dict(
+        COMMON, num_key_value_heads=2, sliding_window=4096, tie_word_embeddings=False), None),
+    "qwen2": (transformers.Qwen2Config, dict(
+        COMMON, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0), None),
+    "gpt2": (transformers.GPT2Config, dict(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        initializer_range=0.2, bos_token_id=None, eos_token_id=None), None),
+}
+
+
+def make(name: str) -> None:
+    config_cls, kwargs, shard = MODELS[name]
+    torch.manual_seed(0)
+    config = config_cls(**kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():  # give norms and biases non-trivial values too
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or "norm" in pname or "ln_" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+    out = OUT / name
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(out, safe_serialization=True, **({"max_shard_size": shard}
+                                                           if shard else {}))
+    (out / "generation_config.json").unlink(missing_ok=True)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (2, PROMPT)).astype(np.int64)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(tokens)).logits.float().numpy()
+        seq = torch.from_numpy(tokens)
+        for _ in range(NEW):
+            nxt = model(seq).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    np.savez_compressed(out / "reference.npz", tokens=tokens.astype(np.int32),
+                        logits=logits.astype(np.float32), greedy=seq.numpy().astype(np.int32))
+    files = sorted(p.name for p in out.iterdir())
+    print(name, files, json.loads((out / "config.json").read_text())["architectures"])
+
+
+if __name__ == "__main__":
+    print("torch", torch.__version__, "transformers", transformers.__version__)
+    for name in sys.argv[1:] or MODELS:
+        make(name)
