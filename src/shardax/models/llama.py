@@ -45,13 +45,12 @@ from shardax.models._layers import (
     run_layers,
 )
 from shardax.parallel import (
+    axis_size,
     column_parallel,
     pipeline,
-    pipeline_size,
     ring_attention,
     row_parallel,
     to_stage_layout,
-    tp_size,
 )
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
@@ -301,7 +300,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False
 
     ``load_balanced``: q, k, v are in ``shardax.parallel.load_balance`` order (cp only).
     """
-    if tp_size("cp") > 1:
+    if axis_size("cp") > 1:
         return ring_attention(q, k, v, causal=True, load_balanced=load_balanced)
     return gqa_attention(q, k, v)
 
@@ -341,7 +340,7 @@ class Attention(nnx.Module):
         than 'tp' are repeated so that every device holds whole heads; the output weight is
         repeated and divided by the copies, so the sum over devices counts each head once."""
         c, dt = self.config, self.dtype
-        tp = tp_size("tp")
+        tp = axis_size("tp")
         rq, rk = _head_repeat(c.n_heads, tp), _head_repeat(c.n_kv_heads, tp)
         d, hd = c.dim, c.head_dim
         wq, wk, wv = (jnp.repeat(w[...].astype(dt), r, axis=1)
@@ -442,7 +441,7 @@ class Llama(nnx.Module):
         (then the logits are too); only meaningful on a mesh with a 'cp' axis.
         """
         x, cos, sin = self._embed(tokens, positions)
-        if pipeline_size() > 1:
+        if axis_size("pp") > 1:
             x, aux = self._pipeline(x, cos, sin, load_balanced)
         else:
             x, aux = self._layers(x, cos, sin, load_balanced)
@@ -452,6 +451,7 @@ class Llama(nnx.Module):
     def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None,
              *, load_balanced: bool = False,
              cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+             stack: Callable | None = None,
              ) -> tuple[jax.Array, jax.Array]:
         """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
         ``cast(logits)``, and the MoE load-balancing loss (0 for a dense model).
@@ -461,14 +461,21 @@ class Llama(nnx.Module):
         scalars are reduced over 'pp'. Elsewhere it equals ``cross_entropy(cast(model(tokens)),
         targets)``.
 
+        ``stack(layer_fn, x)``, when given, runs the stacked layers instead of the scan
+        (``scan_layers`` only): ``layer_fn(layer_state, h)`` is one layer, ``layer_state`` one
+        slice of ``nnx.state(self.layers)``. Explicit FSDP passes its gathering scan here.
+
         Example::
 
             ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
         """
         c = self.config
         x, cos, sin = self._embed(tokens, positions)
-        if pipeline_size() <= 1:
-            x, aux = self._layers(x, cos, sin, load_balanced)
+        if stack is not None and axis_size("pp") > 1:
+            raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
+                             "pipeline")
+        if axis_size("pp") <= 1:
+            x, aux = self._layers(x, cos, sin, load_balanced, stack)
             return self._cross_entropy(x, targets, *self._head_params(), cast=cast), aux
 
         def ce(out, targets, *head):
@@ -496,6 +503,7 @@ class Llama(nnx.Module):
     def training_loss(self, tokens: jax.Array, targets: jax.Array,
                       positions: jax.Array | None = None, *, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+                      stack: Callable | None = None,
                       ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
         ``moe_aux_weight`` times the MoE load-balancing loss (the cross-entropy alone for a
@@ -510,9 +518,9 @@ class Llama(nnx.Module):
             objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
         """
         c = self.config
-        if not (c.n_experts and pipeline_size() > 1 and c.pp_schedule == "1f1b"):
+        if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"):
             ce, aux = self.loss(tokens, targets, positions, load_balanced=load_balanced,
-                                cast=cast)
+                                cast=cast, stack=stack)
             return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
 
         def objective(out, targets, *head):
@@ -547,9 +555,20 @@ class Llama(nnx.Module):
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
         return x, cos, sin
 
-    def _layers(self, x, cos, sin, load_balanced):
-        """The decoder stack without a pipeline; returns ``(x, aux)``."""
+    def _layers(self, x, cos, sin, load_balanced, stack=None):
+        """The decoder stack without a pipeline (through ``stack`` when given); returns
+        ``(x, aux)``."""
         c = self.config
+        if stack is not None:
+            if not c.scan_layers or c.n_experts:
+                raise ValueError("a custom layer stack (explicit FSDP) needs scan_layers=True "
+                                 "and a dense (n_experts=0) model")
+            graphdef = nnx.graphdef(self.layers)
+
+            def layer_fn(state, h):
+                return nnx.merge(graphdef, state)(h, cos, sin, load_balanced)[0]
+
+            return stack(layer_fn, x), jnp.zeros((), jnp.float32)
         if c.n_experts:
             def call(layer, h):
                 y, a = layer(h[0], cos, sin, load_balanced)
@@ -593,7 +612,7 @@ class Llama(nnx.Module):
             raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
         v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
         graphdef, state = nnx.split(self.layers)
-        state = to_stage_layout(state, pipeline_size(), v)
+        state = to_stage_layout(state, axis_size("pp"), v)
 
         def layer_fn(params, h):
             y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced)
