@@ -15,7 +15,7 @@ endif
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[all]'
+	$(PY) -m pip install --quiet -e '.[all,dev]'
 	touch $@
 
 install: $(VENV)/.installed

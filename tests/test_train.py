@@ -295,7 +295,7 @@ def test_generate_continues_the_prompt(fsdp_run):
 
 
 def test_generate_without_a_run_is_a_usage_error(tmp_path):
-    with pytest.raises(UsageError, match="no shardax run"):
+    with pytest.raises(UsageError, match="not a shardax run"):
         generate(str(tmp_path), prompt="x", max_tokens=1)
 
 

@@ -7,6 +7,11 @@ prefixed with ``[i]``. When a process fails or is killed, the others get SIGTERM
 after ``grace_s``, and the launcher exits with the failed process's status; each process is its
 own process group, so nothing it started is left behind.
 
+SIGTERM, SIGINT or SIGHUP sent to the launcher (a scheduler preempting the job, Ctrl-C) is passed
+on to every process as SIGTERM, and the launcher waits up to ``stop_grace_s`` for them to finish:
+``shardax train`` processes then agree on a step, save it together and exit. A second SIGINT
+kills them at once. The launcher exits with 128 + the signal number it received.
+
     shardax launch --nproc 2 --devices-per-proc 4 -- shardax train --mesh fsdp=-1 --steps 50
 
 Example::
@@ -16,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -105,6 +111,20 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
         p.wait()
 
 
+def _forward(procs: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to every process group, then wait up to ``grace_s`` for all to exit (they may
+    be saving a checkpoint); a further SIGINT to the launcher ends the wait at once."""
+    for p in procs:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        try:
+            time.sleep(_POLL_S)
+        except _Interrupted as e:
+            if e.signum == signal.SIGINT:
+                return  # Ctrl-C again: the caller's _stop kills what is left
+
+
 def _failures(codes: list[int | None]) -> list[tuple[int, int]]:
     """``(index, exit code)`` of the processes that failed, likeliest cause first: one killed
     by a signal (OOM killer, a scheduler, a user) before one that exited with an error, which
@@ -126,6 +146,7 @@ def launch(
     port: int | None = None,
     timeout_s: float | None = None,
     grace_s: float = 5.0,
+    stop_grace_s: float = 300.0,
     env: Mapping[str, str] | None = None,
     out: IO[str] | None = None,
 ) -> int:
@@ -135,7 +156,8 @@ def launch(
     signal N), after stopping the rest. ``devices_per_proc`` sets each process's emulated CPU
     device count; ``timeout_s`` how long processes wait for each other to join (default 60);
     ``port`` the coordinator port (default: a free one). A command starting with a ``.py``
-    file runs with this Python.
+    file runs with this Python. A signal to the launcher is forwarded (see the module doc);
+    ``stop_grace_s`` bounds the wait for the processes to save and exit.
 
     Example::
 
@@ -151,13 +173,15 @@ def launch(
         raise ValueError(f"launch: --devices-per-proc must be >= 1, got {devices_per_proc}")
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"launch: --port must be in [1, 65535], got {port}")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s >= 1):
+        raise ValueError(f"launch: --timeout must be a number of seconds >= 1, got {timeout_s}")
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
     out = out or sys.stdout
     port = port or free_port()
     base = dict(os.environ if env is None else env)
     if timeout_s is not None:
-        base[TIMEOUT_ENV] = str(int(timeout_s))
+        base[TIMEOUT_ENV] = str(math.ceil(timeout_s))
     base.setdefault(TIMEOUT_ENV, str(_DEFAULT_TIMEOUT_S))
     base["PYTHONUNBUFFERED"] = "1"  # lines reach the prefixer as they are printed
     if devices_per_proc is not None:
@@ -212,8 +236,10 @@ def launch(
                 break
             time.sleep(_POLL_S)
     except _Interrupted as e:
-        say(f"received {signal.Signals(e.signum).name}; stopping all processes")
         status = 128 + e.signum
+        say(f"received {signal.Signals(e.signum).name}; passing SIGTERM on to every process "
+            "(Ctrl-C again kills them)")
+        _forward(procs, stop_grace_s)
     finally:
         _stop(procs, grace_s)
         for sig, handler in previous.items():

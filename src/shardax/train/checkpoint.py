@@ -17,9 +17,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +34,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from shardax.utils import flatten_tree
 
-__all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state"]
+__all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state", "list_steps"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -53,9 +56,43 @@ class Restored(NamedTuple):
     extra: dict
 
 
-def _short(e: Exception, limit: int = 400) -> str:
-    text = f"{type(e).__name__}: {e}"
+def _short(e: Exception, limit: int = 300) -> str:
+    """``Type: message`` on one line, cut at ``limit`` characters."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
     return text if len(text) <= limit else text[:limit] + " ..."
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Silences orbax's INFO/WARNING log lines (e.g. one per option a read-only manager
+    resets) for the duration; errors still show."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(max(level, logging.ERROR))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def list_steps(directory: str | os.PathLike) -> tuple[list[int], list[int]]:
+    """``(committed, uncommitted)`` step numbers in a checkpoint directory, oldest first,
+    read from the file system alone (no orbax, nothing written). An uncommitted step is a
+    step folder without its commit marker: a save that never finished (or a partial copy).
+    In-flight ``*.orbax-checkpoint-tmp-*`` folders are in neither list.
+
+    Example::
+
+        committed, half_written = list_steps("runs/a/checkpoints")
+    """
+    root = epath.Path(directory)
+    committed, uncommitted = [], []
+    if not root.is_dir():
+        return committed, uncommitted
+    for p in root.iterdir():
+        if p.name.isdigit() and p.is_dir():
+            (committed if (p / _COMMIT_FILE).exists() else uncommitted).append(int(p.name))
+    return sorted(committed), sorted(uncommitted)
 
 
 def _is_key(x: Any) -> bool:
@@ -183,22 +220,31 @@ class Checkpointer:
         max_to_keep: int | None = None,
         save_every: int = 1,
         async_save: bool = True,
+        read_only: bool = False,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = epath.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            save_decision_policy=policies.AnySavePolicy([
-                policies.FixedIntervalPolicy(save_every),
-                policies.PreemptionCheckpointingPolicy(),
-            ]),
-            preservation_policy=policies.LatestN(max_to_keep),
-            enable_async_checkpointing=async_save,
-            # Leftover tmp dirs of an interrupted save are never read; remove them on start.
-            cleanup_tmp_directories=True,
-        )
+        self.read_only = read_only
+        if read_only:
+            if not self.directory.is_dir():
+                raise FileNotFoundError(f"no checkpoint directory {str(self.directory)!r}")
+            # A reader never writes: no directory creation, no clean-up of the tmp folders
+            # of a save that a running trainer may have in flight, no deletions.
+            options = ocp.CheckpointManagerOptions(
+                read_only=True, create=False, cleanup_tmp_directories=False,
+                save_interval_steps=0, enable_async_checkpointing=False)
+        else:
+            options = ocp.CheckpointManagerOptions(
+                save_decision_policy=policies.FixedIntervalPolicy(save_every),
+                preservation_policy=policies.LatestN(max_to_keep),
+                enable_async_checkpointing=async_save,
+                # Leftover tmp dirs of an interrupted save are never read; remove them on
+                # start (one writer per directory).
+                cleanup_tmp_directories=True,
+            )
         # Registering the items up front lets a fresh manager read steps it did not write.
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         registry.add("state", ocp.args.StandardSave)
@@ -206,16 +252,19 @@ class Checkpointer:
         for item in ("extra", "meta"):
             registry.add(item, ocp.args.JsonSave)
             registry.add(item, ocp.args.JsonRestore)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, handler_registry=registry
-        )
-
-    def _committed(self, step: int) -> bool:
-        return (self.directory / str(step) / _COMMIT_FILE).exists()
+        with _quiet_orbax():  # read_only logs a warning per option it sets
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, handler_registry=registry
+            )
+        if not read_only:
+            # The tmp-folder clean-up runs in a thread; finish it now, not at interpreter exit.
+            future = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+            if future is not None:
+                future.result()
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (saves still being written are not listed)."""
-        return sorted(s for s in self._manager.all_steps() if self._committed(s))
+        return list_steps(self.directory)[0]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None."""
@@ -235,8 +284,11 @@ class Checkpointer:
             json.dumps(extra)
         except TypeError as e:
             raise TypeError(f"checkpoint extra must be JSON-serialisable: {e}") from None
+        if self.read_only:
+            raise ValueError(f"checkpoint directory {str(self.directory)!r} was opened read-only")
         if not (force or self._manager.should_save(step)):
             return False
+        self._clear_uncommitted(step)
         meta = {"format": _FORMAT, "fingerprints": _fingerprints(state)}
         return self._manager.save(
             step,
@@ -248,8 +300,24 @@ class Checkpointer:
             force=True,
         )
 
+    def _clear_uncommitted(self, step: int) -> None:
+        """Removes a step folder that never got its commit marker (a save that died, or a
+        partial copy), so that it does not block saving ``step`` again; it was never
+        loadable. All processes call it; the primary one deletes."""
+        if step not in list_steps(self.directory)[1]:
+            return
+        if jax.process_index() == 0:
+            log.warning("removing half-written checkpoint step %d (no commit marker)", step)
+            shutil.rmtree(self.directory / str(step), ignore_errors=True)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"shardax-clear-step-{step}")
+        self._manager.reload()
+
     def restore(self, step: int | None = None, target: Any = None, *, verify: bool = True,
-                fallback: bool = False) -> Restored:
+                fallback: bool = False, check: Callable[[Restored], None] | None = None,
+                on_skip: Callable[[int, str], None] | None = None) -> Restored:
         """Restores ``step`` (default: the latest committed) onto ``target`` 's shardings.
 
         ``target`` is a tree of ``jax.ShapeDtypeStruct`` (see `abstract_state`) or arrays; its
@@ -257,7 +325,9 @@ class Checkpointer:
         differing leaf). ``target=None`` restores onto the shardings saved (same devices only).
         ``verify`` checks every array against the fingerprint taken at save time. A step that
         cannot be read raises `CorruptCheckpointError`, or with ``fallback=True`` the
-        next older committed step is tried.
+        next older committed step is tried. ``check(restored)`` may raise
+        `CorruptCheckpointError` too (e.g. an ``extra`` without the keys the caller needs);
+        ``on_skip(step, reason)`` hears of every skipped step (default: a logged warning).
         """
         steps = self.all_steps()
         if not steps:
@@ -272,14 +342,25 @@ class Checkpointer:
         older = [s for s in reversed(steps) if s < step] if fallback else []
         for s in older:
             try:
-                return self._restore_step(step, target, verify)
+                return self._restore_checked(step, target, verify, check)
             except CorruptCheckpointError as e:
-                log.warning("skipping unreadable checkpoint step %d: %s", step, e)
+                if on_skip is None:
+                    log.warning("skipping unreadable checkpoint step %d: %s", step, e)
+                else:
+                    on_skip(step, str(e))
                 step = s
-        return self._restore_step(step, target, verify)
+        return self._restore_checked(step, target, verify, check)
+
+    def _restore_checked(self, step, target, verify, check) -> Restored:
+        restored = self._restore_step(step, target, verify)
+        if check is not None:
+            check(restored)
+        return restored
 
     def _restore_step(self, step: int, target: Any, verify: bool) -> Restored:
         where = f"{str(self.directory / str(step))!r}"
+        if step not in self._manager.all_steps():  # committed after this manager started
+            self._manager.reload()
         try:
             saved_tree = self._manager.item_metadata(step)["state"].tree
         except Exception as e:

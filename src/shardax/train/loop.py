@@ -1,81 +1,131 @@
-"""``shardax train``: train a byte-level language model, sharded by rules, with checkpoints.
+"""``shardax train``: the training loop, with checkpoints, resume and preemption.
 
-A run directory holds ``config.json``, ``metrics.jsonl`` (one JSON object per logged step),
-``loss.png`` and ``checkpoints/``. Everything that decides the numbers (model, seed, data order,
-optimizer state, step) is in the checkpoint, so ``--resume`` continues bit for bit, on the same
-mesh or, resharded, on another one.
+A run directory holds ``config.json`` (the effective config), ``metrics.jsonl`` (one JSON
+object per logged step), ``loss.png`` and ``checkpoints/``. Everything that decides the
+numbers (model, seed, data order, optimizer state, step) is in the checkpoint, so ``--resume``
+continues bit for bit, on the same mesh or, resharded, on another one.
+
+``prepare`` checks everything it can before anything is written (a `UsageError` names the
+flag or file); ``train`` runs the loop. SIGTERM or a first Ctrl-C finishes the current step,
+saves it and raises `Stopped` (the CLI exits with 128 + the signal number); a second Ctrl-C
+aborts at once.
 
 >>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import time
-from dataclasses import dataclass, field
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from shardax import models
 from shardax.distributed import batch_part
 from shardax.mesh import MeshShardingHelper
-from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
+from shardax.train import build, report
 from shardax.train import data as data_lib
-from shardax.train.checkpoint import Checkpointer, abstract_state
-from shardax.train.step import eval_loss, init_state, make_optimizer, train_step
-from shardax.utils import flatten_tree
+from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, Restored, list_steps
+from shardax.train.config import (
+    CONFIG_FILE,
+    TrainConfig,
+    UsageError,
+    check,
+    check_resume,
+    load_run_config,
+)
+from shardax.train.generate import generate
+from shardax.train.step import eval_loss, train_step
+from shardax.train.stop import Stopped, StopRequests
 
-__all__ = ["TrainConfig", "UsageError", "train", "generate"]
+__all__ = ["CHECKPOINT_DIR", "Stopped", "TrainConfig", "UsageError", "check_run_dir",
+           "generate", "prepare", "train"]
 
 CHECKPOINT_DIR = "checkpoints"
-# Settings a resumed run must share with the run it continues (the mesh may change).
-_FIXED_ON_RESUME = ("model", "seed", "batch_size", "seq_len", "data", "optimizer", "lr",
-                    "grad_accum", "precision")
+#: Where ``--resume`` moves committed steps newer than the one it continues from (damaged
+#: ones, or those past ``--resume-step``), so that the run can save those steps again.
+SET_ASIDE_DIR = "checkpoints-set-aside"
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the CLI prints it as one line and exits with code 2."""
+def _os_reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` is, or can become, a writable directory (nothing is left behind here)."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"--out {out}: {existing} is a file, not a directory")
+    try:  # an unnamed temporary file: what may be written here, nothing left behind
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot write in {existing} ({_os_reason(e)})") from None
 
 
 @dataclass
-class TrainConfig:
-    """Everything ``shardax train`` takes; field names are the CLI flags."""
+class RunDir:
+    """What ``check_run_dir`` found in ``--out``: the saved config and the checkpoints."""
 
-    model: str = "llama-tiny"
-    mesh: str = "fsdp=-1"
-    rules: str = "fsdp_tp"
-    steps: int = 300
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    precision: str = "float32"
-    remat: str = "none"
-    grad_accum: int = 1
-    seed: int = 0
-    optimizer: str = "adamw"
-    tp_mode: str = "none"
-    sequence_parallel: bool = False
-    pp_schedule: str = "gpipe"
-    microbatches: int = 0  # 0: the 'pp' size
-    virtual_stages: int = 1
-    out: str = "runs/train"
-    ckpt_every: int = 100
-    resume: bool = False
-    log_every: int = 10
-    eval_every: int = 100
-    data: list[str] = field(default_factory=list)
+    out: Path
+    saved: TrainConfig | None
+    committed: list[int]
+    uncommitted: list[int]
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @property
+    def checkpoints(self) -> Path:
+        return self.out / CHECKPOINT_DIR
+
+
+def check_run_dir(config: TrainConfig) -> RunDir:
+    """Checks ``--out`` against ``--resume`` using the file system only (no JAX, no writes):
+    a fresh run never reuses a directory with checkpoints; a resumed one needs a committed
+    checkpoint, a readable ``config.json`` and the same fixed settings."""
+    out = Path(config.out)
+    _check_out(out)
+    try:
+        committed, uncommitted = list_steps(out / CHECKPOINT_DIR)
+    except OSError as e:
+        raise UsageError(f"--out {out}: cannot read {out / CHECKPOINT_DIR} "
+                         f"({_os_reason(e)})") from None
+    ckpt_dir = out / CHECKPOINT_DIR
+    if not config.resume:
+        if committed or uncommitted:
+            raise UsageError(f"{out} already holds checkpoints of another run (steps "
+                             f"{sorted(committed + uncommitted)}); pass --resume to continue "
+                             "it or choose another --out")
+        return RunDir(out, None, committed, uncommitted)
+    if not committed:
+        half = (f" (steps {uncommitted} were never committed: a save was interrupted)"
+                if uncommitted else "")
+        raise UsageError(f"--resume: no checkpoint in {ckpt_dir}{half}; start a new run "
+                         "without --resume and another --out")
+    if not (out / CONFIG_FILE).exists():
+        raise UsageError(f"--resume: {out} has checkpoints but no {CONFIG_FILE}; it is not a "
+                         "shardax run")
+    saved = load_run_config(out)
+    check_resume(saved, config)
+    if config.resume_step is not None and config.resume_step not in committed:
+        raise UsageError(f"--resume-step {config.resume_step}: not a committed checkpoint in "
+                         f"{ckpt_dir} (committed steps: {committed})")
+    usable = [s for s in committed if s <= (config.resume_step or math.inf)]
+    if min(usable) > config.steps:
+        raise UsageError(f"--steps {config.steps}: the run is already at step {max(usable)}; "
+                         f"pass --steps {max(usable)} or more to continue it")
+    return RunDir(out, saved, committed, uncommitted)
 
 
 @dataclass
@@ -91,11 +141,7 @@ class _Run:
     train_data: data_lib.TokenBatches
     val_data: list
     out: Path
-
-
-def _usage(check: bool, message: str) -> None:
-    if not check:
-        raise UsageError(message)
+    run_dir: RunDir | None = None
 
 
 def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -105,125 +151,34 @@ def _load_tokens(config: TrainConfig) -> tuple[np.ndarray, np.ndarray]:
             return data_lib.split_tokens(tokens)
         return (data_lib.load_bytes(data_lib.default_corpus("train")),
                 data_lib.load_bytes(data_lib.default_corpus("val")))
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(f"--data: {e}") from None
-
-
-_MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
-
-
-def _pipelined(mesh: str) -> bool:
-    """Whether a ``--mesh`` string has a 'pp' axis of size > 1 (Llama layers then stacked)."""
-    sizes = dict(part.strip().partition("=")[::2] for part in mesh.split(","))
-    return sizes.get("pp", "1").strip() not in ("1", "")
-
-
-def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
-    """The model config with the parallelism flags applied, and the rules fitted to the mesh
-    and model (``models.presets.resolve``); a ValueError names the flag, axis and sizes."""
-    unknown = [a for a in mesh_shape if a not in _MESH_AXES]
-    if unknown:
-        raise ValueError(f"--mesh: unknown axes {unknown}; shardax train knows {_MESH_AXES}")
-    pp = mesh_shape.get("pp", 1)
-    if config.microbatches < 0 or config.virtual_stages < 1:
-        raise ValueError(f"--microbatches {config.microbatches} must be >= 0 (0: the 'pp' size) "
-                         f"and --virtual-stages {config.virtual_stages} >= 1")
-    if pp == 1 and (config.microbatches > 1 or config.virtual_stages > 1):
-        raise ValueError("--microbatches and --virtual-stages need a 'pp' mesh axis of size > 1 "
-                         f"(mesh {mesh_shape}); use --grad-accum to split the batch without one")
-    if pp == 1 and config.pp_schedule != "gpipe":
-        raise ValueError(f"--pp-schedule {config.pp_schedule} needs a 'pp' mesh axis of size > 1 "
-                         f"(mesh {mesh_shape})")
-    asked = {"tp_mode": config.tp_mode != "none", "sequence_parallel": config.sequence_parallel}
-    if not isinstance(model_config, models.LlamaConfig):
-        used = [k for k, v in asked.items() if v] + [a for a in ("pp", "cp", "ep")
-                                                      if mesh_shape.get(a, 1) > 1]
-        if used:
-            raise ValueError(f"{config.model} does not support {used}; use a llama model")
-        return model_config, models.PRESETS[config.rules]
-    tp_mode = config.tp_mode
-    if config.sequence_parallel and tp_mode == "none":
-        tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
-    model_config = dataclasses.replace(
-        model_config, tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
-        scan_layers=model_config.scan_layers or pp > 1, pp_schedule=config.pp_schedule,
-        pp_microbatches=config.microbatches or pp, pp_virtual_stages=config.virtual_stages)
-    models.check_mesh(model_config, mesh_shape, batch_size=config.batch_size,
-                      seq_len=config.seq_len)
-    rules = models.presets.resolve(
-        models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
-        kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
-    return model_config, rules
-
-
-def _pipeline_summary(model_config, stages: int) -> str:
-    """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
-    c = model_config
-    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
-    bubble = bubble_fraction(c.pp_schedule, stages, c.pp_microbatches, v)
-    virtual = f", {v} virtual stages" if c.pp_schedule == "circular" else ""
-    return (f"pipeline: {c.pp_schedule} over {stages} stages, {c.pp_microbatches} "
-            f"microbatches{virtual}, bubble {bubble:.1%} of each step")
+    except (OSError, ValueError) as e:
+        reason = _os_reason(e) if isinstance(e, OSError) and e.strerror else str(e)
+        where = f" {e.filename}" if isinstance(e, OSError) and e.filename else ""
+        raise UsageError(f"--data{where}: {reason}") from None
 
 
 def prepare(config: TrainConfig) -> _Run:
-    """Checks the config against the machine and builds the run; bad input is a UsageError."""
-    for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
-                 "ckpt_every"):
-        _usage(getattr(config, name) > 0, f"--{name.replace('_', '-')} must be positive")
-    try:
-        mesh = MeshShardingHelper.from_string(config.mesh)
-    except ValueError as e:
-        raise UsageError(f"--mesh {config.mesh!r}: {e}") from None
-    _usage(config.rules in models.PRESETS,
-           f"unknown --rules {config.rules!r}; known presets: {sorted(models.PRESETS)}")
-    _usage(config.model in models.CONFIGS,
-           f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
-    try:
-        policy = Policy.from_string(config.precision)
-        model_config = models.get_config(
-            config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
-            max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
-        )
-        tx = make_optimizer(config.optimizer, config.lr, config.steps, warmup=config.steps // 20)
-        model_config, rule_list = _parallelism(config, mesh.shape, model_config)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    """Checks the config against the machine and builds the run; bad input is a UsageError.
+    Nothing is written."""
+    check(config)
+    run_dir = check_run_dir(config)
+    mesh = build.make_mesh(config)
+    model_config, rule_list = build.model_and_rules(config, mesh.shape)
+    policy = Policy.from_string(config.precision)
+    tx = build.make_tx(config)
     rules = LogicalAxisRules(rule_list)
     batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
                                                   else batch_axes or ()))
     micro = getattr(model_config, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
-    _usage(config.batch_size % (batch_split * config.grad_accum * micro) == 0,
-           f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
-           f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}"
-           + (f" times --microbatches {micro}" if micro > 1 else ""))
-    _usage(config.batch_size % jax.process_count() == 0,
-           f"--batch-size {config.batch_size} must be divisible by the process count "
-           f"{jax.process_count()}")
-
-    out = Path(config.out)
-    ckpt_dir = out / CHECKPOINT_DIR
-    has_checkpoint = False
-    if ckpt_dir.exists():
-        with Checkpointer(ckpt_dir) as probe:
-            has_checkpoint = probe.latest_step() is not None
-    if config.resume:
-        _usage(has_checkpoint, f"--resume: no checkpoint in {ckpt_dir}")
-        _usage((out / "config.json").exists(),
-               f"--resume: {out} has checkpoints but no config.json; it is not a shardax run")
-        saved = json.loads((out / "config.json").read_text())
-        _usage(_pipelined(saved["mesh"]) == _pipelined(config.mesh),
-               f"--resume: the run was trained on mesh {saved['mesh']!r}; a run with a 'pp' "
-               "axis keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
-        changed = [k for k in _FIXED_ON_RESUME if saved.get(k) != getattr(config, k)]
-        _usage(not changed, "--resume: these settings differ from the run being resumed: " +
-               ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)!r} (was {saved.get(k)!r})"
-                         for k in changed))
-    else:
-        _usage(not has_checkpoint,
-               f"{out} already holds checkpoints of another run; pass --resume to continue it "
-               f"or choose another --out")
+    if config.batch_size % (batch_split * config.grad_accum * micro):
+        raise UsageError(
+            f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
+            f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}"
+            + (f" times --microbatches {micro}" if micro > 1 else ""))
+    if config.batch_size % jax.process_count():
+        raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
+                         f"count {jax.process_count()}")
 
     train_tokens, val_tokens = _load_tokens(config)
     try:
@@ -240,131 +195,130 @@ def prepare(config: TrainConfig) -> _Run:
             process_index=part, process_count=parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
-    return _Run(config, mesh, rules, model_config, policy, tx, batches, val, out)
+    return _Run(config, mesh, rules, model_config, policy, tx, batches, val, run_dir.out,
+                run_dir)
 
 
-def _create(run: _Run):
-    return init_state(lambda: models.create(run.model_config, nnx.Rngs(run.config.seed)), run.tx)
+def _note(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"shardax train: {message}", file=sys.stderr, flush=True)
 
 
-def _abstract(run: _Run) -> tuple[Any, Any]:
-    """The model's graphdef and the train state's shapes, without computing anything."""
-    graphdefs = []
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
 
-    def state_only():
-        graphdef, state = _create(run)
-        graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
-        return state
-
-    with run.mesh.get_context():
-        state_shape = jax.eval_shape(state_only)
-    return graphdefs[0], state_shape
+        multihost_utils.sync_global_devices(name)
 
 
-def _flat(state: Any) -> dict[str, Any]:
-    """The checkpointed form of a state: a flat ``{path: array}`` dict, independent of the
-    pytree node classes (NNX, optax) that hold the arrays."""
-    return flatten_tree(state, sep=".")
+def _check_extra(restored: Restored) -> None:
+    data = restored.extra.get("data")
+    if not isinstance(data, dict) or "step" not in data:
+        raise CorruptCheckpointError(
+            f"checkpoint step {restored.step}: its extra metadata has no data position "
+            f"(keys {sorted(restored.extra)}); it was not written by shardax train")
 
 
-def _restore(ckpt: Checkpointer, state_shape: Any, shardings: Any, like: Any):
-    target = abstract_state(_flat(state_shape), _flat(shardings))
-    restored = ckpt.restore(target=target)
-    leaves = [restored.state[k] for k in _flat(state_shape)]
-    return restored.step, jax.tree_util.tree_unflatten(jax.tree.structure(like), leaves), \
-        restored.extra
+def _resume(run: _Run, state_shape: Any, shardings: Any) -> tuple[int, Any]:
+    """Restores the newest good checkpoint (or ``--resume-step``), skipping damaged ones with a
+    note, and moves committed steps past it aside so the run can save them again."""
+    config, ckpt_dir = run.config, run.out / CHECKPOINT_DIR
+
+    def skipped(step: int, why: str) -> None:
+        _note(f"checkpoint step {step} is unusable, trying the one before: {why}")
+
+    try:
+        with Checkpointer(ckpt_dir, read_only=True) as reader:
+            restored, state = build.restore(reader, state_shape, shardings,
+                                            step=config.resume_step, fallback=True,
+                                            check=_check_extra, on_skip=skipped)
+    except CorruptCheckpointError as e:
+        raise UsageError(f"--resume: no usable checkpoint in {ckpt_dir}; the oldest one "
+                         f"failed too: {e}") from None
+    start = restored.step
+    if start > config.steps:
+        raise UsageError(f"--steps {config.steps}: the run is already at step {start}; pass "
+                         f"--steps {start} or more to continue it")
+    try:
+        run.train_data.restore(restored.extra["data"])
+    except ValueError as e:
+        raise UsageError(f"--resume: checkpoint step {start}: {e}") from None
+    return start, state
 
 
-class _Progress:
-    """A rich progress bar with loss, tokens/s and step time; plain lines when not a TTY."""
-
-    def __init__(self, total: int, start: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        self.console = Console(stderr=False)
-        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), console=self.console,
-                            disable=not self.console.is_terminal)
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
-
-    def __enter__(self):
-        self.bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.bar.__exit__(*exc)
-
-    def update(self, step: int, record: dict | None = None) -> None:
-        """Advances the bar; a metrics record also updates its text and prints a line."""
-        if not record:
-            self.bar.update(self.task, completed=step)
-            return
-        info = " ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
-        if "tokens_per_s" in record:
-            info += (f" | {record['tokens_per_s']:,.0f} tok/s"
-                     f" | {record['step_time_s'] * 1000:.0f} ms/step")
-        self.bar.update(self.task, completed=step, info=info)
-        self.console.print(f"step {step:5d}  {info}", highlight=False)
+def _tidy_checkpoints(run: _Run, start: int) -> None:
+    """Before the first save of a resumed run: committed steps newer than ``start`` (damaged,
+    or past ``--resume-step``) move to ``checkpoints-set-aside/``; half-written step folders
+    (never loadable) are deleted. Process 0 does it; all wait for it."""
+    ckpt_dir = run.out / CHECKPOINT_DIR
+    committed, uncommitted = list_steps(ckpt_dir)
+    newer = [s for s in committed if s > start]
+    if jax.process_index() == 0:
+        if newer:
+            aside = run.out / SET_ASIDE_DIR
+            aside.mkdir(exist_ok=True)
+            for s in newer:
+                dest = aside / str(s)
+                n = 1
+                while dest.exists():
+                    dest, n = aside / f"{s}.{n}", n + 1
+                (ckpt_dir / str(s)).rename(dest)
+            _note(f"moved checkpoint steps {newer} (newer than step {start}, which this run "
+                  f"continues from) to {aside}; delete them when you no longer need them")
+        for s in uncommitted:
+            shutil.rmtree(ckpt_dir / str(s), ignore_errors=True)
+        if uncommitted:
+            _note(f"removed half-written checkpoint steps {uncommitted} (never committed)")
+    _sync("shardax-tidy-checkpoints")
 
 
-class _StepClock:
-    """Step time and tokens/s between logged steps (reading the loss waits for the step)."""
-
-    def __init__(self, tokens_per_step: int, start: int):
-        self.tokens_per_step = tokens_per_step
-        self.last_time, self.last_step = time.perf_counter(), start
-
-    def measure(self, step: int, metrics: dict) -> dict[str, float]:
-        loss = float(metrics["loss"])
-        now = time.perf_counter()
-        dt = (now - self.last_time) / max(step - self.last_step, 1)
-        self.last_time, self.last_step = now, step
-        return {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt,
-                "tokens_per_s": self.tokens_per_step / dt}
-
-
-def _plot(out: Path, records: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    if train:
-        ax.plot(*zip(*train), label="train loss")
-    if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
-
-
-def _read_metrics(path: Path, up_to: int) -> list[dict]:
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r["step"] <= up_to]
+def _write_config(run: _Run) -> None:
+    """Creates ``--out`` and writes ``config.json`` (process 0): the first write of a run."""
+    try:
+        run.out.mkdir(parents=True, exist_ok=True)
+        if jax.process_index() == 0:
+            text = json.dumps(run.config.to_json(), indent=2) + "\n"
+            tmp = run.out / f".{CONFIG_FILE}.tmp"
+            tmp.write_text(text)
+            tmp.replace(run.out / CONFIG_FILE)  # never a half-written config.json
+    except OSError as e:
+        raise UsageError(f"--out {run.out}: cannot write there ({_os_reason(e)})") from None
 
 
 def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
-    """Runs (or resumes) training; returns the metric records written to ``metrics.jsonl``."""
+    """Runs (or resumes) training; returns the metric records written to ``metrics.jsonl``.
+
+    Raises `UsageError` for bad input (before writing anything) and `Stopped` after saving
+    the step at which SIGTERM or Ctrl-C stopped it."""
     run = run or prepare(config)
-    mesh, rules = run.mesh, run.rules
+    with StopRequests() as stop:
+        return _train(run, stop)
+
+
+def _train(run: _Run, stop: StopRequests) -> list[dict]:
+    config, mesh, rules = run.config, run.mesh, run.rules
     is_main = jax.process_index() == 0
-    run.out.mkdir(parents=True, exist_ok=True)
-
-    graphdef, state_shape = _abstract(run)
-    init = mesh.sjit(lambda: _create(run)[1], out_shardings=rules)
+    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     shardings = mesh.match_sharding_rule(rules, state_shape)
-    batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
+    metrics_log = report.MetricsLog(run.out / "metrics.jsonl")
+    if config.resume:
+        start, state = _resume(run, state_shape, shardings)
+        records = metrics_log.read(up_to=start, quiet=not is_main)
+        if start == config.steps:
+            _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
+                  "--steps to train on)")
+            return records
+        _tidy_checkpoints(run, start)
+    else:
+        init = mesh.sjit(lambda: build.create(run.model_config, run.tx, config.seed)[1],
+                         out_shardings=rules)
+        state, start, records = init(), 0, []
+    # Every check passed: from here on the run directory is written.
+    _write_config(run)
+    if is_main:
+        metrics_log.start(records)
 
+    batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step_fn = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
                 grad_accum=config.grad_accum, param_rules=rules),
@@ -374,17 +328,6 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
     )
     eval_fn = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
                         in_shardings=(rules, batch_spec))
-
-    ckpt = Checkpointer(run.out / CHECKPOINT_DIR, max_to_keep=3)
-    metrics_path = run.out / "metrics.jsonl"
-    if config.resume:
-        start, state, extra = _restore(ckpt, state_shape, shardings, state_shape)
-        run.train_data.restore(extra["data"])
-        records = _read_metrics(metrics_path, start)
-    else:
-        state, start, records = init(), 0, []
-        if is_main:
-            (run.out / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
 
     def to_global(batch):
         return _global_batch(mesh, batch, batch_spec, config.batch_size)
@@ -397,16 +340,19 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
               f"{jax.device_count()} devices, mesh {mesh.shape}, rules {config.rules!r}, "
               f"precision {run.policy}")
         if mesh.shape.get("pp", 1) > 1:
-            print(_pipeline_summary(run.model_config, mesh.shape["pp"]))
+            print(build.pipeline_summary(run.model_config, mesh.shape["pp"]))
         print(plan.where(lambda row: row.kind == "input" and "/params/" in f"/{row.path}/"))
 
-    if is_main:
-        with open(metrics_path, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-    clock = _StepClock(config.batch_size * config.seq_len, start)
+    ckpt = Checkpointer(run.out / CHECKPOINT_DIR, max_to_keep=3)
+
+    def save(step: int) -> None:
+        position = {**run.train_data.state(), "step": step}
+        ckpt.save(step, build.flat(state), extra={"data": position, "config": config.to_json()},
+                  force=True)
+
+    clock = report.StepClock(config.batch_size * config.seq_len, start)
     try:
-        with _Progress(config.steps, start) as progress:
+        with report.Progress(config.steps, start) as progress:
             for step in range(start, config.steps):
                 batch = first if step == start else to_global(run.train_data.batch(step))
                 state, metrics = step_fn(state, batch)
@@ -420,19 +366,21 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
                 if record:
                     records.append(record)
                     if is_main:
-                        with open(metrics_path, "a") as f:
-                            f.write(json.dumps(record) + "\n")
+                        metrics_log.append(record)
                 progress.update(done, record if is_main else None)
-                if done % config.ckpt_every == 0 or done == config.steps:
-                    position = {**run.train_data.state(), "step": done}
-                    ckpt.save(done, _flat(state), extra={"data": position,
-                                                         "config": config.to_json()}, force=True)
+                saved = done % config.ckpt_every == 0 or done == config.steps
+                if saved:
+                    save(done)
+                if done < config.steps and stop.reached(done):
+                    if not saved:
+                        save(done)
+                    ckpt.wait()  # synchronous: committed before the process exits
+                    raise Stopped(done, stop.signum)
     finally:  # an interrupted run still finishes (or abandons) its in-flight save
-        ckpt.wait()
         ckpt.close()
     if is_main:
-        _plot(run.out, records)
-        print(f"wrote {metrics_path}, {run.out / 'loss.png'} and checkpoints in "
+        png = report.plot(run.out, records)
+        print(f"wrote {metrics_log.path}{f', {png}' if png else ''} and checkpoints in "
               f"{run.out / CHECKPOINT_DIR}")
     return records
 
@@ -444,47 +392,3 @@ def _global_batch(mesh: MeshShardingHelper, batch: tuple, spec: Any, rows: int) 
     return tuple(
         jax.make_array_from_process_local_data(sharding, x, (rows, *x.shape[1:])) for x in batch
     )
-
-
-def generate(out: str, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
-             seed: int = 0) -> str:
-    """Samples ``max_tokens`` bytes after ``prompt`` from the latest checkpoint in ``out``."""
-    out_path = Path(out)
-    ckpt_dir = out_path / CHECKPOINT_DIR
-    if not (out_path / "config.json").exists() or not ckpt_dir.exists():
-        raise UsageError(f"{out} holds no shardax run (no config.json / checkpoints)")
-    ckpt = Checkpointer(ckpt_dir)
-    if ckpt.latest_step() is None:
-        raise UsageError(f"no checkpoint in {ckpt_dir}")
-    config = TrainConfig(**json.loads((out_path / "config.json").read_text()))
-    stacked = _pipelined(config.mesh)  # a pipelined run saved its layers stacked
-    config.mesh = f"dp={jax.device_count()}"  # sampling is small: replicate the model
-    config.resume = True
-    config.tp_mode, config.sequence_parallel, config.pp_schedule = "none", False, "gpipe"
-    config.microbatches, config.virtual_stages = 0, 1
-    run = prepare(config)
-    if stacked:
-        run.model_config = dataclasses.replace(run.model_config, scan_layers=True)
-    graphdef, state_shape = _abstract(run)
-    replicated = jax.tree.map(lambda _: jax.sharding.NamedSharding(run.mesh.mesh,
-                                                                   jax.sharding.PartitionSpec()),
-                              state_shape)
-    _, state, _ = _restore(ckpt, state_shape, replicated, state_shape)
-    ckpt.close()
-    model = nnx.merge(graphdef, state["params"], state["rest"])
-    length = run.model_config.max_seq_len
-
-    @jax.jit
-    def next_token(model, tokens, position, key):
-        logits = model(tokens)[0, position].astype(np.float32)
-        return jax.random.categorical(key, logits / max(temperature, 1e-4))
-
-    data = list(prompt.encode("utf-8"))
-    key = jax.random.key(seed)
-    for _ in range(max_tokens):
-        window = data[-length:]
-        tokens = np.zeros((1, length), np.int32)
-        tokens[0, : len(window)] = window
-        key, sub = jax.random.split(key)
-        data.append(int(next_token(model, tokens, len(window) - 1, sub)))
-    return bytes(data).decode("utf-8", errors="replace")

@@ -45,8 +45,9 @@ def make_optimizer(
     if name == "sgd":
         return optax.sgd(lr)
     if name == "adamw":
+        warmup = max(warmup, 1)  # the decay needs >= 1 step after the warm-up: --steps 1 works
         schedule = optax.warmup_cosine_decay_schedule(
-            0.0, lr, max(warmup, 1), max(steps, warmup + 1), end_value=lr * 0.1
+            0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1
         )
         adamw = optax.adamw(schedule, weight_decay=0.01)
         return optax.chain(optax.clip_by_global_norm(1.0), adamw)

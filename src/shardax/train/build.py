@@ -1,0 +1,139 @@
+"""What a `TrainConfig` describes, built on this machine: mesh, rules, model config,
+optimizer, the train state's shapes, and restoring it from a checkpoint.
+
+Shared by the training loop (`shardax.train.loop`) and sampling (`shardax.train.generate`);
+nothing here reads the training data. Bad settings are a `UsageError` naming the flag.
+
+>>> mesh = make_mesh(config)
+>>> model_config, rules = model_and_rules(config, mesh.shape)
+>>> graphdef, state_shape = abstract(model_config, make_tx(config), config.seed, mesh)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from shardax import models
+from shardax.mesh import MeshShardingHelper
+from shardax.parallel.pipeline import bubble_fraction
+from shardax.precision import Policy
+from shardax.train.checkpoint import Checkpointer, Restored, abstract_state
+from shardax.train.config import TrainConfig, UsageError, flag
+from shardax.train.step import init_state, make_optimizer
+from shardax.utils import flatten_tree
+
+__all__ = ["abstract", "create", "flat", "make_mesh", "make_tx", "model_and_rules", "model_config",
+           "pipeline_summary", "restore"]
+
+
+def make_mesh(config: TrainConfig) -> MeshShardingHelper:
+    """The ``--mesh`` over this machine's devices (UsageError if the sizes do not fit)."""
+    try:
+        return MeshShardingHelper.from_string(config.mesh)
+    except ValueError as e:
+        raise UsageError(f"--mesh {config.mesh!r}: {e}") from None
+
+
+def make_tx(config: TrainConfig):
+    """The optax optimizer of ``--optimizer``, ``--lr`` and ``--steps``."""
+    return make_optimizer(config.optimizer, config.lr, config.steps, warmup=config.steps // 20)
+
+
+def model_config(config: TrainConfig) -> Any:
+    """The model config of ``--model`` with ``--precision``, ``--remat`` and ``--seq-len``
+    applied (no parallelism flags)."""
+    policy = Policy.from_string(config.precision)
+    return models.get_config(
+        config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
+        max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
+    )
+
+
+def model_and_rules(config: TrainConfig, mesh_shape: dict[str, int]) -> tuple[Any, list]:
+    """The model config with the precision and parallelism flags applied, and the rule list
+    fitted to the mesh and model (``models.presets.resolve``); UsageError on a mismatch."""
+    try:
+        return _parallelism(config, mesh_shape, model_config(config))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
+    pp = mesh_shape.get("pp", 1)
+    if pp == 1 and (config.microbatches > 1 or config.virtual_stages > 1):
+        raise ValueError("--microbatches and --virtual-stages need a 'pp' mesh axis of size > 1 "
+                         f"(mesh {mesh_shape}); use --grad-accum to split the batch without one")
+    if pp == 1 and config.pp_schedule != "gpipe":
+        raise ValueError(f"--pp-schedule {config.pp_schedule} needs a 'pp' mesh axis of size > 1 "
+                         f"(mesh {mesh_shape})")
+    asked = {"tp_mode": config.tp_mode != "none", "sequence_parallel": config.sequence_parallel}
+    if not isinstance(model_config, models.LlamaConfig):
+        used = [flag(k) for k, v in asked.items() if v] + [a for a in ("pp", "cp", "ep")
+                                                            if mesh_shape.get(a, 1) > 1]
+        if used:
+            raise ValueError(f"--model {config.model} does not support {used}; use a llama model")
+        return model_config, models.PRESETS[config.rules]
+    tp_mode = config.tp_mode
+    if config.sequence_parallel and tp_mode == "none":
+        tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
+    model_config = dataclasses.replace(
+        model_config, tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
+        scan_layers=model_config.scan_layers or pp > 1, pp_schedule=config.pp_schedule,
+        pp_microbatches=config.microbatches or pp, pp_virtual_stages=config.virtual_stages)
+    models.check_mesh(model_config, mesh_shape, batch_size=config.batch_size,
+                      seq_len=config.seq_len)
+    rules = models.presets.resolve(
+        models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
+        kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
+    return model_config, rules
+
+
+def pipeline_summary(model_config: Any, stages: int) -> str:
+    """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
+    c = model_config
+    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
+    bubble = bubble_fraction(c.pp_schedule, stages, c.pp_microbatches, v)
+    virtual = f", {v} virtual stages" if c.pp_schedule == "circular" else ""
+    return (f"pipeline: {c.pp_schedule} over {stages} stages, {c.pp_microbatches} "
+            f"microbatches{virtual}, bubble {bubble:.1%} of each step")
+
+
+def create(model_config: Any, tx: Any, seed: int):
+    """``(graphdef, state)`` of a fresh model and optimizer (call under ``sjit``)."""
+    return init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
+
+
+def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper
+             ) -> tuple[Any, Any]:
+    """The model's graphdef and the train state's shapes, without computing anything."""
+    graphdefs = []
+
+    def state_only():
+        graphdef, state = create(model_config, tx, seed)
+        graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
+        return state
+
+    with mesh.get_context():
+        state_shape = jax.eval_shape(state_only)
+    return graphdefs[0], state_shape
+
+
+def flat(state: Any) -> dict[str, Any]:
+    """The checkpointed form of a state: a flat ``{path: array}`` dict, independent of the
+    pytree node classes (NNX, optax) that hold the arrays."""
+    return flatten_tree(state, sep=".")
+
+
+def restore(ckpt: Checkpointer, state_shape: Any, shardings: Any, **kwargs: Any
+            ) -> tuple[Restored, Any]:
+    """Reads a checkpoint onto ``shardings``: ``(restored, state)`` with the state in the
+    structure of ``state_shape``. ``kwargs`` go to `Checkpointer.restore` (step, fallback,
+    check, on_skip)."""
+    target = abstract_state(flat(state_shape), flat(shardings))
+    restored = ckpt.restore(target=target, **kwargs)
+    leaves = [restored.state[k] for k in flat(state_shape)]
+    return restored, jax.tree_util.tree_unflatten(jax.tree.structure(state_shape), leaves)

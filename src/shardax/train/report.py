@@ -1,0 +1,147 @@
+"""What a training run reports: the progress bar, ``metrics.jsonl`` and ``loss.png``.
+
+``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``grad_norm``,
+``step_time_s``, ``tokens_per_s``, and ``val_loss`` where evaluated). A resumed run keeps the
+records up to the step it continues from. The plot needs matplotlib (an optional dependency);
+without it the run says so and skips it.
+
+>>> log = MetricsLog("runs/a/metrics.jsonl")
+>>> records = log.read(up_to=200)      # skips (and reports) lines that are not JSON
+>>> log.start(records); log.append({"step": 201, "loss": 1.3})
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsLog", "Progress", "StepClock", "plot"]
+
+
+class Progress:
+    """A rich progress bar with loss, tokens/s and step time; plain lines when not a TTY."""
+
+    def __init__(self, total: int, start: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self.console = Console(stderr=False)
+        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                            TextColumn("{task.fields[info]}"), console=self.console,
+                            disable=not self.console.is_terminal)
+        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+
+    def __enter__(self) -> Progress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
+
+    def update(self, step: int, record: dict | None = None) -> None:
+        """Advances the bar; a metrics record also updates its text and prints a line."""
+        if not record:
+            self.bar.update(self.task, completed=step)
+            return
+        info = " ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
+        if "tokens_per_s" in record:
+            info += (f" | {record['tokens_per_s']:,.0f} tok/s"
+                     f" | {record['step_time_s'] * 1000:.0f} ms/step")
+        self.bar.update(self.task, completed=step, info=info)
+        self.console.print(f"step {step:5d}  {info}", highlight=False)
+
+
+class StepClock:
+    """Step time and tokens/s between logged steps (reading the loss waits for the step)."""
+
+    def __init__(self, tokens_per_step: int, start: int):
+        self.tokens_per_step = tokens_per_step
+        self.last_time, self.last_step = time.perf_counter(), start
+
+    def measure(self, step: int, metrics: dict) -> dict[str, float]:
+        """The logged numbers of ``step``: loss, gradient norm, step time, tokens/s."""
+        loss = float(metrics["loss"])
+        now = time.perf_counter()
+        dt = (now - self.last_time) / max(step - self.last_step, 1)
+        self.last_time, self.last_step = now, step
+        return {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt,
+                "tokens_per_s": self.tokens_per_step / dt}
+
+
+class MetricsLog:
+    """``metrics.jsonl``: read back (tolerating damaged lines), restarted, appended to."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def read(self, up_to: int, quiet: bool = False) -> list[dict]:
+        """The records of steps ``<= up_to``. Lines that are not a JSON object with a
+        ``step`` (e.g. the half-written last line of a killed run) are skipped, with one line
+        on stderr saying how many (unless ``quiet``)."""
+        try:
+            lines = self.path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return []
+        records, bad = [], []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+            except json.JSONDecodeError:
+                ok = False
+            if ok:
+                records.append(record)
+            else:
+                bad.append(number)
+        if bad and not quiet:
+            print(f"shardax train: note: {self.path}: skipped {len(bad)} unreadable line(s) "
+                  f"(line {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})",
+                  file=sys.stderr)
+        return [r for r in records if r["step"] <= up_to]
+
+    def start(self, records: list[dict]) -> None:
+        """Rewrites the file with ``records`` (those of the steps a resumed run keeps)."""
+        with open(self.path, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Adds one record (written and closed at once, so a kill loses at most it)."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def plot(out: Path, records: list[dict]) -> Path | None:
+    """Writes ``out/loss.png`` (train and validation loss against step) and returns its path;
+    None, with a note on stderr, when matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("shardax train: note: matplotlib is not installed, so no loss.png "
+              "(pip install matplotlib); the numbers are in metrics.jsonl", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    if train or val:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "loss.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

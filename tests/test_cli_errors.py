@@ -1,0 +1,281 @@
+"""Bad command lines as a user types them: one line on stderr naming the flag or file, exit
+code 2, no traceback, nothing in the run directory touched, and (where the check can happen
+before it) no JAX backend started.
+
+The cheap cases run in ONE subprocess (`DRIVER`) that calls ``shardax.cli.main`` once per
+case and reports the exit code, stderr and whether a JAX backend was started: the same code
+path as the ``shardax`` script, without paying the interpreter start-up per case. A few cases
+also run through the real ``python -m shardax.cli`` entry point.
+"""
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+DRIVER = r"""
+import contextlib, io, json, sys
+from shardax.cli import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    from jax._src import xla_bridge
+    results.append({"code": code, "err": err.getvalue(), "out": out.getvalue(),
+                    "backend": bool(xla_bridge._backends)})
+print(json.dumps(results))
+"""
+
+
+def _env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
+    return {str(p.relative_to(directory)): (hashlib.sha256(p.read_bytes()).hexdigest(),
+                                            p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()} | {
+        str(p.relative_to(directory)) + "/": ("dir", 0)
+        for p in sorted(directory.rglob("*")) if p.is_dir()}
+
+
+def _config_json(**overrides) -> str:
+    from shardax.train.config import TrainConfig
+
+    return json.dumps({**TrainConfig().to_json(), **overrides}, indent=2)
+
+
+def _commit(run: Path, step: int) -> None:
+    """A committed-looking (but empty) checkpoint step: enough for the checks that run before
+    any checkpoint is read."""
+    (run / "checkpoints" / str(step)).mkdir(parents=True)
+    (run / "checkpoints" / str(step) / "commit_success.txt").write_text("ok")
+
+
+def _make_fixtures(root: Path) -> dict[str, str]:
+    """Run directories and files that the cases point at ({NAME} in an argv)."""
+    paths = {}
+
+    def path(name: str) -> Path:
+        p = root / name
+        paths[name] = str(p)
+        return p
+
+    path("a_file").write_text("not a directory\n")
+    paths["under_a_file"] = str(root / "a_file" / "run")
+    paths["unwritable"] = "/sys/shardax-test/run"  # EPERM even for root
+    paths["missing"] = str(root / "missing-run")
+
+    step3 = path("step3_run")  # a run at step 3 (its checkpoint is never read here)
+    _commit(step3, 3)
+    (step3 / "config.json").write_text(_config_json())
+    (step3 / "metrics.jsonl").write_text('{"step": 3, "loss": 4.0}\n')
+
+    garbage = path("garbage_config")
+    _commit(garbage, 2)
+    (garbage / "config.json").write_text('{"model": "llama-tiny", "steps": ')
+
+    unknown = path("unknown_key")
+    _commit(unknown, 2)
+    (unknown / "config.json").write_text(_config_json(not_a_setting=1))
+
+    tmp_only = path("tmp_only")  # a first save that never finished
+    (tmp_only / "checkpoints" / "2.orbax-checkpoint-tmp-1700000000").mkdir(parents=True)
+    (tmp_only / "config.json").write_text(_config_json())
+
+    torn = path("torn_run")  # step folders without commit markers, plus the run's files
+    for step in (2, 4):
+        (torn / "checkpoints" / str(step) / "state").mkdir(parents=True)
+    (torn / "config.json").write_text(_config_json())
+    (torn / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in (1, 2, 3)))
+
+    path("bad.yaml").write_text("steps: [1, 2\n")
+    path("unknown.toml").write_text("steps = 10\nwarmup = 3\n")
+    path("typo.yaml").write_text("steps: ten\n")
+    return paths
+
+
+def _fill(text: str, paths: dict[str, str]) -> str:
+    return re.sub(r"\{([^}]+)\}", lambda m: paths[m.group(1)], text)
+
+
+# (name, argv, words the one line must contain); {NAME} is replaced by a fixture path.
+CASES = [
+    ("devices 0", ["train", "--devices", "0"], ["--devices 0"]),
+    ("devices -1", ["train", "--devices", "-1"], ["--devices -1"]),
+    ("generate devices 0", ["generate", "--out", "{step3_run}", "--devices", "0"],
+     ["--devices 0"]),
+    ("out is a file", ["train", "--out", "{a_file}"], ["--out", "is a file"]),
+    ("out under a file", ["train", "--out", "{under_a_file}"], ["--out", "is a file"]),
+    ("out unwritable", ["train", "--out", "{unwritable}"], ["--out", "cannot write"]),
+    ("seed -1", ["train", "--seed", "-1"], ["--seed -1"]),
+    ("seed huge", ["train", "--seed", "99999999999999999999999"], ["--seed"]),
+    ("lr -1", ["train", "--lr", "-1"], ["--lr -1"]),
+    ("lr nan", ["train", "--lr", "nan"], ["--lr nan"]),
+    ("lr inf", ["train", "--lr", "inf"], ["--lr inf"]),
+    ("steps 0", ["train", "--steps", "0"], ["--steps 0"]),
+    ("steps not a number", ["train", "--steps", "ten"], ["--steps", "ten"]),
+    ("unknown flag", ["train", "--stepz", "3"], ["--stepz", "--steps"]),
+    ("unknown choice", ["train", "--optimizer", "adam"], ["--optimizer", "adam", "adamw"]),
+    ("generate without --out", ["generate"], ["--out"]),
+    ("precision float64", ["train", "--precision", "float64"], ["--precision", "float64"]),
+    ("precision unknown", ["train", "--precision", "float7"], ["--precision"]),
+    ("mesh syntax", ["train", "--mesh", "fsdp:8"], ["--mesh", "fsdp:8"]),
+    ("mesh axis", ["train", "--mesh", "data=8"], ["--mesh", "data"]),
+    ("model", ["train", "--model", "llama-huge"], ["llama-huge", "llama-tiny"]),
+    ("resume-step without resume", ["train", "--resume-step", "2"], ["--resume-step"]),
+    ("garbage config.json on resume", ["train", "--resume", "--out", "{garbage_config}"],
+     ["config.json", "not valid JSON"]),
+    ("unknown key in config.json on resume",
+     ["train", "--resume", "--out", "{unknown_key}"], ["config.json", "not_a_setting"]),
+    ("garbage config.json on generate", ["generate", "--out", "{garbage_config}"],
+     ["config.json", "not valid JSON"]),
+    ("unknown key in config.json on generate", ["generate", "--out", "{unknown_key}"],
+     ["config.json", "not_a_setting"]),
+    ("resume with only a tmp folder", ["train", "--resume", "--out", "{tmp_only}"],
+     ["--resume", "no checkpoint"]),
+    ("resume --steps below the run's step",
+     ["train", "--resume", "--steps", "2", "--out", "{step3_run}"], ["--steps 2", "step 3"]),
+    ("resume-step not committed",
+     ["train", "--resume", "--resume-step", "2", "--out", "{step3_run}"],
+     ["--resume-step 2", "[3]"]),
+    ("resume a changed setting", ["train", "--resume", "--seed", "1", "--out", "{step3_run}"],
+     ["--seed 1", "was 0"]),
+    ("fresh run over half-written checkpoints", ["train", "--out", "{torn_run}"],
+     ["already holds checkpoints", "--resume"]),
+    ("fresh run over a run", ["train", "--out", "{step3_run}"], ["already holds", "--resume"]),
+    ("resume with only half-written checkpoints", ["train", "--resume", "--out", "{torn_run}"],
+     ["--resume", "never committed"]),
+    ("generate max-tokens -1", ["generate", "--out", "{step3_run}", "--max-tokens", "-1"],
+     ["--max-tokens -1"]),
+    ("generate temperature nan", ["generate", "--out", "{step3_run}", "--temperature", "nan"],
+     ["--temperature nan"]),
+    ("generate step not committed", ["generate", "--out", "{step3_run}", "--step", "2"],
+     ["--step 2", "[3]"]),
+    ("generate missing run", ["generate", "--out", "{missing}"], ["--out", "missing-run"]),
+    ("generate not a run", ["generate", "--out", "{tmp_only}"], ["no checkpoint"]),
+    ("config file garbage", ["train", "--config", "{bad.yaml}"], ["--config", "bad.yaml"]),
+    ("config file unknown key", ["train", "--config", "{unknown.toml}"],
+     ["--config", "warmup"]),
+    ("config file wrong type", ["train", "--config", "{typo.yaml}"], ["--steps", "ten"]),
+    ("config file missing", ["train", "--config", "{missing}.yaml"], ["--config"]),
+    ("launch timeout -5", ["launch", "--nproc", "2", "--timeout", "-5", "--", "true"],
+     ["--timeout", "-5"]),
+    ("launch nproc 0", ["launch", "--nproc", "0", "--", "true"], ["--nproc", "0"]),
+    ("unknown command", ["trian"], ["trian", "train"]),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case of `CASES` run once, in one subprocess; snapshots of the fixture files
+    before and after."""
+    root = tmp_path_factory.mktemp("cli_errors")
+    paths = _make_fixtures(root)
+    argvs = [[_fill(a, paths) for a in argv] for _, argv, _ in CASES]
+    before = _snapshot(root)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=_env(),
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return dict(zip((name for name, _, _ in CASES), out)), before, _snapshot(root), paths
+
+
+@pytest.mark.parametrize("name, argv, needles", CASES, ids=[c[0] for c in CASES])
+def test_bad_command_line(name, argv, needles, results):
+    by_name, _, _, paths = results
+    r = by_name[name]
+    lines = r["err"].strip().splitlines()
+    assert r["code"] == 2, r
+    assert len(lines) == 1, r["err"]
+    command = argv[0] if argv[0] in ("train", "generate", "launch") else None
+    assert lines[0].startswith(f"shardax {command}: error: " if command else "shardax: error: ")
+    assert "Traceback" not in r["err"]
+    for needle in needles:
+        assert _fill(needle, paths) in lines[0], (needle, lines[0])
+    assert not r["backend"], "checked only after a JAX backend was started"
+
+
+def test_bad_command_lines_touch_no_file(results):
+    _, before, after, _ = results
+    assert after == before
+    assert not Path("/sys/shardax-test").exists()
+
+
+def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardax.cli", *args], env=_env(),
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "--lr", "nan"], "--lr nan"),
+    (["generate", "--out", "x", "--devices", "0"], "--devices 0"),
+    (["launch", "--nproc", "2", "--timeout", "-5", "--", "true"], "--timeout"),
+])
+def test_the_shardax_entry_point_prints_one_line(args, needle, tmp_path):
+    proc = _cli(*args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_config_file_flags_override_and_print_config(tmp_path):
+    (tmp_path / "run.yaml").write_text("steps: 50\nbatch_size: 8\nmesh: dp=2,fsdp=-1\n"
+                                       "data: [a.txt, b.txt]\nresume: false\n")
+    (tmp_path / "run.toml").write_text('steps = 50\nbatch-size = 8\nlr = 0.01\n')
+    proc = _cli("train", "--config", "run.yaml", "--steps", "70", "--print-config",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout)
+    assert printed["steps"] == 70  # the flag wins over the file
+    assert printed["batch_size"] == 8 and printed["mesh"] == "dp=2,fsdp=-1"
+    assert printed["data"] == ["a.txt", "b.txt"] and printed["resume"] is False
+    assert printed["seq_len"] == 128  # neither: the default
+    proc = _cli("train", "--config", "run.toml", "--resume", "--print-config", cwd=tmp_path)
+    printed = json.loads(proc.stdout)
+    assert (printed["batch_size"], printed["lr"], printed["resume"]) == (8, 0.01, True)
+    assert not (tmp_path / "runs").exists()  # --print-config trains nothing
+
+
+def test_help_and_launch_need_only_the_core_install(tmp_path):
+    """With flax, optax, orbax, tyro, rich, etils and matplotlib unimportable, ``shardax
+    --help`` and ``shardax launch`` still work and ``shardax train`` says what to install."""
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'flax', 'optax', 'orbax', 'tyro', 'rich', 'etils',\n"
+        "                                  'matplotlib', 'grain', 'yaml'}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from shardax.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    script = tmp_path / "core_only.py"
+    script.write_text(blocker)
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(script), *args], env=_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    help_ = run("--help")
+    assert help_.returncode == 0 and "train" in help_.stdout and "launch" in help_.stdout
+    launched = run("launch", "--nproc", "2", "--", sys.executable, "-c", "print('hello')")
+    assert launched.returncode == 0, launched.stderr
+    assert "[0] hello" in launched.stdout and "[1] hello" in launched.stdout
+    train = run("train", "--steps", "3")
+    assert train.returncode == 2
+    assert train.stderr.count("\n") == 1 and "pip install 'shardax[train]'" in train.stderr
