@@ -461,9 +461,10 @@ class Llama(nnx.Module):
         scalars are reduced over 'pp'. Elsewhere it equals ``cross_entropy(cast(model(tokens)),
         targets)``.
 
-        ``stack(layer_fn, x)``, when given, runs the stacked layers instead of the scan
-        (``scan_layers`` only): ``layer_fn(layer_state, h)`` is one layer, ``layer_state`` one
-        slice of ``nnx.state(self.layers)``. Explicit FSDP passes its gathering scan here.
+        ``stack(layer_fn, x)``, when given, runs the layers instead of the scan or loop:
+        ``layer_fn(layer_state, h)`` is one layer, ``layer_state`` one slice of
+        ``nnx.state(self.layers)`` (stacked) or one item of it (list). Explicit FSDP passes
+        its gathering loop here.
 
         Example::
 
@@ -560,10 +561,10 @@ class Llama(nnx.Module):
         ``(x, aux)``."""
         c = self.config
         if stack is not None:
-            if not c.scan_layers or c.n_experts:
-                raise ValueError("a custom layer stack (explicit FSDP) needs scan_layers=True "
-                                 "and a dense (n_experts=0) model")
-            graphdef = nnx.graphdef(self.layers)
+            if c.n_experts:
+                raise ValueError("a custom layer stack (explicit FSDP) needs a dense "
+                                 "(n_experts=0) model")
+            graphdef = nnx.graphdef(self.layers if c.scan_layers else self.layers[0])
 
             def layer_fn(state, h):
                 return nnx.merge(graphdef, state)(h, cos, sin, load_balanced)[0]

@@ -6,14 +6,17 @@ gradients full-size before reducing them; on CPU it never emits a reduce-scatter
 communication is written out, so peak memory and bytes moved follow ZeRO-3 on any backend:
 
 * the loss runs manual over ``axis`` (``'fsdp'``) and ``batch_axes`` (``'dp'``: parameters are
-  replicated over it, HSDP); every other mesh axis (``tp``, ``cp``, ...) stays with XLA, so
-  rule-based and explicit tensor/sequence/context parallelism compose;
+  replicated over it, HSDP); every other mesh axis stays with XLA (Auto), so tensor
+  parallelism from sharding rules composes. ``shard_map`` blocks over another axis inside
+  ``loss_fn`` (explicit TP/SP, ring attention) do not lower in JAX 0.10: Shardy rejects the
+  residuals of a differentiated manual computation nested in this one;
 * :meth:`Gather.__call__` all-gathers a subtree (cast to the compute ``dtype`` first, so bf16
   compute moves bf16). Its backward is one ``psum_scatter`` over ``axis`` in ``reduce_dtype``
   (then a ``psum`` over ``batch_axes``); replicated leaves get one ``psum``;
-* :func:`scan_layers` runs stacked layers with ``lax.scan``, gathering layer ``i`` inside a
-  ``jax.checkpoint``: the gathered copy is not kept for the backward pass, which gathers it
-  again, and layer ``i``'s gradient is reduce-scattered before layer ``i-1``'s backward runs;
+* :func:`scan_layers` (:func:`loop_layers` for a list of layers) runs the layers, gathering
+  layer ``i`` inside a ``jax.checkpoint``: the gathered copy is not kept for the backward
+  pass, which gathers it again, and layer ``i``'s gradient is reduce-scattered before layer
+  ``i-1``'s backward runs;
 * a subtree gathered once and used twice (a tied embedding) has one gradient reduction;
 * with ``grad_accum > 1`` the microbatches' gradients are summed unreduced (full size, in
   ``reduce_dtype``) and reduce-scattered once per step: fewer bytes moved, more memory.
@@ -43,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from shardax.parallel._stages import to_microbatches
 from shardax.parallel.axes import axis_size, manual_axes
 
-__all__ = ["Gather", "fsdp_dim", "scan_layers", "value_and_grad"]
+__all__ = ["Gather", "fsdp_dim", "loop_layers", "scan_layers", "value_and_grad"]
 
 PyTree = Any
 
@@ -188,6 +191,30 @@ def scan_layers(
     return lax.scan(lambda h, p: (one(p, h), None), x, params)[0]
 
 
+def loop_layers(
+    gather: Gather,
+    layer_fn: Callable[[PyTree, PyTree], PyTree],
+    params: Sequence[PyTree],
+    x: PyTree,
+    *,
+    policy: Callable[..., bool] | None = None,
+) -> PyTree:
+    """:func:`scan_layers` for a list of (unstacked) layers: a Python loop, one gather each.
+
+    Example::
+
+        h = loop_layers(gather, block, [params["layers"][i] for i in range(n)], h)
+    """
+
+    def one(p, h):
+        return layer_fn(gather(p), h)
+
+    one = jax.checkpoint(one, policy=policy)
+    for p in params:
+        x = one(p, x)
+    return x
+
+
 def value_and_grad(
     loss_fn: Callable[..., jax.Array],
     params: PyTree,
@@ -206,8 +233,7 @@ def value_and_grad(
       loss_fn: the mean loss over the rows of ``batch`` it is given; it calls ``gather`` (a
         :class:`Gather`) on each subtree of ``params`` right before use, e.g. through
         :func:`scan_layers` for stacked layers. It runs manual over ``axis`` and
-        ``batch_axes`` (it sees its own rows of ``batch``) and may use ``shard_map`` blocks
-        over other axes (tensor, context parallel).
+        ``batch_axes`` (it sees its own rows of ``batch``); other axes stay with XLA.
       params: the parameters, global arrays sharded over ``axis`` as ``specs`` says.
       specs: a ``PartitionSpec`` per leaf of ``params``; only where it places ``axis``
         matters (:func:`fsdp_dim`), the other axes are left to XLA.

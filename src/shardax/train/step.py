@@ -89,12 +89,19 @@ def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum,
             lambda path, leaf: gather.local(leaf) if _key(path) == "layers" else gather(leaf),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
         model = nnx.merge(graphdef, top, rest)
-        if not isinstance(model, Llama) or not model.config.scan_layers:
-            raise ValueError("fsdp_mode='explicit' needs a llama model with scan_layers=True")
-        policy_ = remat_policy(model.config.remat) if model.config.remat != "full" else None
+        if not isinstance(model, Llama):
+            raise ValueError("fsdp_mode='explicit' needs a llama model")
+        c = model.config
+        # Each layer is recomputed in the backward pass (that is what frees its gathered
+        # parameters); a remat policy that saves more (dots) applies within it.
+        policy_ = remat_policy(c.remat) if c.remat not in ("none", "full") else None
+        layers = params["layers"]
 
         def stack(layer_fn, x):
-            return fsdp.scan_layers(gather, layer_fn, params["layers"], x, policy=policy_)
+            if c.scan_layers:
+                return fsdp.scan_layers(gather, layer_fn, layers, x, policy=policy_)
+            return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
+                                    x, policy=policy_)
 
         cp = axis_size("cp")
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
@@ -130,7 +137,7 @@ def train_step(
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
-    (a llama with ``scan_layers``; ``param_rules`` give the parameters' sharding; gradients
+    (a dense llama; ``param_rules`` give the parameters' sharding; gradients
     of the microbatches are summed full-size in float32 and reduce-scattered once)."""
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
