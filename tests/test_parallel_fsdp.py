@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from shardax import models
+from shardax.cli import main
 from shardax.inspect import hlo_collectives
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel import fsdp
@@ -184,3 +185,17 @@ def test_bad_batch_names_its_shape():
     with jax.set_mesh(_auto_mesh((8,), ("fsdp",))), pytest.raises(ValueError, match=r"\(12, 8\)"):
         jax.jit(lambda p, a, b: fsdp.value_and_grad(_toy_loss, p, specs, a, b))(
             params, tokens[:12], targets[:12])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--mesh", "fsdp=4,tp=2", "--tp-mode", "sync"], "--fsdp-mode explicit does not run with "
+     "--tp-mode sync"),
+    (["--mesh", "dp=8"], "--fsdp-mode explicit does not run with a mesh without an 'fsdp'"),
+    (["--mesh", "fsdp=4,cp=2"], "does not run with a 'cp' mesh axis"),
+])
+def test_explicit_where_it_cannot_run_exits_2(flags, message, tmp_path, capsys):
+    argv = ["train", "--out", str(tmp_path / "run"), "--batch-size", "8", "--fsdp-mode",
+            "explicit", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err, err
