@@ -5,8 +5,9 @@
 
 Sections: memory + communication (``memory_comm.py``), collective dtypes (the same script
 with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
-(``compile_depth.py``) and peers (``peers.py``, with scalax pip-installed into
-``benchmarks/.peers``). A section that fails or times out is reported as such in RESULTS.md.
+(``compile_depth.py``), peers (``peers.py``, with scalax pip-installed into
+``benchmarks/.peers``) and the FSDP modes against ZeRO-3 (``fsdp.py``). A section that
+fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
 """
 
@@ -27,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
-SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers")
+SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp")
 RAW = HERE / ".results.json"  # the last run's raw numbers, for --render-only
 
 
@@ -136,6 +137,7 @@ def main() -> None:
 
 def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -> str:
     import compile_depth
+    import fsdp
     import memory_comm
     import overhead
     import peers
@@ -157,7 +159,8 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
         parts.append(_failed("2. Collective dtypes", outcomes["dtypes"]))
     for name, module, title in (("overhead", overhead, "3. Overhead"),
                                 ("compile_depth", compile_depth, "4. Compile time vs depth"),
-                                ("peers", peers, "5. Peers")):
+                                ("peers", peers, "5. Peers"),
+                                ("fsdp", fsdp, "7. FSDP: explicit ZeRO-3 against XLA's")):
         if ok(name):
             parts.append(module.render(ok(name)))
             summary += module.summary(ok(name))
