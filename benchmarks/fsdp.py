@@ -52,7 +52,7 @@ CASES = [
     ("fsdp_tp explicit", "fsdp_tp", "fsdp=4,tp=2", "explicit", {}, 1),
 ]
 DEPTHS = (2, 8, 32)
-ROUNDS = 5
+ROUNDS = 3  # a llama-small step takes ~10-20 s on 2 shared cores
 
 
 def _step(mesh, rules, graphdef, tx, mode, grad_accum):
