@@ -139,7 +139,7 @@ def render(r: dict) -> str:
          r["control_peak_rise_mb"]),
     ]
     return "\n".join([
-        "## 7. Data pipeline: host memory against corpus size",
+        "## 8. Data pipeline: host memory against corpus size",
         "",
         "`benchmarks/data_memory.py`: rise of the peak RSS (`VmHWM`, reset through "
         "`/proc/self/clear_refs`) over the RSS before each step, in one process "

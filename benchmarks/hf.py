@@ -128,7 +128,7 @@ def generation(prompt_len: int = 16, new: int = 192, batch: int = 4) -> dict:
 def render(result: dict) -> str:
     m, g = result["model"], result["generation"]
     lines = [
-        "## 7. Hugging Face import and KV-cache generation",
+        "## 9. Hugging Face import and KV-cache generation",
         "",
         f"Import (`shardax.hf.load_model`) of a random Llama written as safetensors: "
         f"{m['layers']} layers, dim 2048, vocab 32000, {m['model_bytes'] / 1e9:.2f} GB float32 "

@@ -6,8 +6,8 @@
 Sections: memory + communication (``memory_comm.py``), collective dtypes (the same script
 with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
 (``compile_depth.py``), peers (``peers.py``, with scalax pip-installed into
-``benchmarks/.peers``), the data pipeline's host memory (``data_memory.py``) and Hugging Face
-import + KV-cache generation (``hf.py``). A section
+``benchmarks/.peers``), the FSDP modes against ZeRO-3 (``fsdp.py``), the data pipeline's host
+memory (``data_memory.py``) and Hugging Face import + KV-cache generation (``hf.py``). A section
 that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
 """
@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
-SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "data_memory", "hf")
+SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp",
+            "data_memory", "hf")
 RAW = HERE / ".results.json"  # the last run's raw numbers, for --render-only
 
 
@@ -139,6 +140,7 @@ def main() -> None:
 def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -> str:
     import compile_depth
     import data_memory
+    import fsdp
     import hf
     import memory_comm
     import overhead
@@ -162,8 +164,9 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     for name, module, title in (("overhead", overhead, "3. Overhead"),
                                 ("compile_depth", compile_depth, "4. Compile time vs depth"),
                                 ("peers", peers, "5. Peers"),
-                                ("data_memory", data_memory, "7. Data pipeline memory"),
-                                ("hf", hf, "8. Hugging Face import and generation")):
+                                ("fsdp", fsdp, "7. FSDP: explicit ZeRO-3 against XLA's"),
+                                ("data_memory", data_memory, "8. Data pipeline memory"),
+                                ("hf", hf, "9. Hugging Face import and generation")):
         if ok(name):
             parts.append(module.render(ok(name)))
             summary += module.summary(ok(name))

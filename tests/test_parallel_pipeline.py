@@ -13,11 +13,11 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardax.parallel import axis_size
 from shardax.parallel.pipeline import (
     bubble_fraction,
     from_stage_layout,
     pipeline,
-    pipeline_size,
     sequential,
     stage_specs,
     to_stage_layout,
@@ -377,7 +377,7 @@ def test_no_pipeline_axis_is_sequential():
     for shape, names in [((8,), ("dp",)), ((1, 8), ("pp", "dp"))]:
         mesh = mesh_of(shape, names)
         with jax.set_mesh(mesh):
-            assert pipeline_size() == 1
+            assert axis_size("pp") == 1
             np.testing.assert_allclose(f(params, x), want, **TOL)
     np.testing.assert_array_equal(sequential(layer, params, x), ref_scan(params, x))
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardax.parallel import column_parallel, row_parallel, tp_mlp, tp_size
+from shardax.parallel import axis_size, column_parallel, row_parallel, tp_mlp
 
 AUTO = jax.sharding.AxisType.Auto
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -258,7 +258,7 @@ def test_megatron_mlp_gradient_one_all_reduce_each_way():
 
 def test_no_mesh_is_plain_dense():
     x, w, b = rand(0, (B, S, D)), rand(1, (D, F)), rand(2, (F,))
-    assert tp_size() == 1
+    assert axis_size("tp") == 1
     for mode in ("sync", "async", "async_bidi"):
         np.testing.assert_array_equal(column_parallel(x, w, b, mode=mode), x @ w + b)
         np.testing.assert_array_equal(row_parallel(x, w, b, mode=mode), x @ w + b)
@@ -271,7 +271,7 @@ def test_mesh_without_tp_is_plain_dense(shape, names):
     args = (rand(0, (B, S, D)), rand(1, (D, F)), rand(2, (F, D)))
     f = lambda x, a, b: tp_mlp(x, a, b, mode="async_bidi")
     with jax.set_mesh(mesh):
-        assert tp_size() == 1
+        assert axis_size("tp") == 1
         np.testing.assert_array_equal(jax.jit(f)(*args), jax.jit(mlp_ref)(*args))
     assert collectives(compiled_hlo(f, args, mesh)) == Counter()
 

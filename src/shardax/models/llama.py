@@ -40,12 +40,11 @@ from shardax.models.axes import TOKEN_AXES
 from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
 from shardax.models.ops import apply_rope, attend, gqa_attention, rms_norm, rope_tables
 from shardax.parallel import (
+    axis_size,
     column_parallel,
     pipeline,
-    pipeline_size,
     row_parallel,
     to_stage_layout,
-    tp_size,
 )
 
 __all__ = ["CONFIGS", "PP_SCHEDULES", "TP_MODES", "Llama", "LlamaConfig", "apply_rope", "attend",
@@ -203,7 +202,7 @@ class Attention(nnx.Module):
         than 'tp' are repeated so that every device holds whole heads; the output weight is
         repeated and divided by the copies, so the sum over devices counts each head once."""
         c, dt = self.config, self.dtype
-        tp = tp_size("tp")
+        tp = axis_size("tp")
         rq, rk = _head_repeat(c.n_heads, tp), _head_repeat(c.n_kv_heads, tp)
         d, hd = c.dim, c.head_dim
         wq, wk, wv = (jnp.repeat(w[...].astype(dt), r, axis=1)
@@ -308,7 +307,7 @@ class Llama(nnx.Module):
         (then the logits are too); only meaningful on a mesh with a 'cp' axis.
         """
         x, cos, sin = self._embed(tokens, positions)
-        if pipeline_size() > 1:
+        if axis_size("pp") > 1:
             x, aux = self._pipeline(x, cos, sin, load_balanced)
         else:
             x, aux = self._layers(x, cos, sin, load_balanced)
@@ -318,6 +317,7 @@ class Llama(nnx.Module):
     def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None,
              *, load_balanced: bool = False,
              cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+             stack: Callable | None = None,
              ) -> tuple[jax.Array, jax.Array]:
         """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
         ``cast(logits)``, and the MoE load-balancing loss (0 for a dense model).
@@ -327,14 +327,22 @@ class Llama(nnx.Module):
         scalars are reduced over 'pp'. Elsewhere it equals ``cross_entropy(cast(model(tokens)),
         targets)``.
 
+        ``stack(layer_fn, x)``, when given, runs the layers instead of the scan or loop:
+        ``layer_fn(layer_state, h)`` is one layer, ``layer_state`` one slice of
+        ``nnx.state(self.layers)`` (stacked) or one item of it (list). Explicit FSDP passes
+        its gathering loop here.
+
         Example::
 
             ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
         """
         c = self.config
         x, cos, sin = self._embed(tokens, positions)
-        if pipeline_size() <= 1:
-            x, aux = self._layers(x, cos, sin, load_balanced)
+        if stack is not None and axis_size("pp") > 1:
+            raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
+                             "pipeline")
+        if axis_size("pp") <= 1:
+            x, aux = self._layers(x, cos, sin, load_balanced, stack)
             return self._cross_entropy(x, targets, *self._head_params(), cast=cast), aux
 
         def ce(out, targets, *head):
@@ -362,6 +370,7 @@ class Llama(nnx.Module):
     def training_loss(self, tokens: jax.Array, targets: jax.Array,
                       positions: jax.Array | None = None, *, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+                      stack: Callable | None = None,
                       ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
         ``moe_aux_weight`` times the MoE load-balancing loss (the cross-entropy alone for a
@@ -376,9 +385,9 @@ class Llama(nnx.Module):
             objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
         """
         c = self.config
-        if not (c.n_experts and pipeline_size() > 1 and c.pp_schedule == "1f1b"):
+        if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"):
             ce, aux = self.loss(tokens, targets, positions, load_balanced=load_balanced,
-                                cast=cast)
+                                cast=cast, stack=stack)
             return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
 
         def objective(out, targets, *head):
@@ -413,9 +422,20 @@ class Llama(nnx.Module):
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         return x, cos, sin
 
-    def _layers(self, x, cos, sin, load_balanced):
-        """The decoder stack without a pipeline; returns ``(x, aux)``."""
+    def _layers(self, x, cos, sin, load_balanced, stack=None):
+        """The decoder stack without a pipeline (through ``stack`` when given); returns
+        ``(x, aux)``."""
         c = self.config
+        if stack is not None:
+            if c.n_experts:
+                raise ValueError("a custom layer stack (explicit FSDP) needs a dense "
+                                 "(n_experts=0) model")
+            graphdef = nnx.graphdef(self.layers if c.scan_layers else self.layers[0])
+
+            def layer_fn(state, h):
+                return nnx.merge(graphdef, state)(h, cos, sin, load_balanced)[0]
+
+            return stack(layer_fn, x), jnp.zeros((), jnp.float32)
         if c.n_experts:
             def call(layer, h):
                 y, a = layer(h[0], cos, sin, load_balanced)
@@ -459,7 +479,7 @@ class Llama(nnx.Module):
             raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
         v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
         graphdef, state = nnx.split(self.layers)
-        state = to_stage_layout(state, pipeline_size(), v)
+        state = to_stage_layout(state, axis_size("pp"), v)
 
         def layer_fn(params, h):
             y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced)

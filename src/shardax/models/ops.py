@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.models.axes import CONTEXT_AXIS
-from shardax.parallel import ring_attention, tp_size
+from shardax.parallel import axis_size, ring_attention
 
 __all__ = ["RopeScaling", "apply_rope", "attend", "gqa_attention", "layer_norm", "rms_norm",
            "rope_frequencies", "rope_tables"]
@@ -146,6 +146,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False
 
     ``load_balanced``: q, k, v are in ``shardax.parallel.load_balance`` order (cp only).
     """
-    if tp_size(CONTEXT_AXIS) > 1:
+    if axis_size(CONTEXT_AXIS) > 1:
         return ring_attention(q, k, v, causal=True, load_balanced=load_balanced)
     return gqa_attention(q, k, v)

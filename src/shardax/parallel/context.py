@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardax.parallel.axes import axis_size, manual_axes
+
 __all__ = ["attention", "load_balance", "ring_attention", "unload_balance"]
 
 # Finite "minus infinity": keeps exp(s - max) NaN-free for masked entries.
@@ -330,10 +332,6 @@ def _ring_body_fwd(q, k, v, axis, axis_size, causal, load_balanced, scale):
 _ring_body.defvjp(_ring_body_fwd, _ring_backward)
 
 
-def _context_mesh(mesh):
-    return jax.sharding.get_abstract_mesh() if mesh is None else mesh
-
-
 def ring_attention(
     q: jax.Array,
     k: jax.Array,
@@ -361,12 +359,11 @@ def ring_attention(
     """
     _check_qkv(q, k, v, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    m = _context_mesh(mesh)
-    n = 1 if m.empty or axis not in m.axis_names else m.shape[axis]
+    n = axis_size(axis, mesh)
     if n == 1:
         return attention(q, k, v, causal, scale=scale)
     body = lambda q, k, v: _ring_body(q, k, v, axis, n, causal, load_balanced, scale)
-    if axis in getattr(m, "manual_axes", ()):
+    if axis in manual_axes(mesh):
         # Already inside a shard_map over `axis`: q, k, v are this device's blocks.
         if load_balanced and q.shape[1] % 2:
             raise ValueError(
@@ -380,7 +377,7 @@ def ring_attention(
             what = f"2*{n}={chunks} load-balanced chunks" if load_balanced else f"{n} devices"
             raise ValueError(
                 f"ring_attention: {name} seq={x.shape[1]} ({name}{tuple(x.shape)}) must split"
-                f" into {what} over mesh axis {axis!r} (mesh axes {dict(m.shape)})"
+                f" into {what} over mesh axis {axis!r} of size {n}"
             )
     spec = P(None, axis)
     return jax.shard_map(

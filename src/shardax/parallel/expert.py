@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardax.parallel.axes import axis_size, manual_axes
+
 Array = jax.Array
 
 __all__ = ["expert_capacity", "init_moe_params", "moe_mlp", "moe_param_specs"]
@@ -154,24 +156,25 @@ def _finish_aux(stats, num_tokens: int, top_k: int) -> dict[str, Array]:
     }
 
 
-def _mesh_sizes(mesh, axis: str, batch_axes: tuple[str, ...]):
-    """(mesh, ep size, token shards) from the explicit or context mesh; ep is 1 without `axis`."""
-    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    if m is None or m.empty or axis not in m.axis_names:
-        return None, 1, 1
-    sizes = dict(m.shape)
-    manual = set(getattr(m, "manual_axes", ())) & {axis, *batch_axes}
+def _token_shards(mesh, axis: str, batch_axes: tuple[str, ...]) -> tuple[int, int]:
+    """(ep size, token shards) from the explicit or context mesh; ep is 1 without `axis`."""
+    ep = axis_size(axis, mesh)
+    if ep == 1:
+        return 1, 1
+    manual = manual_axes(mesh) & {axis, *batch_axes}
     if manual:
         raise ValueError(
             f"moe_mlp: mesh axes {sorted(manual)} are already manual (called inside a shard_map "
             "over them); call moe_mlp outside shard_map, it adds its own."
         )
-    bad = [a for a in batch_axes if a == axis or a not in sizes]
+    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    bad = [a for a in batch_axes if a == axis or a not in m.axis_names]
     if bad:
         raise ValueError(
-            f"moe_mlp: batch_axes {bad} must be mesh axes other than {axis!r}; mesh axes {sizes}"
+            f"moe_mlp: batch_axes {bad} must be mesh axes other than {axis!r}; mesh axes "
+            f"{dict(m.shape)}"
         )
-    return m, sizes[axis], sizes[axis] * math.prod(sizes[a] for a in batch_axes)
+    return ep, ep * math.prod(axis_size(a, mesh) for a in batch_axes)
 
 
 def _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, shards, num_groups):
@@ -263,7 +266,7 @@ def moe_mlp(
     (2, 4, 8)
     """
     batch_axes = tuple(batch_axes)
-    mesh_, ep, shards = _mesh_sizes(mesh, axis, batch_axes)
+    ep, shards = _token_shards(mesh, axis, batch_axes)
     num_groups = shards if num_groups is None else num_groups
     where = f"mesh axis {axis!r} of size {ep}" + (
         f" x batch_axes {batch_axes} ({shards} token shards)" if shards != ep else ""
@@ -309,8 +312,7 @@ def moe_mlp(
 
     args = (tokens, router_w, w_in, w_out) + (() if w_gate is None else (w_gate,))
     specs = (P(manual), P(), P(axis), P(axis)) + (() if w_gate is None else (P(axis),))
-    mesh_kw = {} if mesh is None else {"mesh": mesh_}
     y, stats = jax.shard_map(
-        local, in_specs=specs, out_specs=(P(manual), P()), axis_names=set(manual), **mesh_kw
+        local, mesh=mesh, in_specs=specs, out_specs=(P(manual), P()), axis_names=set(manual)
     )(*args)
     return y.reshape(x.shape), _finish_aux(stats, num_tokens, top_k)

@@ -21,6 +21,9 @@ Attention with heads split over ``tp``: ``q, k, v = column_parallel(x, wq), ...`
 ``wq[d_model, heads * head_dim]`` (heads major, ``heads % tp == 0``), reshape to
 ``[..., heads, head_dim]``, attend, reshape back and ``row_parallel(o, wo)``.
 
+Every block takes ``mesh=`` (default: the ``jax.set_mesh`` context mesh), as the other
+``shardax.parallel`` blocks do.
+
 ``batch_axes=('dp',)`` makes the mesh axes that shard ``x``'s leading (batch) dim manual as
 well. Only sync sequence parallelism needs it: XLA's Shardy partitioner replicates auto axes
 around an all-gather / reduce-scatter inside a partially manual region, so a dp-sharded batch
@@ -38,22 +41,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Mode", "column_parallel", "row_parallel", "tp_mlp", "tp_size"]
+from shardax.parallel.axes import axis_size, manual_axes
+
+__all__ = ["Mode", "column_parallel", "row_parallel", "tp_mlp"]
 
 Mode = Literal["sync", "async", "async_bidi"]
 _MODES = ("sync", "async", "async_bidi")
-
-
-def tp_size(axis: str = "tp") -> int:
-    """Size of mesh axis ``axis`` in the current (``jax.set_mesh``) mesh; 1 if absent.
-
-    >>> tp_size()  # no mesh set
-    1
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or axis not in mesh.axis_names:
-        return 1
-    return mesh.shape[axis]
 
 
 def column_parallel(
@@ -66,6 +59,7 @@ def column_parallel(
     sequence_parallel: bool | None = None,
     seq_dim: int = -2,
     batch_axes: str | Sequence[str] = (),
+    mesh: jax.sharding.Mesh | None = None,
 ) -> jax.Array:
     """Column-parallel dense ``x @ w + b`` with ``w[in, out]`` sharded on ``out`` over ``axis``.
 
@@ -76,7 +70,7 @@ def column_parallel(
 
     >>> h = column_parallel(x, w_in, mode="async")  # x: [batch, seq, d]  w_in: [d, ffn]
     """
-    sp, n = _setup("column_parallel", x, w, b, axis, mode, sequence_parallel)
+    sp, n = _setup("column_parallel", x, w, b, axis, mode, sequence_parallel, mesh)
     if n == 1:
         return _dense(x, w, b)
     sd = _seq_dim("column_parallel", x, seq_dim) if sp else None
@@ -101,6 +95,7 @@ def column_parallel(
         b,
         axis,
         batch_axes,
+        mesh,
         x_dim=sd,
         w_spec=P(None, axis),
         b_spec=P(axis),
@@ -118,6 +113,7 @@ def row_parallel(
     sequence_parallel: bool | None = None,
     seq_dim: int = -2,
     batch_axes: str | Sequence[str] = (),
+    mesh: jax.sharding.Mesh | None = None,
 ) -> jax.Array:
     """Row-parallel dense ``x @ w + b`` with ``w[in, out]`` sharded on ``in`` over ``axis``.
 
@@ -128,7 +124,7 @@ def row_parallel(
 
     >>> y = row_parallel(jax.nn.gelu(h), w_out, mode="async")  # w_out: [ffn, d]
     """
-    sp, n = _setup("row_parallel", x, w, b, axis, mode, sequence_parallel)
+    sp, n = _setup("row_parallel", x, w, b, axis, mode, sequence_parallel, mesh)
     if n == 1:
         return _dense(x, w, b)
     sd = _seq_dim("row_parallel", x, seq_dim) if sp else None
@@ -155,6 +151,7 @@ def row_parallel(
         b,
         axis,
         batch_axes,
+        mesh,
         x_dim=x.ndim - 1,
         w_spec=P(axis, None),
         b_spec=P(),
@@ -175,6 +172,7 @@ def tp_mlp(
     sequence_parallel: bool | None = None,
     seq_dim: int = -2,
     batch_axes: str | Sequence[str] = (),
+    mesh: jax.sharding.Mesh | None = None,
 ) -> jax.Array:
     """Megatron MLP block: ``row_parallel(activation(column_parallel(x, w_in)), w_out)``.
 
@@ -189,6 +187,7 @@ def tp_mlp(
         sequence_parallel=sequence_parallel,
         seq_dim=seq_dim,
         batch_axes=batch_axes,
+        mesh=mesh,
     )
     return row_parallel(activation(column_parallel(x, w_in, b_in, **kw)), w_out, b_out, **kw)
 
@@ -273,25 +272,27 @@ def _spec(ndim: int, dim: int | None, axis: str, batch: tuple[str, ...] = ()) ->
     return P(*entries)
 
 
-def _tp_map(name, body, x, w, b, axis, batch_axes, *, x_dim, w_spec, b_spec, out_dim):
+def _tp_map(name, body, x, w, b, axis, batch_axes, mesh, *, x_dim, w_spec, b_spec, out_dim):
     """``shard_map(body)`` manual over ``axis`` (+ ``batch_axes`` on x's leading dim) only."""
-    batch = _batch_axes(name, x, axis, batch_axes, (x_dim, out_dim))
+    batch = _batch_axes(name, x, axis, batch_axes, (x_dim, out_dim), mesh)
     in_specs = (_spec(x.ndim, x_dim, axis, batch), w_spec) + ((b_spec,) if b is not None else ())
     args = (x, w) + ((b,) if b is not None else ())
     return jax.shard_map(
         body,
+        mesh=mesh,
         in_specs=in_specs,
         out_specs=_spec(x.ndim, out_dim, axis, batch),
         axis_names={axis, *batch},
     )(*args)
 
 
-def _batch_axes(name, x, axis, batch_axes, tp_dims) -> tuple[str, ...]:
-    """The ``batch_axes`` present in the mesh with size > 1 (others are dropped, as for tp)."""
+def _batch_axes(name, x, axis, batch_axes, tp_dims, mesh) -> tuple[str, ...]:
+    """The ``batch_axes`` of the mesh with size > 1 that are not manual already (inside an
+    enclosing ``shard_map`` x holds just its own rows of them); others are dropped, as for tp."""
     if isinstance(batch_axes, str):
         batch_axes = (batch_axes,)
-    mesh = jax.sharding.get_abstract_mesh()
-    batch = tuple(a for a in batch_axes if a in mesh.axis_names and mesh.shape[a] > 1)
+    manual = manual_axes(mesh)
+    batch = tuple(a for a in batch_axes if axis_size(a, mesh) > 1 and a not in manual)
     if not batch:
         return ()
     if axis in batch or 0 in tp_dims:
@@ -299,9 +300,9 @@ def _batch_axes(name, x, axis, batch_axes, tp_dims) -> tuple[str, ...]:
             f"{name}: batch_axes={tuple(batch_axes)} shard x's leading dim, which must be a "
             f"batch dim distinct from the {axis!r}-sharded dims of x.shape={x.shape}"
         )
-    size = math.prod(mesh.shape[a] for a in batch)
+    size = math.prod(axis_size(a, mesh) for a in batch)
     if x.shape[0] % size:
-        sizes = {a: mesh.shape[a] for a in batch}
+        sizes = {a: axis_size(a, mesh) for a in batch}
         raise ValueError(
             f"{name}: x dimension 0 (batch) of size {x.shape[0]} in shape {x.shape} is not "
             f"divisible by batch_axes {sizes} (product {size})"
@@ -309,7 +310,7 @@ def _batch_axes(name, x, axis, batch_axes, tp_dims) -> tuple[str, ...]:
     return batch
 
 
-def _setup(name, x, w, b, axis, mode, sequence_parallel) -> tuple[bool, int]:
+def _setup(name, x, w, b, axis, mode, sequence_parallel, mesh) -> tuple[bool, int]:
     """Validate mode/shapes; return (sequence_parallel, size of ``axis``)."""
     if mode not in _MODES:
         raise ValueError(f"{name}: mode must be one of {_MODES}, got {mode!r}")
@@ -325,14 +326,12 @@ def _setup(name, x, w, b, axis, mode, sequence_parallel) -> tuple[bool, int]:
         )
     if b is not None and b.shape != (w.shape[1],):
         raise ValueError(f"{name}: expected b of shape {(w.shape[1],)}, got {b.shape}")
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty and axis in mesh.axis_names:
-        if mesh.axis_types[mesh.axis_names.index(axis)] == jax.sharding.AxisType.Manual:
-            raise ValueError(
-                f"{name}: mesh axis {axis!r} is already manual (called inside a shard_map over "
-                f"{axis!r}); call it from jit-level code with global arrays instead"
-            )
-    return sp, tp_size(axis)
+    if axis in manual_axes(mesh):
+        raise ValueError(
+            f"{name}: mesh axis {axis!r} is already manual (called inside a shard_map over "
+            f"{axis!r}); call it from jit-level code with global arrays instead"
+        )
+    return sp, axis_size(axis, mesh)
 
 
 def _seq_dim(name: str, x: jax.Array, seq_dim: int) -> int:

@@ -26,8 +26,9 @@ from shardax.train.config import TrainConfig, UsageError, flag, hf_dir
 from shardax.train.step import init_state, make_optimizer
 from shardax.utils import flatten_tree
 
-__all__ = ["abstract", "create", "create_from_hf", "flat", "make_mesh", "make_tx",
-           "model_and_rules", "model_config", "pipeline_summary", "restore"]
+__all__ = ["abstract", "create", "create_from_hf", "flat", "fsdp_mode", "fsdp_summary",
+           "make_mesh", "make_tx", "model_and_rules", "model_config", "pipeline_summary",
+           "restore"]
 
 
 def make_mesh(config: TrainConfig) -> MeshShardingHelper:
@@ -102,6 +103,40 @@ def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: 
         models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
         kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
     return model_config, rules
+
+
+def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any) -> str:
+    """The FSDP mode a run uses, ``'explicit'`` or ``'xla'`` (``--fsdp-mode auto``: explicit
+    where it applies); UsageError (one line naming the combination) when explicit is asked for
+    where it cannot run."""
+    blockers = []
+    if mesh_shape.get("fsdp", 1) == 1:
+        blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
+    if not isinstance(model_config, models.LlamaConfig) or model_config.n_experts:
+        blockers.append(f"--model {config.model} (needs a dense llama model)")
+    else:
+        if model_config.tp_mode != "none":
+            blockers.append(f"--tp-mode {model_config.tp_mode}"
+                            + (" / --sequence-parallel" if model_config.sp else "")
+                            + " (explicit TP blocks cannot nest in the FSDP shard_map under "
+                            "JAX 0.10; --tp-mode none shards 'tp' by --rules)")
+        for axis, what in (("pp", "pipeline"), ("cp", "ring attention"), ("ep", "experts")):
+            if mesh_shape.get(axis, 1) > 1:
+                blockers.append(f"a '{axis}' mesh axis ({what} runs its own shard_map)")
+    if config.fsdp_mode == "explicit" and blockers:
+        raise UsageError(f"--fsdp-mode explicit does not run with {blockers[0]}; "
+                         "use --fsdp-mode xla")
+    return "xla" if config.fsdp_mode == "xla" or blockers else "explicit"
+
+
+def fsdp_summary(mode: str, config: TrainConfig) -> str:
+    """One line for the train plan: which FSDP mode is active."""
+    if mode == "explicit":
+        return ("fsdp: explicit (ZeRO-3: each layer gathered in the compute dtype right before "
+                "use, its gradient reduce-scattered in float32"
+                + (", once per step over the microbatches" if config.grad_accum > 1 else "")
+                + ")")
+    return f"fsdp: xla (the partitioner, from the shardings; --fsdp-mode {config.fsdp_mode})"
 
 
 def pipeline_summary(model_config: Any, stages: int) -> str:

@@ -196,6 +196,7 @@ def prepare(config: TrainConfig) -> _Run:
     run_dir = check_run_dir(config)
     mesh = build.make_mesh(config)
     model_config, rule_list = build.model_and_rules(config, mesh.shape)
+    build.fsdp_mode(config, mesh.shape, model_config)  # UsageError if it cannot run
     policy = Policy.from_string(config.precision)
     tx = build.make_tx(config)
     tokenizer = _tokenizer(config, model_config.vocab_size)
@@ -360,9 +361,10 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
         metrics_log.start(records)
 
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
+    fsdp_mode = build.fsdp_mode(config, mesh.shape, run.model_config)
     step_fn = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
-                grad_accum=config.grad_accum, param_rules=rules),
+                grad_accum=config.grad_accum, param_rules=rules, fsdp_mode=fsdp_mode),
         in_shardings=(rules, batch_spec),
         out_shardings=(rules, None),
         donate_argnums=0,
@@ -380,6 +382,8 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
         print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "
               f"{jax.device_count()} devices, mesh {mesh.shape}, rules {config.rules!r}, "
               f"precision {run.policy}")
+        if mesh.shape.get("fsdp", 1) > 1:
+            print(build.fsdp_summary(fsdp_mode, config))
         if mesh.shape.get("pp", 1) > 1:
             print(build.pipeline_summary(run.model_config, mesh.shape["pp"]))
         print(plan.where(lambda row: row.kind == "input" and "/params/" in f"/{row.path}/"))

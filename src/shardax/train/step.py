@@ -25,12 +25,17 @@ from flax import nnx
 
 from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
-from shardax.parallel import load_balance, tp_size
+from shardax.models import Llama
+from shardax.models._layers import remat_policy
+from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
 
-__all__ = ["init_state", "train_step", "eval_loss", "make_optimizer"]
+__all__ = ["FSDP_MODES", "init_state", "train_step", "eval_loss", "make_optimizer"]
 
 FULL_PRECISION = Policy()
+# 'xla': FSDP from the parameter shardings, left to the partitioner; 'explicit': ZeRO-3 written
+# out (shardax.parallel.fsdp): per-layer gathers and reduce-scatters under a shard_map.
+FSDP_MODES = ("xla", "explicit")
 
 
 def make_optimizer(
@@ -61,18 +66,61 @@ def _loss(params, rest, graphdef, inputs, targets, policy: Policy):
     """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss. Every
     shardax language model has ``training_loss`` (``shardax.models``)."""
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    cp = tp_size("cp")
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
-    if cp > 1:
-        inputs, targets, positions = (load_balance(a, cp) for a in (inputs, targets, positions))
-    return model.training_loss(inputs, targets, positions, load_balanced=cp > 1,
+    inputs, targets, positions, balanced = _with_positions(inputs, targets)
+    return model.training_loss(inputs, targets, positions, load_balanced=balanced,
                                cast=policy.cast_to_output)
 
 
-def _microbatches(x: jax.Array, k: int) -> jax.Array:
-    """[B, ...] -> [k, B/k, ...] with microbatch i = rows i, i+k, ...: each microbatch keeps the
-    batch sharding of the whole (a plain [k, B/k] split would put it on a subset of devices)."""
-    return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
+def _with_positions(inputs, targets) -> tuple:
+    """``(inputs, targets, positions, load_balanced)``: with a 'cp' axis, in ring attention's
+    load-balanced order."""
+    cp = axis_size("cp")
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    if cp > 1:
+        inputs, targets, positions = (load_balance(a, cp) for a in (inputs, targets, positions))
+    return inputs, targets, positions, cp > 1
+
+
+def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum, param_rules):
+    """``(loss, grads)`` under explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked
+    layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
+    in float32; the other parameters (embedding, head, final norm) are gathered once."""
+    if param_rules is None:
+        raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
+    rest = state["rest"]
+
+    def loss_fn(gather, params, inputs, targets):
+        top = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: gather.local(leaf) if _key(path) == "layers" else gather(leaf),
+            params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
+        model = nnx.merge(graphdef, top, rest)
+        if not isinstance(model, Llama):
+            raise ValueError("fsdp_mode='explicit' needs a llama model")
+        c = model.config
+        # Each layer is recomputed in the backward pass (that is what frees its gathered
+        # parameters); a remat policy that saves more (dots) applies within it.
+        policy_ = remat_policy(c.remat) if c.remat not in ("none", "full") else None
+        layers = params["layers"]
+
+        def stack(layer_fn, x):
+            if c.scan_layers:
+                return fsdp.scan_layers(gather, layer_fn, layers, x, policy=policy_)
+            return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
+                                    x, policy=policy_)
+
+        inputs, targets, positions, balanced = _with_positions(inputs, targets)
+        return model.training_loss(inputs, targets, positions, load_balanced=balanced,
+                                   cast=policy.cast_to_output, stack=stack)[0]
+
+    return fsdp.value_and_grad(
+        loss_fn, state["params"], param_rules.apply(state["params"]), inputs, targets,
+        grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
+
+
+def _key(path) -> str:
+    """The first key of a tree path, as a string."""
+    k = path[0]
+    return str(getattr(k, "key", getattr(k, "name", k)))
 
 
 def train_step(
@@ -84,13 +132,22 @@ def train_step(
     policy: Policy = FULL_PRECISION,
     grad_accum: int = 1,
     param_rules: Any = None,
+    fsdp_mode: str = "xla",
 ) -> tuple[dict, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
-    ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss)."""
+    ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
+    ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
+    (a dense llama; ``param_rules`` give the parameters' sharding; gradients
+    of the microbatches are summed full-size in float32 and reduce-scattered once)."""
+    if fsdp_mode not in FSDP_MODES:
+        raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
     inputs, targets = batch
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    if grad_accum == 1:
+    if fsdp_mode == "explicit":
+        loss, grads = _explicit_fsdp(state, inputs, targets, graphdef, policy, grad_accum,
+                                     param_rules)
+    elif grad_accum == 1:
         (loss, _), grads = grad_fn(state["params"], state["rest"], graphdef, inputs, targets,
                                    policy)
     else:
@@ -106,7 +163,7 @@ def train_step(
             return (loss_sum + loss, grad_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        micro = (_microbatches(inputs, grad_accum), _microbatches(targets, grad_accum))
+        micro = (to_microbatches(inputs, grad_accum), to_microbatches(targets, grad_accum))
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
         loss = loss / grad_accum
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
