@@ -253,17 +253,23 @@ def _wait_for(stream, pattern: str, proc: subprocess.Popen) -> str:
     raise AssertionError(f"no {pattern!r} within {BOUND_S} s")
 
 
-def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(reference, tmp_path):
-    out = tmp_path / "run"
+def _signal_at_step(out, tmp_path, step: int, signum: int):
+    """Starts a run, sends ``signum`` once it logged ``step``; ``(process, stderr)`` at exit."""
     proc = _start(out, tmp_path)
     try:
-        _wait_for(proc.stdout, r"^step\s+2\s", proc)
-        proc.send_signal(signal.SIGTERM)
-        stdout, stderr = proc.communicate(timeout=BOUND_S)
+        _wait_for(proc.stdout, rf"^step\s+{step}\s", proc)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=BOUND_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return proc, stderr
+
+
+def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(reference, tmp_path):
+    out = tmp_path / "run"
+    proc, stderr = _signal_at_step(out, tmp_path, 2, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     stopped = re.findall(r"shardax train: stopped at step (\d+), saved; continue with --resume",
                          stderr)
@@ -280,15 +286,7 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(reference, t
 
 def test_a_first_ctrl_c_saves_the_current_step(tmp_path):
     out = tmp_path / "run"
-    proc = _start(out, tmp_path)
-    try:
-        _wait_for(proc.stdout, r"^step\s+1\s", proc)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=BOUND_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc, stderr = _signal_at_step(out, tmp_path, 1, signal.SIGINT)
     assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
     stopped = re.findall(r"stopped at step (\d+), saved; continue with --resume", stderr)
     assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr

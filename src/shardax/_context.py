@@ -63,14 +63,9 @@ def current() -> Frame | None:
     return frames[-1] if frames else None
 
 
-@contextlib.contextmanager
-def pushed(frame: Frame) -> Iterator[Frame]:
+def pushed(frame: Frame) -> contextlib.AbstractContextManager[Frame]:
     """Makes ``frame`` the innermost active context for the ``with`` block."""
-    _STATE.frames.append(frame)
-    try:
-        yield frame
-    finally:
-        _STATE.frames.pop()
+    return _pushed_on(_STATE.frames, frame)
 
 
 def logical_rules() -> Any:
@@ -81,14 +76,18 @@ def logical_rules() -> Any:
     return None if frame is None else frame.logical_axis_rules
 
 
-@contextlib.contextmanager
-def pushed_logical_rules(rules: Any) -> Iterator[Any]:
+def pushed_logical_rules(rules: Any) -> contextlib.AbstractContextManager[Any]:
     """Makes ``rules`` the logical axis rules in force for the ``with`` block."""
-    _STATE.logical_rules.append(rules)
+    return _pushed_on(_STATE.logical_rules, rules)
+
+
+@contextlib.contextmanager
+def _pushed_on(stack: list, item: Any) -> Iterator[Any]:
+    stack.append(item)
     try:
-        yield rules
+        yield item
     finally:
-        _STATE.logical_rules.pop()
+        stack.pop()
 
 
 def resolving_mesh() -> Any:
