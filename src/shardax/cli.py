@@ -12,6 +12,7 @@ exit code 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -80,6 +81,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-every", type=int, default=defaults.eval_every)
     train.add_argument("--data", nargs="+", default=[], metavar="PATH",
                        help="text files or directories (default: the Python standard library)")
+    train.add_argument("--log-to", default=defaults.log_to,
+                       help="metrics trackers, comma-separated: jsonl (always on), tensorboard, "
+                            "wandb (offline unless WANDB_MODE is set) (default %(default)s)")
+    train.add_argument("--profile-steps", default=defaults.profile_steps, metavar="START:STOP",
+                       help="write a jax.profiler trace of steps START..STOP-1 into "
+                            "<out>/profile, e.g. 10:13")
+    train.add_argument("--peak-tflops", type=float, default=defaults.peak_tflops,
+                       help="peak TFLOP/s per device for MFU (default: from the device table; "
+                            "MFU is n/a on CPU)")
 
     generate = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     generate.add_argument("--out", required=True, help="run directory of a shardax train run")
@@ -116,9 +126,33 @@ def _launch(args: argparse.Namespace) -> int:
         return 2
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Status messages to whatever ``sys.stdout`` is when they are written."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _setup_logging() -> None:
+    """``shardax`` status messages (logger ``shardax``) as plain lines on stdout, once."""
+    logger = logging.getLogger("shardax")
+    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # absl may have configured the root logger too
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    _setup_logging()
     if args.command == "launch":
         return _launch(args)
     _set_devices(args.devices)

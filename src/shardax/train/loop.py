@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -31,12 +32,17 @@ from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import data as data_lib
 from shardax.train.checkpoint import Checkpointer, abstract_state
-from shardax.train.step import eval_loss, init_state, make_optimizer, train_step
+from shardax.train.mfu import device_spec, flops_per_token, mfu
+from shardax.train.profiler import StepProfiler, parse_profile_steps
+from shardax.train.step import eval_loss, init_state, make_optimizer, make_schedule, train_step
+from shardax.train.trackers import MissingExtra, check_installed, make_trackers, parse_log_to
 from shardax.utils import flatten_tree
 
 __all__ = ["TrainConfig", "UsageError", "train", "generate"]
 
 CHECKPOINT_DIR = "checkpoints"
+PROFILE_DIR = "profile"
+log = logging.getLogger("shardax.train")
 # Settings a resumed run must share with the run it continues (the mesh may change).
 _FIXED_ON_RESUME = ("model", "seed", "batch_size", "seq_len", "data", "optimizer", "lr",
                     "grad_accum", "precision")
@@ -73,6 +79,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 100
     data: list[str] = field(default_factory=list)
+    log_to: str = "jsonl"  # comma-separated: jsonl (always), tensorboard, wandb
+    profile_steps: str = ""  # START:STOP, e.g. 10:13 traces steps 10, 11 and 12
+    peak_tflops: float = 0.0  # peak TFLOP/s per device for MFU; 0: from the device table
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -189,6 +198,12 @@ def prepare(config: TrainConfig) -> _Run:
         model_config, rule_list = _parallelism(config, mesh.shape, model_config)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    try:
+        check_installed(parse_log_to(config.log_to))
+        parse_profile_steps(config.profile_steps)
+    except (ValueError, MissingExtra) as e:
+        raise UsageError(str(e)) from None
+    _usage(config.peak_tflops >= 0, "--peak-tflops must be >= 0 (0: from the device table)")
     rules = LogicalAxisRules(rule_list)
     batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
@@ -303,25 +318,56 @@ class _Progress:
         info = " ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
         if "tokens_per_s" in record:
             info += (f" | {record['tokens_per_s']:,.0f} tok/s"
-                     f" | {record['step_time_s'] * 1000:.0f} ms/step")
+                     f" | {record['step_time_s'] * 1000:.0f} ms/step"
+                     f" | {record['tflops_per_device']:.3g} TFLOP/s/device | MFU "
+                     + ("n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"))
         self.bar.update(self.task, completed=step, info=info)
-        self.console.print(f"step {step:5d}  {info}", highlight=False)
+        self.console.print(f"step {step:5d}  {info}", highlight=False, soft_wrap=True)
 
 
 class _StepClock:
-    """Step time and tokens/s between logged steps (reading the loss waits for the step)."""
+    """Step time, tokens/s, TFLOP/s per device and MFU between logged steps (reading the loss
+    waits for the step). ``peak_flops`` None: MFU is n/a (a CPU, or an unknown device)."""
 
-    def __init__(self, tokens_per_step: int, start: int):
+    def __init__(self, tokens_per_step: int, start: int, flops_per_token: float,
+                 peak_flops: float | None, devices: int):
         self.tokens_per_step = tokens_per_step
+        self.flops_per_token, self.peak_flops, self.devices = flops_per_token, peak_flops, devices
         self.last_time, self.last_step = time.perf_counter(), start
 
-    def measure(self, step: int, metrics: dict) -> dict[str, float]:
+    def measure(self, step: int, metrics: dict) -> dict[str, float | None]:
         loss = float(metrics["loss"])
         now = time.perf_counter()
         dt = (now - self.last_time) / max(step - self.last_step, 1)
         self.last_time, self.last_step = now, step
+        tokens_per_s = self.tokens_per_step / dt
+        model_flops = self.flops_per_token * tokens_per_s
         return {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt,
-                "tokens_per_s": self.tokens_per_step / dt}
+                "tokens_per_s": tokens_per_s,
+                "tflops_per_device": model_flops / self.devices / 1e12,
+                "mfu": mfu(model_flops, self.peak_flops, self.devices)}
+
+
+def _memory_in_use() -> dict[str, float]:
+    """GiB in use and its peak on the fullest local device, where the backend reports it
+    (``Device.memory_stats()``; a CPU reports nothing)."""
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    used = [s["bytes_in_use"] for s in stats if "bytes_in_use" in s]
+    peak = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    out = {}
+    if used:
+        out["memory_gib"] = max(used) / 2**30
+    if peak:
+        out["memory_peak_gib"] = max(peak) / 2**30
+    return out
+
+
+def _peak_flops(config: TrainConfig) -> float | None:
+    """Peak FLOP/s of one device: ``--peak-tflops``, else the table's entry for the device."""
+    if config.peak_tflops:
+        return config.peak_tflops * 1e12
+    spec = device_spec(jax.devices()[0].device_kind)
+    return spec.peak_flops if spec and jax.devices()[0].platform != "cpu" else None
 
 
 def _plot(out: Path, records: list[dict]) -> None:
@@ -400,36 +446,52 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
             print(_pipeline_summary(run.model_config, mesh.shape["pp"]))
         print(plan.where(lambda row: row.kind == "input" and "/params/" in f"/{row.path}/"))
 
+    per_token = flops_per_token(run.model_config, config.seq_len)
+    peak = _peak_flops(config)
     if is_main:
-        with open(metrics_path, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-    clock = _StepClock(config.batch_size * config.seq_len, start)
+        log.info("model FLOPs per token %.3g (6N + 12·L·d·T); peak %s per device: MFU %s",
+                 per_token, f"{peak / 1e12:.0f} TFLOP/s" if peak else "unknown",
+                 "reported" if peak else "n/a (pass --peak-tflops to report it)")
+    try:
+        trackers = make_trackers(config.log_to, run.out, config.to_json(), records) \
+            if is_main else []
+    except MissingExtra as e:
+        raise UsageError(str(e)) from None
+    schedule = make_schedule(config.optimizer, config.lr, config.steps,
+                             warmup=config.steps // 20)
+    clock = _StepClock(config.batch_size * config.seq_len, start, per_token, peak,
+                       jax.device_count())
+    profiler = StepProfiler(parse_profile_steps(config.profile_steps), run.out / PROFILE_DIR)
     try:
         with _Progress(config.steps, start) as progress:
             for step in range(start, config.steps):
                 batch = first if step == start else to_global(run.train_data.batch(step))
-                state, metrics = step_fn(state, batch)
                 done = step + 1
+                profiler.before(done)
+                state, metrics = step_fn(state, batch)
+                profiler.after(done, (state, metrics))
                 record: dict[str, Any] = {}
                 if done % config.log_every == 0 or done in (config.steps, start + 1):
-                    record = {"step": done, **clock.measure(done, metrics)}
+                    record = {"step": done, **clock.measure(done, metrics),
+                              "lr": float(schedule(step)), **_memory_in_use()}
                 if done % config.eval_every == 0 or done == config.steps:
                     val = [float(eval_fn(state, to_global(b))) for b in run.val_data]
                     record = {"step": done, **record, "val_loss": float(np.mean(val))}
                 if record:
                     records.append(record)
-                    if is_main:
-                        with open(metrics_path, "a") as f:
-                            f.write(json.dumps(record) + "\n")
+                    for tracker in trackers:
+                        tracker.log(done, {k: v for k, v in record.items() if k != "step"})
                 progress.update(done, record if is_main else None)
                 if done % config.ckpt_every == 0 or done == config.steps:
                     position = {**run.train_data.state(), "step": done}
                     ckpt.save(done, _flat(state), extra={"data": position,
                                                          "config": config.to_json()}, force=True)
     finally:  # an interrupted run still finishes (or abandons) its in-flight save
+        profiler.stop()
         ckpt.wait()
         ckpt.close()
+        for tracker in trackers:
+            tracker.close()
     if is_main:
         _plot(run.out, records)
         print(f"wrote {metrics_path}, {run.out / 'loss.png'} and checkpoints in "
