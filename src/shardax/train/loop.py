@@ -38,14 +38,14 @@ from shardax.train.step import eval_loss, init_state, make_optimizer, make_sched
 from shardax.train.trackers import MissingExtra, check_installed, make_trackers, parse_log_to
 from shardax.utils import flatten_tree
 
-__all__ = ["TrainConfig", "UsageError", "train", "generate"]
+__all__ = ["TrainConfig", "UsageError", "train", "generate", "resolve", "step_function"]
 
 CHECKPOINT_DIR = "checkpoints"
 PROFILE_DIR = "profile"
 log = logging.getLogger("shardax.train")
 # Settings a resumed run must share with the run it continues (the mesh may change).
 _FIXED_ON_RESUME = ("model", "seed", "batch_size", "seq_len", "data", "optimizer", "lr",
-                    "grad_accum", "precision")
+                    "grad_accum", "precision", "scan_layers")
 
 
 class UsageError(ValueError):
@@ -65,6 +65,7 @@ class TrainConfig:
     lr: float = 3e-3
     precision: str = "float32"
     remat: str = "none"
+    scan_layers: bool = False  # stack the layers and run them with nnx.scan (faster compiles)
     grad_accum: int = 1
     seed: int = 0
     optimizer: str = "adamw"
@@ -97,7 +98,7 @@ class _Run:
     model_config: Any
     policy: Policy
     tx: Any
-    train_data: data_lib.TokenBatches
+    train_data: data_lib.TokenBatches | None
     val_data: list
     out: Path
 
@@ -175,8 +176,10 @@ def _pipeline_summary(model_config, stages: int) -> str:
             f"microbatches{virtual}, bubble {bubble:.1%} of each step")
 
 
-def prepare(config: TrainConfig) -> _Run:
-    """Checks the config against the machine and builds the run; bad input is a UsageError."""
+def resolve(config: TrainConfig) -> _Run:
+    """The mesh, rules, model config, precision and optimizer a config asks for, checked
+    against each other (no data, no run directory: what ``shardax plan`` needs too); bad
+    input is a UsageError."""
     for name in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
                  "ckpt_every"):
         _usage(getattr(config, name) > 0, f"--{name.replace('_', '-')} must be positive")
@@ -193,6 +196,7 @@ def prepare(config: TrainConfig) -> _Run:
         model_config = models.get_config(
             config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
             max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
+            scan_layers=config.scan_layers or models.CONFIGS[config.model].scan_layers,
         )
         tx = make_optimizer(config.optimizer, config.lr, config.steps, warmup=config.steps // 20)
         model_config, rule_list = _parallelism(config, mesh.shape, model_config)
@@ -216,7 +220,13 @@ def prepare(config: TrainConfig) -> _Run:
     _usage(config.batch_size % jax.process_count() == 0,
            f"--batch-size {config.batch_size} must be divisible by the process count "
            f"{jax.process_count()}")
+    return _Run(config, mesh, rules, model_config, policy, tx, None, [], Path(config.out))
 
+
+def prepare(config: TrainConfig) -> _Run:
+    """Checks the config against the machine and builds the run; bad input is a UsageError."""
+    run = resolve(config)
+    mesh, rules = run.mesh, run.rules
     out = Path(config.out)
     ckpt_dir = out / CHECKPOINT_DIR
     has_checkpoint = False
@@ -255,7 +265,7 @@ def prepare(config: TrainConfig) -> _Run:
             process_index=part, process_count=parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
-    return _Run(config, mesh, rules, model_config, policy, tx, batches, val, out)
+    return dataclasses.replace(run, train_data=batches, val_data=val)
 
 
 def _create(run: _Run):
@@ -274,6 +284,18 @@ def _abstract(run: _Run) -> tuple[Any, Any]:
     with run.mesh.get_context():
         state_shape = jax.eval_shape(state_only)
     return graphdefs[0], state_shape
+
+
+def step_function(run: _Run, graphdef: Any):
+    """The sharded train step of a run (``ShardedFunction``: call it, or ``.plan()`` it)."""
+    rules = run.rules
+    return run.mesh.sjit(
+        partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
+                grad_accum=run.config.grad_accum, param_rules=rules),
+        in_shardings=(rules, rules.spec_for(("batch", "length"), run.mesh.mesh)),
+        out_shardings=(rules, None),
+        donate_argnums=0,
+    )
 
 
 def _flat(state: Any) -> dict[str, Any]:
@@ -410,14 +432,7 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
     init = mesh.sjit(lambda: _create(run)[1], out_shardings=rules)
     shardings = mesh.match_sharding_rule(rules, state_shape)
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
-
-    step_fn = mesh.sjit(
-        partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
-                grad_accum=config.grad_accum, param_rules=rules),
-        in_shardings=(rules, batch_spec),
-        out_shardings=(rules, None),
-        donate_argnums=0,
-    )
+    step_fn = step_function(run, graphdef)
     eval_fn = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
                         in_shardings=(rules, batch_spec))
 
@@ -437,6 +452,8 @@ def train(config: TrainConfig, run: _Run | None = None) -> list[dict]:
 
     first = to_global(run.train_data.batch(start))
     plan = step_fn.plan(state, first)
+    if is_main:  # what the compiled step holds and moves per device (`shardax plan` predicts it)
+        (run.out / "plan.json").write_text(plan.to_json() + "\n")
     n_params = sum(x.size for x in jax.tree.leaves(state_shape["params"]))
     if is_main:
         print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "

@@ -1,0 +1,281 @@
+"""``shardax plan --search``: enumerate parallel layouts, compile the promising ones, rank them.
+
+1. Enumerate: every mesh over the device count with axes dp, fsdp, tp, pp, cp, ep whose sizes
+   the model and batch allow ('tp' divides the KV heads and the MLP width and is at most 8;
+   'pp' divides the layers; 'cp' divides the sequence into 2·cp chunks; 'ep' divides the
+   experts; the batch axes divide the batch per microbatch), each with the rule preset that
+   uses its axes, remat none / save_dots / full, scanned or unrolled layers (scanned only above
+   12 layers), gradient accumulation 1 / 2 / 4, and for 'pp' the gpipe and 1f1b schedules with
+   P or 2P microbatches.
+2. Prune analytically, before compiling: drop candidates whose parameters, gradients and
+   optimizer state alone exceed the memory per device, and order the rest by an analytic step
+   time (the roofline's compute term plus textbook collective bytes).
+3. Compile the best ``max_compiles`` of that order abstractly (``estimate.compile_config``),
+   in ``jobs`` worker processes, until ``budget_s`` runs out; results are cached on disk by
+   configuration, device count and JAX version.
+4. Drop what does not fit; rank the rest by the estimated step time.
+
+>>> result = search(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
+>>> result.ranked[0].summary()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from shardax import models
+from shardax.plan.estimate import (
+    STEP_FIELDS,
+    Compiled,
+    Estimate,
+    compile_config,
+    config_from_dict,
+    estimate,
+    remat_factor,
+)
+from shardax.train.loop import TrainConfig, UsageError, resolve
+from shardax.train.mfu import DeviceSpec, flops_per_token
+
+__all__ = ["SearchResult", "candidates", "search", "analytic"]
+
+log = logging.getLogger("shardax.plan")
+AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+REMAT = ("none", "save_dots", "full")
+GRAD_ACCUM = (1, 2, 4)
+MAX_TP = 8  # one node's fast links
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
+
+
+@dataclass
+class SearchResult:
+    """``ranked``: fitting configurations, fastest first; the counts say what was cut where."""
+
+    ranked: list[Estimate]
+    enumerated: int
+    pruned_memory: int
+    compiled: int
+    cached: int
+    over_hbm: int
+    failed: list[str] = field(default_factory=list)
+    skipped_budget: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranked": [e.to_dict() for e in self.ranked], "enumerated": self.enumerated,
+                "pruned_memory": self.pruned_memory, "compiled": self.compiled,
+                "cached": self.cached, "over_hbm": self.over_hbm, "failed": self.failed,
+                "skipped_budget": self.skipped_budget, "seconds": self.seconds}
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Ordered k-tuples of positive integers whose product is n."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0
+            for rest in _factorizations(n // d, k - 1)]
+
+
+def _preset(sizes: dict[str, int]) -> str:
+    fsdp, tp = sizes.get("fsdp", 1) > 1, sizes.get("tp", 1) > 1
+    return ("fsdp_tp" if tp else "fsdp") if fsdp else ("tp" if tp else "dp")
+
+
+def _mesh_text(sizes: dict[str, int]) -> str:
+    kept = {a: s for a, s in sizes.items() if s > 1} or {"dp": 1}
+    return ",".join(f"{a}={s}" for a, s in kept.items())
+
+
+def candidates(base: TrainConfig, devices: int) -> list[TrainConfig]:
+    """Every layout of ``base``'s model and batch over ``devices`` that the model allows."""
+    c = models.get_config(base.model)
+    llama = isinstance(c, models.LlamaConfig)
+    out = []
+    for sizes_t in _factorizations(devices, len(AXES)):
+        sizes = dict(zip(AXES, sizes_t))
+        dp, fsdp, tp, pp, cp, ep = sizes_t
+        if tp > MAX_TP or (tp > 1 and (c.mlp_dim % tp or
+                                       getattr(c, "n_kv_heads", c.n_heads) % tp)):
+            continue
+        if not llama and (pp > 1 or cp > 1 or ep > 1):
+            continue
+        if pp > 1 and c.n_layers % pp:
+            continue
+        if cp > 1 and base.seq_len % (2 * cp):
+            continue
+        if ep > 1 and (not getattr(c, "n_experts", 0) or c.n_experts % ep):
+            continue
+        batch_split = dp * fsdp * ep
+        scans = (True,) if pp > 1 or c.n_layers > 12 else (False, True)
+        schedules = [("gpipe", 0)] if pp == 1 else [
+            (s, m) for s in ("gpipe", "1f1b") for m in (pp, 2 * pp)]
+        for remat in REMAT:
+            for scan in scans:
+                for accum in (GRAD_ACCUM if pp == 1 else (1,)):
+                    for schedule, micro in schedules:
+                        per_micro = base.batch_size // (accum * max(micro, 1))
+                        if base.batch_size % (accum * max(micro, 1)) or per_micro % batch_split:
+                            continue
+                        out.append(dataclasses.replace(
+                            base, mesh=_mesh_text(sizes), rules=_preset(sizes), remat=remat,
+                            scan_layers=scan, grad_accum=accum, pp_schedule=schedule,
+                            microbatches=micro, tp_mode="none", sequence_parallel=False,
+                            virtual_stages=1))
+    return out
+
+
+def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[float, float]:
+    """``(state bytes per device, step seconds)`` from formulas alone, for pruning and ordering:
+    parameters + gradients + optimizer moments divided over the axes that shard them, and the
+    roofline with textbook collective bytes (gradient all-reduce / reduce-scatter, FSDP
+    all-gathers per microbatch, Megatron TP's 4 activations all-reduces per layer)."""
+    c = models.get_config(config.model)
+    sizes = {a: 1 for a in AXES}
+    sizes.update({k: int(v) for k, v in (p.split("=") for p in config.mesh.split(","))})
+    n = models.param_count(c)
+    param_bytes = 4 if "params=bfloat16" not in config.precision and config.precision not in (
+        "bfloat16", "bf16") else 2
+    moments = 8 if config.optimizer == "adamw" else 0
+    model_split = sizes["fsdp"] * sizes["tp"] * sizes["pp"] * (
+        sizes["ep"] if getattr(c, "n_experts", 0) else 1)
+    state = n * (2 * param_bytes + moments) / model_split
+    batch_split = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
+    work = batch_split * sizes["cp"] * sizes["pp"] * sizes["tp"]
+    c_remat = dataclasses.replace(c, remat=config.remat)
+    flops = flops_per_token(c, config.seq_len) * config.batch_size * config.seq_len
+    flops *= remat_factor(c_remat, config.seq_len) / work
+    pp_micro = config.microbatches or sizes["pp"]
+    bubble = (sizes["pp"] - 1) / (pp_micro + sizes["pp"] - 1)
+    shard_bytes = n * param_bytes / (sizes["tp"] * sizes["pp"])
+    comm = 0.0
+    if batch_split > 1:
+        comm += 2 * shard_bytes  # gradient all-reduce (or reduce-scatter + all-gather)
+    if sizes["fsdp"] > 1:
+        comm += shard_bytes * config.grad_accum * (2 if config.remat == "full" else 1)
+    if sizes["tp"] > 1:
+        rows = config.batch_size // batch_split
+        act = 2 if "compute=bfloat16" in config.precision else 4
+        comm += 2 * 4 * c.n_layers / sizes["pp"] * rows * config.seq_len * c.dim * act
+    step = flops / device.peak_flops / (1 - bubble) + comm / device.link_bytes_per_s
+    return state, step
+
+
+def _key(config: TrainConfig, devices: int) -> str:
+    text = json.dumps({"config": {k: getattr(config, k) for k in STEP_FIELDS},
+                       "devices": devices, "jax": jax.__version__,
+                       "backend": jax.default_backend()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _load(cache: Path | None, key: str) -> Compiled | None:
+    if cache is None or not (cache / f"{key}.json").exists():
+        return None
+    try:
+        return Compiled(**json.loads((cache / f"{key}.json").read_text()))
+    except (ValueError, TypeError):
+        return None  # an unreadable entry is compiled again
+
+
+def _store(cache: Path | None, key: str, compiled: Compiled) -> None:
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f"{key}.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(dataclasses.asdict(compiled)))
+        tmp.replace(cache / f"{key}.json")
+
+
+def _compile_worker(fields: dict[str, Any]) -> tuple[dict | None, str]:
+    """Runs in a worker process: compile one configuration; ``(Compiled as dict, error)``."""
+    try:
+        return dataclasses.asdict(compile_config(config_from_dict(fields))), ""
+    except Exception as e:  # a layout XLA or the model refuses is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None, *,
+           max_compiles: int = 16, budget_s: float = 600.0, jobs: int = 1,
+           cache: Path | None = DEFAULT_CACHE, top: int | None = None) -> SearchResult:
+    """Searches layouts of ``base`` (its model, batch, sequence, precision and optimizer) over
+    ``jax.device_count()`` devices; returns the fitting ones ranked by estimated step time."""
+    start = time.perf_counter()
+    hbm = hbm_bytes if hbm_bytes is not None else device.hbm_bytes
+    devices = jax.device_count()
+    every = candidates(base, devices)
+    scored = []
+    pruned = 0
+    for config in every:
+        state, step = analytic(config, devices, device)
+        if state > hbm:
+            pruned += 1
+            continue
+        try:
+            resolve(config)
+        except UsageError:
+            continue
+        scored.append((step, config))
+    scored.sort(key=lambda x: x[0])
+    chosen = [c for _, c in scored[:max_compiles]]
+    log.info("search: %d layouts, %d over %.0f GiB by parameters and optimizer state alone, "
+             "compiling the %d analytically fastest", len(every), pruned, hbm / 2**30,
+             len(chosen))
+    results: list[tuple[TrainConfig, Compiled]] = []
+    failed: list[str] = []
+    cached = 0
+    todo = []
+    for config in chosen:
+        hit = _load(cache, _key(config, devices))
+        if hit is not None:
+            results.append((config, hit))
+            cached += 1
+        else:
+            todo.append(config)
+    skipped = 0
+    if jobs <= 1:
+        for i, config in enumerate(todo):
+            if time.perf_counter() - start > budget_s:
+                skipped = len(todo) - i
+                break
+            fields, error = _compile_worker({k: getattr(config, k) for k in STEP_FIELDS})
+            _collect(config, fields, error, results, failed, cache, devices)
+    else:
+        ctx = multiprocessing.get_context("spawn")  # workers inherit XLA_FLAGS (device count)
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+            futures = {pool.submit(_compile_worker, {k: getattr(c, k) for k in STEP_FIELDS}): c
+                       for c in todo}
+            remaining = max(budget_s - (time.perf_counter() - start), 1.0)
+            done, not_done = concurrent.futures.wait(futures, timeout=remaining)
+            for future in done:
+                _collect(futures[future], *future.result(), results, failed, cache, devices)
+            skipped = len(not_done)
+            for future in not_done:
+                future.cancel()
+            if not_done:  # compiles still running past the budget: stop their processes
+                for process in list(getattr(pool, "_processes", {}).values()):
+                    process.terminate()
+    estimates = [estimate(config, compiled, device, hbm) for config, compiled in results]
+    fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    return SearchResult(
+        ranked=fitting[:top] if top else fitting, enumerated=len(every), pruned_memory=pruned,
+        compiled=len(results) - cached, cached=cached, over_hbm=len(estimates) - len(fitting),
+        failed=failed, skipped_budget=skipped, seconds=time.perf_counter() - start)
+
+
+def _collect(config: TrainConfig, fields: dict | None, error: str,
+             results: list, failed: list, cache: Path | None, devices: int) -> None:
+    if fields is None:
+        failed.append(f"{config.mesh} remat={config.remat}: {error}")
+        return
+    compiled = Compiled(**fields)
+    _store(cache, _key(config, devices), compiled)
+    results.append((config, compiled))
