@@ -55,6 +55,7 @@ AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 REMAT = ("none", "save_dots", "full")
 GRAD_ACCUM = (1, 2, 4)
 MAX_TP = 8  # one node's fast links
+PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
 
 
@@ -136,8 +137,9 @@ def candidates(base: TrainConfig, devices: int) -> list[TrainConfig]:
 
 
 def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[float, float]:
-    """``(state bytes per device, step seconds)`` from formulas alone, for pruning and ordering:
-    parameters + gradients + optimizer moments divided over the axes that shard them, and the
+    """``(memory bytes per device, step seconds)`` from formulas alone, for pruning and
+    ordering: parameters + gradients + optimizer moments divided over the axes that shard
+    them, plus the activations kept for the backward pass; and the
     roofline with textbook collective bytes (gradient all-reduce / reduce-scatter, FSDP
     all-gathers per microbatch, Megatron TP's 4 activations all-reduces per layer)."""
     c = models.get_config(config.model)
@@ -151,6 +153,7 @@ def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[flo
         sizes["ep"] if getattr(c, "n_experts", 0) else 1)
     state = n * (2 * param_bytes + moments) / model_split
     batch_split = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
+    state += _activation_bytes(config, c, sizes, batch_split)
     work = batch_split * sizes["cp"] * sizes["pp"] * sizes["tp"]
     c_remat = dataclasses.replace(c, remat=config.remat)
     flops = flops_per_token(c, config.seq_len) * config.batch_size * config.seq_len
@@ -163,12 +166,39 @@ def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[flo
         comm += 2 * shard_bytes  # gradient all-reduce (or reduce-scatter + all-gather)
     if sizes["fsdp"] > 1:
         comm += shard_bytes * config.grad_accum * (2 if config.remat == "full" else 1)
-    if sizes["tp"] > 1:
-        rows = config.batch_size // batch_split
-        act = 2 if "compute=bfloat16" in config.precision else 4
-        comm += 2 * 4 * c.n_layers / sizes["pp"] * rows * config.seq_len * c.dim * act
+    rows = config.batch_size // batch_split
+    act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
+    layers = c.n_layers / sizes["pp"]
+    if sizes["tp"] > 1:  # 2 all-reduces forward, 2 backward, of the [rows, seq, dim] stream
+        comm += 2 * 4 * layers * rows * config.seq_len * c.dim * act
+    if sizes["cp"] > 1:  # ring attention: K and V go round the ring, forward and backward
+        kv = getattr(c, "n_kv_heads", c.n_heads) * c.head_dim
+        comm += 3 * layers * (sizes["cp"] - 1) * 2 * rows * config.seq_len / sizes["cp"] \
+            * kv * act
+    if sizes["pp"] > 1:  # each microbatch's activations cross each stage boundary twice
+        comm += 2 * rows * config.seq_len / sizes["cp"] * c.dim * act
     step = flops / device.peak_flops / (1 - bubble) + comm / device.link_bytes_per_s
     return state, step
+
+
+def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
+                      batch_split: int) -> float:
+    """Activations saved for the backward pass per device (Korthikanti et al. 2022, without
+    dropout: ~30·s·b·h + 5·a·s²·b bytes per layer in 16 bits with no remat; the inputs of the
+    matmuls under save_dots; the layer input only under full remat), plus the logits."""
+    pp, cp, tp = sizes["pp"], sizes["cp"], sizes["tp"]
+    micro = config.microbatches or pp
+    in_flight = 1 if pp == 1 else micro if config.pp_schedule == "gpipe" else min(micro, pp)
+    rows = config.batch_size / (batch_split * config.grad_accum * (micro if pp > 1 else 1))
+    tokens = rows * config.seq_len / cp
+    act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
+    h = c.dim
+    per_layer = {
+        "none": tokens * (30 * h + 5 * c.n_heads * config.seq_len / cp) * act / 2 / tp,
+        "save_dots": tokens * (4 * h + 3 * c.mlp_dim) * act / tp,
+    }.get(config.remat, tokens * h * act)
+    logits = 2 * tokens * c.vocab_size * 4 / tp
+    return per_layer * c.n_layers / pp * in_flight + logits
 
 
 def _key(config: TrainConfig, devices: int) -> str:
@@ -216,16 +246,25 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     pruned = 0
     for config in every:
         state, step = analytic(config, devices, device)
-        if state > hbm:
+        if state > hbm * PRUNE_MARGIN:
             pruned += 1
-            continue
-        try:
-            resolve(config)
-        except UsageError:
             continue
         scored.append((step, config))
     scored.sort(key=lambda x: x[0])
-    chosen = [c for _, c in scored[:max_compiles]]
+    # The analytically best layout of each mesh first, then the runners-up: the compile budget
+    # goes to different meshes before variants of one (remat, accumulation) that rank together.
+    seen: set[str] = set()
+    firsts = [i for i, (_, c) in enumerate(scored) if not (c.mesh in seen or seen.add(c.mesh))]
+    rest = sorted(set(range(len(scored))) - set(firsts))
+    chosen: list[TrainConfig] = []
+    for i in firsts + rest:
+        if len(chosen) == max_compiles:
+            break
+        try:
+            resolve(scored[i][1])  # the checks `shardax train` makes (a few cost nothing here)
+        except UsageError:
+            continue
+        chosen.append(scored[i][1])
     log.info("search: %d layouts, %d over %.0f GiB by parameters and optimizer state alone, "
              "compiling the %d analytically fastest", len(every), pruned, hbm / 2**30,
              len(chosen))

@@ -40,8 +40,9 @@ def make_schedule(name: str, lr: float, steps: int, warmup: int = 0) -> optax.Sc
     if name == "sgd":
         return optax.constant_schedule(lr)
     if name == "adamw":
+        warmup = max(warmup, 1)
         return optax.warmup_cosine_decay_schedule(
-            0.0, lr, max(warmup, 1), max(steps, warmup + 1), end_value=lr * 0.1
+            0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1
         )
     raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'sgd'")
 
