@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from shardax.plan.estimate import plan_config, seconds
+from shardax.plan.estimate import plan_config, seconds, train_command
 from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.loop import TrainConfig, UsageError
 from shardax.train.mfu import DeviceSpec, device_spec
@@ -83,8 +83,11 @@ def run_plan(args: argparse.Namespace) -> int:
         for reason in result.failed:
             log.info("refused: %s", reason)
         if not result.ranked:
-            print("no layout fits: try a smaller --batch-size or --seq-len, bf16 parameters "
-                  "or more --devices")
+            print("no layout fits: try a smaller --batch-size or --seq-len, bf16 parameters, "
+                  "more --devices or a larger --max-compiles / --time-budget")
+            for est in result.closest_over:
+                print(f"  closest: {est.compiled.peak_bytes / 2**30:.1f} GiB peak: "
+                      f"{train_command(est.config)}")
         for rank, est in enumerate(result.ranked, 1):
             print(f"\n#{rank}  estimated {seconds(est.step_s)} per step, peak "
                   f"{est.compiled.peak_bytes / 2**30:.2f} GiB per device\n{est.summary()}")

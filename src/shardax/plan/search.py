@@ -10,9 +10,10 @@
 2. Prune analytically, before compiling: drop candidates whose parameters, gradients and
    optimizer state alone exceed the memory per device, and order the rest by an analytic step
    time (the roofline's compute term plus textbook collective bytes).
-3. Compile the best ``max_compiles`` of that order abstractly (``estimate.compile_config``),
-   in ``jobs`` worker processes, until ``budget_s`` runs out; results are cached on disk by
-   configuration, device count and JAX version.
+3. Compile up to ``max_compiles`` of them in that order abstractly
+   (``estimate.compile_config``), in ``jobs`` worker processes, until ``budget_s`` runs out;
+   each compiled peak recalibrates the formula (layouts it now puts over the limit are
+   skipped); results are cached on disk by configuration, device count and JAX version.
 4. Drop what does not fit; rank the rest by the estimated step time.
 
 >>> result = search(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
@@ -21,13 +22,14 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,12 +74,14 @@ class SearchResult:
     failed: list[str] = field(default_factory=list)
     skipped_budget: int = 0
     seconds: float = 0.0
+    closest_over: list[Estimate] = field(default_factory=list)  # smallest peaks over the limit
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranked": [e.to_dict() for e in self.ranked], "enumerated": self.enumerated,
                 "pruned_memory": self.pruned_memory, "compiled": self.compiled,
                 "cached": self.cached, "over_hbm": self.over_hbm, "failed": self.failed,
-                "skipped_budget": self.skipped_budget, "seconds": self.seconds}
+                "skipped_budget": self.skipped_budget, "seconds": self.seconds,
+                "closest_over": [e.to_dict() for e in self.closest_over]}
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -233,11 +237,58 @@ def _compile_worker(fields: dict[str, Any]) -> tuple[dict | None, str]:
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+class _Workers:
+    """Compiles in ``jobs`` fresh processes (``python -m shardax.plan.worker``), so a layout
+    that crashes the compiler costs only its own process; they inherit XLA_FLAGS (the device
+    count) and JAX_PLATFORMS."""
+
+    def __init__(self, jobs: int, tmp: Path):
+        self.jobs, self.tmp, self.running, self.n = jobs, tmp, [], 0
+
+    def free(self) -> bool:
+        return len(self.running) < self.jobs
+
+    def submit(self, config: TrainConfig) -> None:
+        self.n += 1
+        out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
+        fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
+        with open(err, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "shardax.plan.worker", fields,
+                                     str(out)], stdout=subprocess.DEVNULL, stderr=stderr)
+        self.running.append((proc, config, out, err))
+
+    def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
+        done, still = [], []
+        for proc, config, out, err in self.running:
+            if proc.poll() is None:
+                still.append((proc, config, out, err))
+                continue
+            if proc.returncode == 0 and out.exists():
+                done.append((config, json.loads(out.read_text()), ""))
+            else:
+                lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
+                why = next((ln for ln in lines if ln.startswith(("F", "E", "shardax"))), "")
+                done.append((config, None, f"exit code {proc.returncode}: {why[:200]}"))
+        self.running = still
+        return done
+
+    def stop(self) -> int:
+        for proc, *_ in self.running:
+            proc.kill()
+            proc.wait()
+        n, self.running = len(self.running), []
+        return n
+
+
 def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None, *,
            max_compiles: int = 16, budget_s: float = 600.0, jobs: int = 1,
            cache: Path | None = DEFAULT_CACHE, top: int | None = None) -> SearchResult:
     """Searches layouts of ``base`` (its model, batch, sequence, precision and optimizer) over
-    ``jax.device_count()`` devices; returns the fitting ones ranked by estimated step time."""
+    ``jax.device_count()`` devices; returns the fitting ones ranked by estimated step time.
+
+    The analytic memory is calibrated as results come in: once a compiled layout shows the
+    formula underestimated its peak by a factor r, layouts whose formula memory x r is over
+    the limit are no longer compiled."""
     start = time.perf_counter()
     hbm = hbm_bytes if hbm_bytes is not None else device.hbm_bytes
     devices = jax.device_count()
@@ -245,76 +296,91 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     scored = []
     pruned = 0
     for config in every:
-        state, step = analytic(config, devices, device)
-        if state > hbm * PRUNE_MARGIN:
+        memory, step = analytic(config, devices, device)
+        if memory > hbm * PRUNE_MARGIN:
             pruned += 1
             continue
-        scored.append((step, config))
+        scored.append((step, memory, config))
     scored.sort(key=lambda x: x[0])
     # The analytically best layout of each mesh first, then the runners-up: the compile budget
     # goes to different meshes before variants of one (remat, accumulation) that rank together.
     seen: set[str] = set()
-    firsts = [i for i, (_, c) in enumerate(scored) if not (c.mesh in seen or seen.add(c.mesh))]
-    rest = sorted(set(range(len(scored))) - set(firsts))
-    chosen: list[TrainConfig] = []
-    for i in firsts + rest:
-        if len(chosen) == max_compiles:
-            break
-        try:
-            resolve(scored[i][1])  # the checks `shardax train` makes (a few cost nothing here)
-        except UsageError:
-            continue
-        chosen.append(scored[i][1])
-    log.info("search: %d layouts, %d over %.0f GiB by parameters and optimizer state alone, "
-             "compiling the %d analytically fastest", len(every), pruned, hbm / 2**30,
-             len(chosen))
+    firsts = [i for i, (_, _, c) in enumerate(scored) if not (c.mesh in seen or seen.add(c.mesh))]
+    order = [scored[i] for i in firsts + sorted(set(range(len(scored))) - set(firsts))]
+    log.info("search: %d layouts, %d over %.0f GiB by formula; compiling up to %d, "
+             "analytically fastest first", len(every), pruned, hbm / 2**30, max_compiles)
     results: list[tuple[TrainConfig, Compiled]] = []
     failed: list[str] = []
-    cached = 0
-    todo = []
-    for config in chosen:
-        hit = _load(cache, _key(config, devices))
-        if hit is not None:
-            results.append((config, hit))
-            cached += 1
-        else:
-            todo.append(config)
+    cached = calibrated = 0
+    scale = 1.0 / PRUNE_MARGIN  # compiled peak / formula memory, the largest seen so far
+    analytic_memory: dict[int, float] = {}
+
+    def take(config: TrainConfig, compiled: Compiled) -> None:
+        nonlocal scale
+        results.append((config, compiled))
+        scale = max(scale, compiled.peak_bytes / analytic_memory[id(config)])
+
+    pending = iter(order)
+    launched = 0
     skipped = 0
-    if jobs <= 1:
-        for i, config in enumerate(todo):
-            if time.perf_counter() - start > budget_s:
-                skipped = len(todo) - i
+    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-"))) if jobs > 1 \
+        else None
+    try:
+        while True:
+            over_time = time.perf_counter() - start > budget_s
+            # Launch (or compile inline) the next candidates that still look like they fit.
+            while launched < max_compiles and not over_time and (
+                    workers is None or workers.free()):
+                item = next(pending, None)
+                if item is None:
+                    break
+                _, memory, config = item
+                if memory * scale > hbm:
+                    calibrated += 1
+                    continue
+                try:
+                    resolve(config)  # the checks `shardax train` makes
+                except UsageError:
+                    continue
+                analytic_memory[id(config)] = memory
+                launched += 1
+                hit = _load(cache, _key(config, devices))
+                if hit is not None:
+                    cached += 1
+                    take(config, hit)
+                elif workers is None:
+                    fields, error = _compile_worker({k: getattr(config, k) for k in STEP_FIELDS})
+                    _collect(config, fields, error, take, failed, cache, devices)
+                    over_time = time.perf_counter() - start > budget_s
+                else:
+                    workers.submit(config)
+            if workers is None or not workers.running:
                 break
-            fields, error = _compile_worker({k: getattr(config, k) for k in STEP_FIELDS})
-            _collect(config, fields, error, results, failed, cache, devices)
-    else:
-        ctx = multiprocessing.get_context("spawn")  # workers inherit XLA_FLAGS (device count)
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = {pool.submit(_compile_worker, {k: getattr(c, k) for k in STEP_FIELDS}): c
-                       for c in todo}
-            remaining = max(budget_s - (time.perf_counter() - start), 1.0)
-            done, not_done = concurrent.futures.wait(futures, timeout=remaining)
-            for future in done:
-                _collect(futures[future], *future.result(), results, failed, cache, devices)
-            skipped = len(not_done)
-            for future in not_done:
-                future.cancel()
-            if not_done:  # compiles still running past the budget: stop their processes
-                for process in list(getattr(pool, "_processes", {}).values()):
-                    process.terminate()
+            for config, fields, error in workers.finished():
+                _collect(config, fields, error, take, failed, cache, devices)
+            if time.perf_counter() - start > budget_s:
+                skipped = workers.stop()
+                break
+            time.sleep(0.2)
+    finally:
+        if workers is not None:
+            workers.stop()
     estimates = [estimate(config, compiled, device, hbm) for config, compiled in results]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    over = sorted((e for e in estimates if not e.fits), key=lambda e: e.compiled.peak_bytes)
     return SearchResult(
-        ranked=fitting[:top] if top else fitting, enumerated=len(every), pruned_memory=pruned,
-        compiled=len(results) - cached, cached=cached, over_hbm=len(estimates) - len(fitting),
-        failed=failed, skipped_budget=skipped, seconds=time.perf_counter() - start)
+        ranked=fitting[:top] if top else fitting, enumerated=len(every),
+        pruned_memory=pruned + calibrated, compiled=len(results) - cached, cached=cached,
+        over_hbm=len(over), failed=failed, skipped_budget=skipped,
+        seconds=time.perf_counter() - start, closest_over=over[:3])
 
 
-def _collect(config: TrainConfig, fields: dict | None, error: str,
-             results: list, failed: list, cache: Path | None, devices: int) -> None:
+def _collect(config: TrainConfig, fields: dict | None, error: str, take: Any,
+             failed: list, cache: Path | None, devices: int) -> None:
     if fields is None:
-        failed.append(f"{config.mesh} remat={config.remat}: {error}")
+        failed.append(f"{config.mesh} remat={config.remat} grad_accum={config.grad_accum}: "
+                      f"{error}")
         return
     compiled = Compiled(**fields)
     _store(cache, _key(config, devices), compiled)
-    results.append((config, compiled))
+    take(config, compiled)
