@@ -77,9 +77,13 @@ def test_search_returns_only_fitting_layouts(tmp_path):
     assert peaks[0] < peaks[1], "the test needs two layouts of different peak memory"
     limit = (peaks[0] + peaks[1]) / 2
     second = search(base, H100, limit, max_compiles=2, cache=cache)
-    assert second.cached == 2 and second.compiled == 0  # same layouts, from the cache
-    assert second.over_hbm == 1 and len(second.ranked) == 1
-    assert all(e.compiled.peak_bytes <= limit for e in second.ranked)
+    assert second.cached >= 1  # the layout that fits again, from the cache
+    big = max(first.ranked, key=lambda e: e.compiled.peak_bytes).config
+    assert big not in [e.config for e in second.ranked]
+    # Left out either once compiled or before (the formula, recalibrated by the first
+    # compiled peak, already puts it over).
+    assert second.over_hbm + second.pruned_memory >= 1
+    assert second.ranked and all(e.compiled.peak_bytes <= limit for e in second.ranked)
     steps = [e.step_s for e in first.ranked]
     assert steps == sorted(steps)
     assert first.ranked[0].to_dict()["command"].startswith("shardax train --model llama-tiny")
