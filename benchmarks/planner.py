@@ -193,6 +193,9 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"| {i} | `{t['command']}` | {seconds(t['step_s'])} | "
                          f"{t['peak_gib']:.1f} GiB | {t['fits']} |")
         lines.append("")
+        if sr["failed"]:
+            lines += ["Refused (the compiler crashed in a worker process; the search went on): "
+                      + "; ".join(f"`{f}`" for f in sr["failed"]), ""]
     return "\n".join(lines)
 
 

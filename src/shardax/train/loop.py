@@ -241,6 +241,7 @@ def prepare(config: TrainConfig) -> _Run:
         _usage(_pipelined(saved["mesh"]) == _pipelined(config.mesh),
                f"--resume: the run was trained on mesh {saved['mesh']!r}; a run with a 'pp' "
                "axis keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
+        saved = {**TrainConfig().to_json(), **saved}  # runs from before a field existed
         changed = [k for k in _FIXED_ON_RESUME if saved.get(k) != getattr(config, k)]
         _usage(not changed, "--resume: these settings differ from the run being resumed: " +
                ", ".join(f"--{k.replace('_', '-')} {getattr(config, k)!r} (was {saved.get(k)!r})"
