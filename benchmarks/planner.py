@@ -173,6 +173,13 @@ def render(result: dict[str, Any]) -> str:
                       f"**{s['spearman']:.2f}**; the first choice's measured time is "
                       f"{s['first_over_best']:.2f}x the measured best "
                       f"({'within' if s['first_over_best'] <= 1.10 else 'not within'} 10%).",
+                  "",
+                  "Where the estimate misses: pipelines on emulated devices. Each of the M + P - 1 "
+                  "pipeline iterations ends in a collective-permute for which all 8 emulated "
+                  "devices (threads sharing the cores) must meet, a per-iteration cost the "
+                  "roofline (FLOPs / peak + bytes / bandwidth) does not model; on GPUs it is a "
+                  "point-to-point send. Single measurements on a shared 2-core machine also "
+                  "carry ~20% noise, enough to swap near-ties.",
                   ""]
     for b in result.get("big", []):
         if "error" in b:
