@@ -187,6 +187,8 @@ CASES = [
     ("peak-tflops nan", ["train", "--peak-tflops", "nan"], ["--peak-tflops nan"]),
     ("plan top 0", ["plan", "--top", "0"], ["--top 0"]),
     ("plan bad model", ["plan", "--model", "llama-huge"], ["llama-huge"]),
+    ("plan hbm", ["plan", "--hbm", "lots"], ["--hbm 'lots'"]),
+    ("plan target", ["plan", "--target", "abacus"], ["--target 'abacus'"]),
     ("unknown command", ["trian"], ["trian", "train"]),
 ]
 

@@ -278,10 +278,11 @@ def _plan(argv: list[str]) -> int:
     config = config_lib.check(args.run)
     config_lib.check_plan(args.plan)
     _check_devices(args.devices)
+    from shardax.plan.command import check_device_flags, run_plan
+
+    check_device_flags(args.plan)  # --hbm and --target, before a backend starts
     os.environ["JAX_PLATFORMS"] = "cpu"  # planning compiles for emulated devices
     _set_devices(args.devices)
-    from shardax.plan.command import run_plan
-
     return run_plan(config, args.plan)
 
 

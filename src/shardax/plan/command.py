@@ -20,7 +20,7 @@ from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.config import PlanConfig, TrainConfig, UsageError
 from shardax.train.mfu import DeviceSpec, device_spec
 
-__all__ = ["parse_bytes", "target_device", "run_plan"]
+__all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]
 
 log = logging.getLogger("shardax.plan")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
@@ -55,6 +55,18 @@ def target_device(name: str | None, peak_tflops: float = 0.0,
     if link_gbps:
         spec = dataclasses.replace(spec, link_bytes_per_s=link_gbps * 1e9)
     return spec
+
+
+def check_device_flags(args: PlanConfig) -> None:
+    """``--hbm`` and ``--target`` checked without touching a device (UsageError naming the
+    flag), so that ``shardax plan`` reports them before a backend starts."""
+    try:
+        if args.hbm:
+            parse_bytes(args.hbm)
+        if args.target:
+            target_device(args.target)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def run_plan(config: TrainConfig, args: PlanConfig) -> int:
