@@ -1,9 +1,10 @@
 """Trackers, profiler traces and MFU: files read back, FLOPs checked against XLA.
 
-One tiny `train` run logs to all three trackers and profiles two steps; the tests read what it
-wrote with readers independent of the writers (a TFRecord / Event-protobuf parser for
-TensorBoard, a LevelDB-log / W&B-protobuf parser for wandb's offline run, gzip + JSON for the
-Perfetto trace). The FLOPs formula is compared with XLA's cost analysis of the compiled step.
+One tiny `train` run (conftest.py's ``observed_run``, shared with test_planner.py) logs to all
+three trackers and profiles two steps; the tests read what it wrote with readers independent of
+the writers (a TFRecord / Event-protobuf parser for TensorBoard, a LevelDB-log / W&B-protobuf
+parser for wandb's offline run, gzip + JSON for the Perfetto trace). The FLOPs formula is
+compared with XLA's cost analysis of the compiled step.
 """
 
 import gzip
@@ -22,7 +23,6 @@ import pytest
 from flax import nnx
 
 from shardax import models
-from shardax.train.loop import TrainConfig, train
 from shardax.train.mfu import device_spec, flops_per_token, matmul_params, mfu
 from shardax.train.profiler import parse_profile_steps, trace_files
 from shardax.train.step import init_state, train_step
@@ -34,14 +34,10 @@ SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    pytest.importorskip("tensorboardX")
-    pytest.importorskip("wandb")
-    out = tmp_path_factory.mktemp("observed") / "run"
-    os.environ.setdefault("WANDB_MODE", "offline")
-    records = train(TrainConfig(
-        out=str(out), steps=4, batch_size=8, seq_len=32, log_every=1, eval_every=2,
-        ckpt_every=100, log_to="tensorboard,wandb", profile_steps="2:4", mesh="fsdp=-1"))
+def run(observed_run):
+    """The shared tiny run of conftest.py (llama-tiny, fsdp=4,tp=2, 4 steps, every installed
+    tracker, steps 2-3 profiled): ``(out, records)``."""
+    _, out, records = observed_run
     return out, records
 
 
@@ -68,6 +64,7 @@ def test_jsonl_has_every_scalar_and_mfu_is_na_on_cpu(run):
 
 
 def test_tensorboard_event_file_holds_the_scalars(run):
+    pytest.importorskip("tensorboardX")
     from tensorboardX.proto import event_pb2
 
     out, records = run
@@ -107,6 +104,7 @@ def _wandb_history(run_file: Path) -> list[dict]:
 
 
 def test_wandb_offline_run_holds_the_scalars(run):
+    pytest.importorskip("wandb")
     out, records = run
     (run_dir,) = (out / "wandb").glob("offline-run-*")
     (run_file,) = run_dir.glob("run-*.wandb")

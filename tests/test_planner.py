@@ -1,10 +1,11 @@
 """`shardax plan`: abstract compile = a real run's compiled memory; `--search` keeps only
 layouts that fit; analytic pruning; the command line and its errors.
 
-The real run is a 1-step `train` whose `plan.json` holds the memory XLA reported for the step it
-ran; the plan compiles the same configuration from shapes alone and must report the same bytes
-(exact: the same program). The search test compiles two tiny layouts once (an on-disk cache
-serves the second search) and sets the memory limit between their peaks.
+The real run is the tiny `train` run conftest.py shares with test_observability.py; its
+`plan.json` holds the memory XLA reported for the step it ran; the plan compiles the same
+configuration from shapes alone and must report the same bytes (exact: the same program). The
+search test compiles two tiny layouts once (an on-disk cache serves the second search) and sets
+the memory limit between their peaks.
 """
 
 import json
@@ -21,7 +22,6 @@ from shardax.plan.command import parse_bytes
 from shardax.plan.estimate import train_command
 from shardax.train.build import resolve
 from shardax.train.config import TrainConfig
-from shardax.train.loop import train
 from shardax.train.mfu import device_spec
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -30,11 +30,10 @@ TINY = dict(model="llama-tiny", batch_size=8, seq_len=32)
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("real") / "run"
-    config = TrainConfig(out=str(out), steps=1, log_every=1, eval_every=100, ckpt_every=100,
-                         mesh="fsdp=4,tp=2", remat="full", **TINY)
-    train(config)
+def real_run(observed_run):
+    """The shared tiny run of conftest.py (llama-tiny, batch 8 x 32, fsdp=4,tp=2, full remat)
+    and the plan.json it wrote."""
+    config, out, _ = observed_run
     return config, json.loads((out / "plan.json").read_text())
 
 
