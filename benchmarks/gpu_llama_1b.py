@@ -5,11 +5,10 @@
     python benchmarks/gpu_llama_1b.py --batch-per-device 8 --remat full --json out.json
 
 MFU = model FLOPs per second / peak dense bf16 FLOPs of all devices, with model FLOPs per token
-= 6·N + 12·L·d·T (PaLM, appendix B): N the parameters that take part in matmuls (all but the
-input embedding table, which is a lookup), L layers, d = heads·head_dim, T the sequence length
-(the attention term counts the full T x T scores, as the implementation computes them).
-Recomputation under remat is not model FLOPs, so it lowers MFU. Data are random tokens: this
-measures speed, not learning.
+= 6·N + 12·L·d·T and the peak from the device table, both from ``shardax.train.mfu`` (the same
+numbers ``shardax train`` logs and ``shardax plan`` estimates with). Recomputation under remat
+is not model FLOPs, so it lowers MFU. Data are random tokens: this measures speed, not
+learning.
 
 On a machine without a GPU it exits with a message; ``--allow-cpu`` runs the same code path on
 CPU (use a small ``--model``) to check that it works; it then reports no MFU.
@@ -23,34 +22,6 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-
-# Peak dense (no sparsity) bf16 tensor-core FLOP/s per device, from NVIDIA's data sheets.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,  # H200 SXM
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,  # H100 SXM5 (the other H100 names are matched first)
-    "A100": 312e12,  # SXM and PCIe alike
-}
-
-
-def peak_flops(device_kind: str) -> float | None:
-    """Peak bf16 FLOP/s of one device from its ``device_kind`` ('NVIDIA H100 80GB HBM3')."""
-    for name, flops in PEAK_BF16_FLOPS.items():
-        if name.lower() in device_kind.lower():
-            return flops
-    return None
-
-
-def flops_per_token(config, seq_len: int) -> float:
-    """6·N (matmul parameters) + 12·L·d·T (attention scores and weighted sum), fwd + bwd."""
-    from shardax import models
-
-    n = models.param_count(config) - config.vocab_size * config.dim  # the lookup table
-    if config.tie_embeddings:  # the table is also the output matmul
-        n += config.vocab_size * config.dim
-    d = config.n_heads * config.head_dim
-    return 6 * n + 12 * config.n_layers * d * seq_len
 
 
 def main() -> None:
@@ -93,6 +64,7 @@ def main() -> None:
     from shardax.mesh import MeshShardingHelper
     from shardax.precision import Policy
     from shardax.rules import LogicalAxisRules
+    from shardax.train.mfu import device_spec, flops_per_token, mfu
     from shardax.train.step import init_state, make_optimizer, train_step
 
     policy = Policy.from_string(args.precision)
@@ -147,8 +119,9 @@ def main() -> None:
     per_token = flops_per_token(config, args.seq_len)
     model_flops = per_token * tokens_per_s
     kind = devices[0].device_kind
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(kind)
-    mfu = model_flops / (peak * len(devices)) if peak and devices[0].platform == "gpu" else None
+    spec = device_spec(kind) if devices[0].platform == "gpu" else None
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else spec and spec.peak_flops
+    utilisation = mfu(model_flops, peak, len(devices)) if devices[0].platform == "gpu" else None
     stats = devices[0].memory_stats() or {}
     result = {
         "model": args.model, "params": models.param_count(config), "precision": str(policy),
@@ -158,7 +131,7 @@ def main() -> None:
         "warmup_s_incl_compile": warmup_s, "step_s": elapsed / args.steps,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / len(devices),
         "model_tflops_per_s": model_flops / 1e12, "flops_per_token": per_token,
-        "peak_tflops_per_device": peak / 1e12 if peak else None, "mfu": mfu,
+        "peak_tflops_per_device": peak / 1e12 if peak else None, "mfu": utilisation,
         "loss_after_warmup": warmup_loss, "loss_last": float(metrics["loss"]),
         "peak_bytes_in_use_device0": stats.get("peak_bytes_in_use"),
     }
@@ -166,7 +139,7 @@ def main() -> None:
     for key, value in result.items():
         shown = f"{value:.4g}" if isinstance(value, float) else value
         print(f"{key:<{width}}  {shown}")
-    if mfu is None:
+    if utilisation is None:
         print("MFU: not reported (no GPU, or unknown peak: pass --peak-tflops)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

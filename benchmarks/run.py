@@ -7,7 +7,9 @@ Sections: memory + communication (``memory_comm.py``), collective dtypes (the sa
 with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
 (``compile_depth.py``), peers (``peers.py``, with scalax pip-installed into
 ``benchmarks/.peers``), the FSDP modes against ZeRO-3 (``fsdp.py``), the data pipeline's host
-memory (``data_memory.py``) and Hugging Face import + KV-cache generation (``hf.py``). A section
+memory (``data_memory.py``), Hugging Face import + KV-cache generation (``hf.py``) and the
+planner's ranking vs measured step times (``planner.py``). The llama-8b planner searches
+(``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A section
 that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
 """
@@ -30,7 +32,10 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
 SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp",
-            "data_memory", "hf")
+            "data_memory", "hf", "planner")
+# Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
+EXTRA_SECTIONS = ("planner_8b",)
+SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0}  # seconds, over --timeout
 RAW = HERE / ".results.json"  # the last run's raw numbers, for --render-only
 
 
@@ -83,7 +88,8 @@ def _failed(title: str, outcome: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+    parser.add_argument("--only", nargs="+", choices=SECTIONS + EXTRA_SECTIONS,
+                        default=list(SECTIONS),
                         help="run these sections; the others keep the last run's results")
     parser.add_argument("--out", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--timeout", type=float, default=600, help="per section, seconds")
@@ -118,13 +124,17 @@ def main() -> None:
             outcomes[section] = _run("memory_comm.py", ["--dtypes"], args.timeout,
                                      _env(flags))
             shutil.rmtree(dump, ignore_errors=True)
+        elif section == "planner_8b":
+            outcomes[section] = _run("planner.py", ["--8b"],
+                                     max(args.timeout, SECTION_TIMEOUT[section]), _env())
         elif section in ("peers", "overhead"):  # both compare with scalax
             problem = install_scalax()
             outcomes[section] = _run(f"{section}.py", [], args.timeout, _env())
             if problem and section == "peers" and "result" in outcomes[section]:
                 outcomes[section]["result"]["scalax"] += f"; install: {problem}"
         else:
-            outcomes[section] = _run(f"{section}.py", [], args.timeout, _env())
+            outcomes[section] = _run(f"{section}.py", [],
+                                     max(args.timeout, SECTION_TIMEOUT.get(section, 0)), _env())
         status = "ok" if "result" in outcomes[section] else outcomes[section]["error"][:200]
         print(f"[bench] {section}: {outcomes[section]['seconds']:.0f} s, {status}", flush=True)
 
@@ -145,6 +155,7 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     import memory_comm
     import overhead
     import peers
+    import planner
 
     def ok(name: str) -> dict | None:
         return outcomes.get(name, {}).get("result")
@@ -172,6 +183,14 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
             summary += module.summary(ok(name))
         elif name in outcomes:
             parts.append(_failed(title, outcomes[name]))
+
+    planned = {**(ok("planner") or {}), **(ok("planner_8b") or {})}
+    if planned:
+        parts.append(planner.render(planned))
+        summary += planner.summary(planned)
+    for name in ("planner", "planner_8b"):
+        if name in outcomes and not ok(name):
+            parts.append(_failed(f"10. Planner ({name})", outcomes[name]))
 
     head = [
         "# Benchmark results",

@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -40,3 +42,29 @@ if "SHARDAX_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"tests expect 8 emulated CPU devices, got {jax.device_count()}"
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="session")
+def observed_run(tmp_path_factory):
+    """One tiny 4-step `shardax train` run shared by test_observability.py (trackers, profile,
+    metrics) and test_planner.py (its plan.json against `shardax plan`): ``(config, out,
+    records)``. Logs to the trackers that are installed (their tests skip otherwise) and
+    profiles steps 2-3."""
+    from shardax.train.config import TrainConfig
+    from shardax.train.loop import train
+
+    out = tmp_path_factory.mktemp("observed") / "run"
+    os.environ.setdefault("WANDB_MODE", "offline")
+    trackers = [name for name, module in (("tensorboard", "tensorboardX"), ("wandb", "wandb"))
+                if _installed(module)]
+    config = TrainConfig(
+        model="llama-tiny", batch_size=8, seq_len=32, mesh="fsdp=4,tp=2", remat="full",
+        out=str(out), steps=4, log_every=1, eval_every=2, ckpt_every=100,
+        log_to=",".join(["jsonl", *trackers]), profile_steps="2:4")
+    return config, out, train(config)

@@ -179,6 +179,16 @@ CASES = [
     ("launch timeout -5", ["launch", "--nproc", "2", "--timeout", "-5", "--", "true"],
      ["--timeout", "-5"]),
     ("launch nproc 0", ["launch", "--nproc", "0", "--", "true"], ["--nproc", "0"]),
+    ("profile-steps syntax", ["train", "--profile-steps", "ten"], ["--profile-steps", "ten"]),
+    ("profile-steps empty range", ["train", "--profile-steps", "5:5"], ["--profile-steps",
+                                                                        "5:5"]),
+    ("log-to unknown tracker", ["train", "--log-to", "mlflow"], ["--log-to", "mlflow"]),
+    ("peak-tflops -1", ["train", "--peak-tflops", "-1"], ["--peak-tflops -1"]),
+    ("peak-tflops nan", ["train", "--peak-tflops", "nan"], ["--peak-tflops nan"]),
+    ("plan top 0", ["plan", "--top", "0"], ["--top 0"]),
+    ("plan bad model", ["plan", "--model", "llama-huge"], ["llama-huge"]),
+    ("plan hbm", ["plan", "--hbm", "lots"], ["--hbm 'lots'"]),
+    ("plan target", ["plan", "--target", "abacus"], ["--target 'abacus'"]),
     ("unknown command", ["trian"], ["trian", "train"]),
 ]
 
@@ -214,7 +224,7 @@ def test_bad_command_line(name, argv, needles, results):
     lines = r["err"].strip().splitlines()
     assert r["code"] == 2, r
     assert len(lines) == 1, r["err"]
-    command = argv[0] if argv[0] in ("train", "generate", "launch") else None
+    command = argv[0] if argv[0] in ("train", "plan", "generate", "launch") else None
     assert lines[0].startswith(f"shardax {command}: error: " if command else "shardax: error: ")
     assert "Traceback" not in r["err"]
     for needle in needles:

@@ -143,6 +143,11 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, mlp_dim=5632,
         max_seq_len=2048,
     ),
+    # Llama 3 8B shapes (for `shardax plan`: planning needs no parameters in memory).
+    "llama-8b": LlamaConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, mlp_dim=14336,
+        max_seq_len=8192, rope_theta=500000.0,
+    ),
     # llama-tiny with a 4-expert, top-2 mixture-of-experts MLP in every layer.
     "llama-moe-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2),
 }

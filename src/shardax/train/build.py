@@ -7,11 +7,16 @@ nothing here reads the training data. Bad settings are a `UsageError` naming the
 >>> mesh = make_mesh(config)
 >>> model_config, rules = model_and_rules(config, mesh.shape)
 >>> graphdef, state_shape = abstract(model_config, make_tx(config), config.seed, mesh)
+>>> run = resolve(config)              # all of the above, checked together (`shardax plan`)
+>>> step = step_function(run, graphdef)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -21,14 +26,15 @@ from shardax import models
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
+from shardax.rules import LogicalAxisRules
 from shardax.train.checkpoint import Checkpointer, Restored, abstract_state
-from shardax.train.config import TrainConfig, UsageError, flag, hf_dir
-from shardax.train.step import init_state, make_optimizer
+from shardax.train.config import TrainConfig, UsageError, check, flag, hf_dir
+from shardax.train.step import init_state, make_optimizer, train_step
 from shardax.utils import flatten_tree
 
-__all__ = ["abstract", "create", "create_from_hf", "flat", "fsdp_mode", "fsdp_summary",
-           "make_mesh", "make_tx", "model_and_rules", "model_config", "pipeline_summary",
-           "restore"]
+__all__ = ["Resolved", "abstract", "create", "create_from_hf", "flat", "fsdp_mode",
+           "fsdp_summary", "make_mesh", "make_tx", "model_and_rules", "model_config",
+           "pipeline_summary", "resolve", "restore", "step_function"]
 
 
 def make_mesh(config: TrainConfig) -> MeshShardingHelper:
@@ -56,6 +62,7 @@ def model_config(config: TrainConfig) -> Any:
                                dtype=policy.compute, param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
+        c = dataclasses.replace(c, scan_layers=c.scan_layers or config.scan_layers)
         if config.seq_len > c.max_seq_len:
             raise UsageError(f"--seq-len {config.seq_len} exceeds the model's "
                              f"max_position_embeddings {c.max_seq_len} ({config.init_from})")
@@ -63,6 +70,7 @@ def model_config(config: TrainConfig) -> Any:
     return models.get_config(
         config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
         max_seq_len=max(config.seq_len, models.CONFIGS[config.model].max_seq_len),
+        scan_layers=config.scan_layers or models.CONFIGS[config.model].scan_layers,
     )
 
 
@@ -147,6 +155,57 @@ def pipeline_summary(model_config: Any, stages: int) -> str:
     virtual = f", {v} virtual stages" if c.pp_schedule == "circular" else ""
     return (f"pipeline: {c.pp_schedule} over {stages} stages, {c.pp_microbatches} "
             f"microbatches{virtual}, bubble {bubble:.1%} of each step")
+
+
+@dataclass
+class Resolved:
+    """What `resolve` built from a config: everything but the data and the run directory."""
+
+    config: TrainConfig
+    mesh: MeshShardingHelper
+    rules: LogicalAxisRules
+    model_config: Any
+    policy: Policy
+    tx: Any
+    fsdp_mode: str
+
+
+def resolve(config: TrainConfig) -> Resolved:
+    """The mesh, rules, model config, precision, optimizer and FSDP mode a config asks for,
+    checked against each other and this machine's devices (no data, no run directory: what
+    ``shardax train`` and ``shardax plan`` share); bad input is a UsageError."""
+    check(config)
+    mesh = make_mesh(config)
+    model_config, rule_list = model_and_rules(config, mesh.shape)
+    mode = fsdp_mode(config, mesh.shape, model_config)  # UsageError if it cannot run
+    rules = LogicalAxisRules(rule_list)
+    batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
+    batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
+                                                  else batch_axes or ()))
+    micro = getattr(model_config, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
+    if config.batch_size % (batch_split * config.grad_accum * micro):
+        raise UsageError(
+            f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
+            f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}"
+            + (f" times --microbatches {micro}" if micro > 1 else ""))
+    if config.batch_size % jax.process_count():
+        raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
+                         f"count {jax.process_count()}")
+    return Resolved(config, mesh, rules, model_config, Policy.from_string(config.precision),
+                    make_tx(config), mode)
+
+
+def step_function(run: Resolved, graphdef: Any):
+    """The sharded train step of a resolved config (a ``ShardedFunction``: call it with
+    ``(state, batch)``, or ``.plan()`` it); the state is donated."""
+    rules, mesh = run.rules, run.mesh
+    return mesh.sjit(
+        partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
+                grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode),
+        in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
+        out_shardings=(rules, None),
+        donate_argnums=0,
+    )
 
 
 def create(model_config: Any, tx: Any, seed: int):

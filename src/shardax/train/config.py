@@ -27,11 +27,13 @@ __all__ = [
     "ExportConfig",
     "FIXED_ON_RESUME",
     "GenerateConfig",
+    "PlanConfig",
     "TrainConfig",
     "UsageError",
     "check",
     "check_export",
     "check_generate",
+    "check_plan",
     "hf_dir",
     "check_resume",
     "flag",
@@ -47,7 +49,8 @@ CONFIG_FILE = "config.json"
 #: Settings a resumed run must share with the run it continues (the mesh may change, and
 #: ``steps`` may grow).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
-                   "lr", "grad_accum", "precision", "tokenizer", "text_field", "token_dtype")
+                   "lr", "grad_accum", "precision", "tokenizer", "text_field", "token_dtype",
+                   "scan_layers")
 MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 _MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take a uint32 seed here
 
@@ -90,6 +93,9 @@ class TrainConfig:
     """float32, bfloat16, float16 or params=float32,compute=bfloat16,output=float32"""
     remat: Literal["none", "full", "save_dots", "offload"] = "none"
     """activation rematerialisation of each layer"""
+    scan_layers: bool = False
+    """stack the layers on a 'layers' axis and run them with nnx.scan (faster compiles; a 'pp'
+    axis implies it)"""
     grad_accum: int = 1
     """microbatches accumulated per step"""
     seed: int = 0
@@ -134,6 +140,14 @@ class TrainConfig:
     """the text field of .jsonl records and column of .parquet files"""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """integer type of .bin token files (.u8/.u16/.u32 files say it by name)"""
+    log_to: str = "jsonl"
+    """metrics trackers, comma-separated: jsonl (metrics.jsonl, always on), tensorboard
+    (<out>/tensorboard), wandb (<out>/wandb, offline unless WANDB_MODE is set)"""
+    profile_steps: str = ""
+    """START:STOP: write a jax.profiler trace of steps START..STOP-1 into <out>/profile, e.g.
+    10:13 (steps count from 1)"""
+    peak_tflops: float = 0.0
+    """peak TFLOP/s per device for MFU (0: from the device table; MFU is n/a on CPU)"""
 
     def to_json(self) -> dict[str, Any]:
         """The config as a JSON-ready dict (what ``config.json`` holds)."""
@@ -176,6 +190,35 @@ class ExportConfig:
     """largest safetensors file in MiB (bigger models are split, with an index)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the written tensors (auto: the run's parameter dtype)"""
+
+
+@dataclass
+class PlanConfig:
+    """The flags ``shardax plan`` takes besides those of ``shardax train``."""
+
+    target: str | None = None
+    """device whose peak FLOP/s, memory and link bandwidth the estimate uses, e.g. h100, h200,
+    a100, b200, 'tpu v5p' (default: this machine's accelerator, else h100)"""
+    hbm: str | None = None
+    """memory per device, e.g. 80GiB or 94GB (default: the target's)"""
+    link_gbps: float = 0.0
+    """one-way link bandwidth per device in GB/s (0: the target's)"""
+    search: bool = False
+    """search meshes, remat, scan and microbatching for the fastest layout that fits (model,
+    batch, sequence, precision and optimizer stay)"""
+    top: int = 5
+    """layouts to print with --search"""
+    max_compiles: int = 16
+    """layouts compiled with --search, analytically best first"""
+    time_budget: float = 540.0
+    """seconds --search may spend compiling"""
+    jobs: int = 1
+    """worker processes compiling in parallel with --search"""
+    cache: str | None = None
+    """directory of compiled-layout results (default ~/.cache/shardax/plan; 'none' disables
+    it)"""
+    json: str | None = None
+    """also write the result here as JSON"""
 
 
 def flag(name: str) -> str:
@@ -390,6 +433,10 @@ def check(config: TrainConfig) -> TrainConfig:
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
     parse_mesh(config.mesh)
     _check_precision(config.precision)
+    _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
+           f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "
+           "device table)")
+    _check_observability(config)
     if config.init_from is not None:
         hf_dir(config.init_from, "--init-from")
 
@@ -400,6 +447,18 @@ def check(config: TrainConfig) -> TrainConfig:
     _usage(config.rules in models.PRESETS,
            f"unknown --rules {config.rules!r}; known presets: {sorted(models.PRESETS)}")
     return config
+
+
+def _check_observability(config: TrainConfig) -> None:
+    """``--profile-steps`` syntax, ``--log-to`` names and their optional packages."""
+    from shardax.train.profiler import parse_profile_steps
+    from shardax.train.trackers import MissingExtra, check_installed, parse_log_to
+
+    try:
+        parse_profile_steps(config.profile_steps)
+        check_installed(parse_log_to(config.log_to))
+    except (ValueError, MissingExtra) as e:
+        raise UsageError(str(e)) from None
 
 
 def hf_dir(spec: str, name: str) -> Path:
@@ -436,6 +495,19 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
            f"--temperature {config.temperature}: must be a finite number >= 0")
     _check_seed(config.seed)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
+    return config
+
+
+def check_plan(config: PlanConfig) -> PlanConfig:
+    """`check` for `PlanConfig` (the ``--hbm`` size and ``--target`` name are checked by
+    `shardax.plan.command.run_plan`, which knows the device table)."""
+    _check_types(config)
+    for name in ("top", "max_compiles", "jobs"):
+        _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
+    _usage(math.isfinite(config.link_gbps) and config.link_gbps >= 0,
+           f"--link-gbps {config.link_gbps}: must be a finite number >= 0")
+    _usage(math.isfinite(config.time_budget) and config.time_budget > 0,
+           f"--time-budget {config.time_budget}: must be a finite number > 0")
     return config
 
 

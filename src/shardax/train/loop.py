@@ -1,10 +1,13 @@
 """``shardax train``: the training loop, with checkpoints, resume and preemption.
 
 A run directory holds ``config.json`` (the effective config), ``metrics.jsonl`` (one JSON
-object per logged step), ``loss.png``, ``checkpoints/`` and, with a Hugging Face
-``--tokenizer``, a copy of it in ``tokenizer/`` (what ``generate`` decodes with). Everything
-that decides the numbers (model, seed, data order, optimizer state, step) is in the checkpoint,
-so ``--resume`` continues bit for bit, on the same mesh or, resharded, on another one.
+object per logged step), ``loss.png``, ``plan.json`` (what the compiled step holds and moves
+per device: ``shardax plan`` predicts it), ``checkpoints/``, with ``--log-to`` a
+``tensorboard/`` or ``wandb/`` folder, with ``--profile-steps`` a ``profile/`` trace and, with
+a Hugging Face ``--tokenizer``, a copy of it in ``tokenizer/`` (what ``generate`` decodes
+with). Everything that decides the numbers (model, seed, data order, optimizer state, step) is
+in the checkpoint, so ``--resume`` continues bit for bit, on the same mesh or, resharded, on
+another one.
 
 ``prepare`` checks everything it can before anything is written (a `UsageError` names the
 flag or file); ``train`` runs the loop. SIGTERM or a first Ctrl-C finishes the current step,
@@ -31,8 +34,6 @@ import numpy as np
 
 from shardax.distributed import batch_part
 from shardax.mesh import MeshShardingHelper
-from shardax.precision import Policy
-from shardax.rules import LogicalAxisRules
 from shardax.train import build, report
 from shardax.train import data as data_lib
 from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, Restored, list_steps
@@ -40,12 +41,13 @@ from shardax.train.config import (
     CONFIG_FILE,
     TrainConfig,
     UsageError,
-    check,
     check_resume,
     load_run_config,
 )
 from shardax.train.generate import generate
-from shardax.train.step import eval_loss, train_step
+from shardax.train.mfu import device_spec, flops_per_token
+from shardax.train.profiler import StepProfiler, parse_profile_steps
+from shardax.train.step import eval_loss, make_schedule
 from shardax.train.stop import Stopped, StopRequests
 from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer, load_tokenizer, run_tokenizer
 
@@ -53,6 +55,7 @@ __all__ = ["CHECKPOINT_DIR", "Stopped", "TrainConfig", "UsageError", "check_run_
            "generate", "prepare", "train"]
 
 CHECKPOINT_DIR = "checkpoints"
+PROFILE_DIR = "profile"
 #: Where ``--resume`` moves committed steps newer than the one it continues from (damaged
 #: ones, or those past ``--resume-step``), so that the run can save those steps again.
 SET_ASIDE_DIR = "checkpoints-set-aside"
@@ -131,15 +134,9 @@ def check_run_dir(config: TrainConfig) -> RunDir:
 
 
 @dataclass
-class _Run:
+class _Run(build.Resolved):
     """What ``prepare`` resolved from a config: the pieces the loop needs."""
 
-    config: TrainConfig
-    mesh: MeshShardingHelper
-    rules: LogicalAxisRules
-    model_config: Any
-    policy: Policy
-    tx: Any
     tokenizer: Tokenizer
     train_data: data_lib.TokenBatches
     val_data: list
@@ -192,27 +189,10 @@ def _tokenizer(config: TrainConfig, model_vocab: int) -> Tokenizer:
 def prepare(config: TrainConfig) -> _Run:
     """Checks the config against the machine and builds the run; bad input is a UsageError.
     Nothing is written."""
-    check(config)
     run_dir = check_run_dir(config)
-    mesh = build.make_mesh(config)
-    model_config, rule_list = build.model_and_rules(config, mesh.shape)
-    build.fsdp_mode(config, mesh.shape, model_config)  # UsageError if it cannot run
-    policy = Policy.from_string(config.precision)
-    tx = build.make_tx(config)
-    tokenizer = _tokenizer(config, model_config.vocab_size)
-    rules = LogicalAxisRules(rule_list)
-    batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
-    batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
-                                                  else batch_axes or ()))
-    micro = getattr(model_config, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
-    if config.batch_size % (batch_split * config.grad_accum * micro):
-        raise UsageError(
-            f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
-            f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}"
-            + (f" times --microbatches {micro}" if micro > 1 else ""))
-    if config.batch_size % jax.process_count():
-        raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
-                         f"count {jax.process_count()}")
+    resolved = build.resolve(config)
+    mesh, rules = resolved.mesh, resolved.rules
+    tokenizer = _tokenizer(config, resolved.model_config.vocab_size)
 
     train_tokens, val_tokens = _load_tokens(config, tokenizer)
     try:
@@ -231,8 +211,8 @@ def prepare(config: TrainConfig) -> _Run:
             process_index=part, process_count=parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
-    return _Run(config, mesh, rules, model_config, policy, tx, tokenizer, batches, val,
-                run_dir.out, run_dir)
+    return _Run(**vars(resolved), tokenizer=tokenizer, train_data=batches, val_data=val,
+                out=run_dir.out, run_dir=run_dir)
 
 
 def _note(message: str) -> None:
@@ -361,14 +341,7 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
         metrics_log.start(records)
 
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
-    fsdp_mode = build.fsdp_mode(config, mesh.shape, run.model_config)
-    step_fn = mesh.sjit(
-        partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
-                grad_accum=config.grad_accum, param_rules=rules, fsdp_mode=fsdp_mode),
-        in_shardings=(rules, batch_spec),
-        out_shardings=(rules, None),
-        donate_argnums=0,
-    )
+    step_fn = build.step_function(run, graphdef)
     eval_fn = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
                         in_shardings=(rules, batch_spec))
 
@@ -377,13 +350,15 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
 
     first = to_global(run.train_data.batch(start))
     plan = step_fn.plan(state, first)
+    if is_main:  # what the compiled step holds and moves per device (`shardax plan` predicts it)
+        (run.out / "plan.json").write_text(plan.to_json() + "\n")
     n_params = sum(x.size for x in jax.tree.leaves(state_shape["params"]))
     if is_main:
         print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "
               f"{jax.device_count()} devices, mesh {mesh.shape}, rules {config.rules!r}, "
               f"precision {run.policy}")
         if mesh.shape.get("fsdp", 1) > 1:
-            print(build.fsdp_summary(fsdp_mode, config))
+            print(build.fsdp_summary(run.fsdp_mode, config))
         if mesh.shape.get("pp", 1) > 1:
             print(build.pipeline_summary(run.model_config, mesh.shape["pp"]))
         print(plan.where(lambda row: row.kind == "input" and "/params/" in f"/{row.path}/"))
@@ -395,16 +370,29 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
         ckpt.save(step, build.flat(state), extra={"data": position, "config": config.to_json()},
                   force=True)
 
-    clock = report.StepClock(config.batch_size * config.seq_len, start)
+    per_token = flops_per_token(run.model_config, config.seq_len)
+    peak = _peak_flops(config)
+    if is_main:
+        print(f"model FLOPs per token {per_token:.3g} (6N + 12·L·d·T); peak "
+              + (f"{peak / 1e12:.0f} TFLOP/s per device: MFU reported" if peak else
+                 "FLOP/s unknown: MFU n/a (pass --peak-tflops to report it)"))
+    trackers = report.Trackers(config.log_to, run.out, config.to_json()) if is_main else None
+    schedule = make_schedule(config.optimizer, config.lr, config.steps, warmup=config.steps // 20)
+    clock = report.StepClock(config.batch_size * config.seq_len, start, per_token, peak,
+                             jax.device_count())
+    profiler = StepProfiler(parse_profile_steps(config.profile_steps), run.out / PROFILE_DIR)
     try:
         with report.Progress(config.steps, start) as progress:
             for step in range(start, config.steps):
                 batch = first if step == start else to_global(run.train_data.batch(step))
-                state, metrics = step_fn(state, batch)
                 done = step + 1
+                profiler.before(done)
+                state, metrics = step_fn(state, batch)
+                profiler.after(done, (state, metrics))
                 record: dict[str, Any] = {}
                 if done % config.log_every == 0 or done in (config.steps, start + 1):
-                    record = {"step": done, **clock.measure(done, metrics)}
+                    record = {"step": done, **clock.measure(done, metrics),
+                              "lr": float(schedule(step)), **report.memory_in_use()}
                 if done % config.eval_every == 0 or done == config.steps:
                     val = [float(eval_fn(state, to_global(b))) for b in run.val_data]
                     record = {"step": done, **record, "val_loss": float(np.mean(val))}
@@ -412,6 +400,7 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
                     records.append(record)
                     if is_main:
                         metrics_log.append(record)
+                        trackers.log(record)
                 progress.update(done, record if is_main else None)
                 saved = done % config.ckpt_every == 0 or done == config.steps
                 if saved:
@@ -422,12 +411,25 @@ def _train(run: _Run, stop: StopRequests) -> list[dict]:
                     ckpt.wait()  # synchronous: committed before the process exits
                     raise Stopped(done, stop.signum)
     finally:  # an interrupted run still finishes (or abandons) its in-flight save
+        profiler.stop()
         ckpt.close()
+        if trackers is not None:
+            trackers.close()
     if is_main:
         png = report.plot(run.out, records)
         print(f"wrote {metrics_log.path}{f', {png}' if png else ''} and checkpoints in "
               f"{run.out / CHECKPOINT_DIR}")
     return records
+
+
+def _peak_flops(config: TrainConfig) -> float | None:
+    """Peak FLOP/s of one device: ``--peak-tflops``, else the device table's entry (None on a
+    CPU or an unknown device: MFU is then n/a)."""
+    if config.peak_tflops:
+        return config.peak_tflops * 1e12
+    device = jax.devices()[0]
+    spec = device_spec(device.device_kind)
+    return spec.peak_flops if spec and device.platform != "cpu" else None
 
 
 def _global_batch(mesh: MeshShardingHelper, batch: tuple, spec: Any, rows: int) -> tuple:

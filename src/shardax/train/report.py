@@ -1,8 +1,11 @@
-"""What a training run reports: the progress bar, ``metrics.jsonl`` and ``loss.png``.
+"""What a training run reports: the progress bar, ``metrics.jsonl``, ``loss.png`` and the
+``--log-to`` trackers (TensorBoard, W&B: `shardax.train.trackers`).
 
 ``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``grad_norm``,
-``step_time_s``, ``tokens_per_s``, and ``val_loss`` where evaluated). A resumed run keeps the
-records up to the step it continues from. The plot needs matplotlib (an optional dependency);
+``lr``, ``step_time_s``, ``tokens_per_s``, ``tflops_per_device``, ``mfu`` (null where the
+device's peak is unknown, e.g. a CPU), ``memory_gib`` / ``memory_peak_gib`` where the backend
+reports memory, and ``val_loss`` where evaluated). A resumed run keeps the records up to the
+step it continues from. The plot needs matplotlib (an optional dependency);
 without it the run says so and skips it.
 
 >>> log = MetricsLog("runs/a/metrics.jsonl")
@@ -18,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLog", "Progress", "StepClock", "plot"]
+__all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "memory_in_use", "plot"]
 
 
 class Progress:
@@ -49,26 +52,77 @@ class Progress:
         info = " ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
         if "tokens_per_s" in record:
             info += (f" | {record['tokens_per_s']:,.0f} tok/s"
-                     f" | {record['step_time_s'] * 1000:.0f} ms/step")
+                     f" | {record['step_time_s'] * 1000:.0f} ms/step"
+                     f" | {record['tflops_per_device']:.3g} TFLOP/s/device | MFU "
+                     + ("n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"))
         self.bar.update(self.task, completed=step, info=info)
-        self.console.print(f"step {step:5d}  {info}", highlight=False)
+        self.console.print(f"step {step:5d}  {info}", highlight=False, soft_wrap=True)
 
 
 class StepClock:
-    """Step time and tokens/s between logged steps (reading the loss waits for the step)."""
+    """Step time, tokens/s, model TFLOP/s per device and MFU between logged steps (reading the
+    loss waits for the step). ``peak_flops`` None: MFU is None (a CPU, or an unknown device)."""
 
-    def __init__(self, tokens_per_step: int, start: int):
+    def __init__(self, tokens_per_step: int, start: int, flops_per_token: float = 0.0,
+                 peak_flops: float | None = None, devices: int = 1):
         self.tokens_per_step = tokens_per_step
+        self.flops_per_token, self.peak_flops, self.devices = flops_per_token, peak_flops, devices
         self.last_time, self.last_step = time.perf_counter(), start
 
-    def measure(self, step: int, metrics: dict) -> dict[str, float]:
-        """The logged numbers of ``step``: loss, gradient norm, step time, tokens/s."""
+    def measure(self, step: int, metrics: dict) -> dict[str, float | None]:
+        """The logged numbers of ``step``: loss, gradient norm, step time, tokens/s,
+        TFLOP/s per device and MFU."""
+        from shardax.train.mfu import mfu
+
         loss = float(metrics["loss"])
         now = time.perf_counter()
         dt = (now - self.last_time) / max(step - self.last_step, 1)
         self.last_time, self.last_step = now, step
+        tokens_per_s = self.tokens_per_step / dt
+        model_flops = self.flops_per_token * tokens_per_s
         return {"loss": loss, "grad_norm": float(metrics["grad_norm"]), "step_time_s": dt,
-                "tokens_per_s": self.tokens_per_step / dt}
+                "tokens_per_s": tokens_per_s,
+                "tflops_per_device": model_flops / self.devices / 1e12,
+                "mfu": mfu(model_flops, self.peak_flops, self.devices)}
+
+
+def memory_in_use() -> dict[str, float]:
+    """GiB in use and its peak on the fullest local device, where the backend reports it
+    (``Device.memory_stats()``; a CPU reports nothing, so ``{}``)."""
+    import jax
+
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    used = [s["bytes_in_use"] for s in stats if "bytes_in_use" in s]
+    peak = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    out = {}
+    if used:
+        out["memory_gib"] = max(used) / 2**30
+    if peak:
+        out["memory_peak_gib"] = max(peak) / 2**30
+    return out
+
+
+class Trackers:
+    """The ``--log-to`` trackers besides JSONL (which `MetricsLog` writes): each logged record
+    goes to TensorBoard / W&B under the run directory ``out``."""
+
+    def __init__(self, log_to: str, out: Path, config: dict[str, Any]):
+        from shardax.train.config import UsageError
+        from shardax.train.trackers import MissingExtra, make_trackers
+
+        try:
+            self.trackers = make_trackers(log_to, out, config)
+        except MissingExtra as e:  # `check` found it installed; it failed to import since
+            raise UsageError(str(e)) from None
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Sends one metrics record (its ``step`` is the tracker's step)."""
+        for tracker in self.trackers:
+            tracker.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
 
 
 class MetricsLog:

@@ -30,7 +30,8 @@ from shardax.models._layers import remat_policy
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
 
-__all__ = ["FSDP_MODES", "init_state", "train_step", "eval_loss", "make_optimizer"]
+__all__ = ["FSDP_MODES", "init_state", "train_step", "eval_loss", "make_optimizer",
+           "make_schedule"]
 
 FULL_PRECISION = Policy()
 # 'xla': FSDP from the parameter shardings, left to the partitioner; 'explicit': ZeRO-3 written
@@ -38,20 +39,28 @@ FULL_PRECISION = Policy()
 FSDP_MODES = ("xla", "explicit")
 
 
+def make_schedule(name: str, lr: float, steps: int, warmup: int = 0) -> optax.Schedule:
+    """The learning rate ``make_optimizer(name, ...)`` applies at each update (0-based count):
+    constant for ``sgd``, linear warm-up then cosine decay to ``lr / 10`` for ``adamw``."""
+    if name == "sgd":
+        return optax.constant_schedule(lr)
+    if name == "adamw":
+        warmup = max(warmup, 1)  # the decay needs >= 1 step after the warm-up: --steps 1 works
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1
+        )
+    raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'sgd'")
+
+
 def make_optimizer(
     name: str, lr: float, steps: int, warmup: int = 0
 ) -> optax.GradientTransformation:
     """``adamw`` (cosine decay after a linear warm-up, clipped at norm 1) or plain ``sgd``."""
+    schedule = make_schedule(name, lr, steps, warmup)
     if name == "sgd":
         return optax.sgd(lr)
-    if name == "adamw":
-        warmup = max(warmup, 1)  # the decay needs >= 1 step after the warm-up: --steps 1 works
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, lr, warmup, max(steps, warmup + 1), end_value=lr * 0.1
-        )
-        adamw = optax.adamw(schedule, weight_decay=0.01)
-        return optax.chain(optax.clip_by_global_norm(1.0), adamw)
-    raise ValueError(f"unknown optimizer {name!r}; expected 'adamw' or 'sgd'")
+    adamw = optax.adamw(schedule, weight_decay=0.01)
+    return optax.chain(optax.clip_by_global_norm(1.0), adamw)
 
 
 def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformation):

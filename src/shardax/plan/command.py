@@ -1,0 +1,108 @@
+"""``shardax plan``: from the parsed settings to the printed plan (or search ranking).
+
+    shardax plan --model llama-small --mesh fsdp=4,tp=2 --devices 8 --target h100
+    shardax plan --model llama-8b --batch-size 256 --seq-len 4096 --devices 256 --hbm 80GiB \\
+        --precision params=float32,compute=bfloat16 --search
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+
+import jax
+
+from shardax.plan.estimate import plan_config, seconds, train_command
+from shardax.plan.search import DEFAULT_CACHE, search
+from shardax.train.config import PlanConfig, TrainConfig, UsageError
+from shardax.train.mfu import DeviceSpec, device_spec
+
+__all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]
+
+log = logging.getLogger("shardax.plan")
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``'80GiB'`` -> 85899345920.0; ``'94GB'`` -> 94e9; a ValueError names the flag.
+
+    >>> parse_bytes('80GiB') == 80 * 2**30
+    True
+    """
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--hbm {text!r}: expected a size such as 80GiB, 94GB or 8e10")
+    return float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def target_device(name: str | None, peak_tflops: float = 0.0,
+                  link_gbps: float = 0.0) -> DeviceSpec:
+    """The device the estimate is for: ``name`` from the table (default: the local
+    accelerator if the table knows it, else H100), with the overrides applied."""
+    if name:
+        spec = device_spec(name)
+        if spec is None:
+            raise ValueError(f"--target {name!r} is not in the device table; pass "
+                             "--peak-tflops, --hbm and --link-gbps with a known --target")
+    else:
+        spec = device_spec(jax.devices()[0].device_kind) or device_spec("h100")
+    if peak_tflops:
+        spec = dataclasses.replace(spec, peak_flops=peak_tflops * 1e12)
+    if link_gbps:
+        spec = dataclasses.replace(spec, link_bytes_per_s=link_gbps * 1e9)
+    return spec
+
+
+def check_device_flags(args: PlanConfig) -> None:
+    """``--hbm`` and ``--target`` checked without touching a device (UsageError naming the
+    flag), so that ``shardax plan`` reports them before a backend starts."""
+    try:
+        if args.hbm:
+            parse_bytes(args.hbm)
+        if args.target:
+            target_device(args.target)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def run_plan(config: TrainConfig, args: PlanConfig) -> int:
+    """Runs ``shardax plan`` for checked settings (``config``: what ``shardax train`` would
+    run; ``args``: the plan-only flags); bad input is a UsageError. Call it with
+    ``jax.device_count()`` devices already set up (``shardax.cli`` emulates ``--devices``)."""
+    try:
+        device = target_device(args.target, config.peak_tflops, args.link_gbps)
+        hbm = parse_bytes(args.hbm) if args.hbm else device.hbm_bytes
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.search:
+        cache = None if args.cache == "none" else Path(args.cache or DEFAULT_CACHE)
+        result = search(config, device, hbm, max_compiles=args.max_compiles,
+                        budget_s=args.time_budget, jobs=args.jobs, cache=cache, top=args.top)
+        print(f"searched {result.enumerated} layouts on {jax.device_count()} devices in "
+              f"{result.seconds:.0f} s: {result.pruned_memory} over {hbm / 2**30:.1f} GiB "
+              f"by formula, {result.compiled} compiled ({result.cached} from the cache), "
+              f"{result.over_hbm} over by compiled memory, {len(result.failed)} refused, "
+              f"{result.skipped_budget} left out of the time budget")
+        for reason in result.failed:
+            log.info("refused: %s", reason)
+        if not result.ranked:
+            print("no layout fits: try a smaller --batch-size or --seq-len, bf16 parameters, "
+                  "more --devices or a larger --max-compiles / --time-budget")
+            for est in result.closest_over:
+                print(f"  closest: {est.compiled.peak_bytes / 2**30:.1f} GiB peak: "
+                      f"{train_command(est.config)}")
+        for rank, est in enumerate(result.ranked, 1):
+            print(f"\n#{rank}  estimated {seconds(est.step_s)} per step, peak "
+                  f"{est.compiled.peak_bytes / 2**30:.2f} GiB per device\n{est.summary()}")
+        payload = result.to_dict()
+    else:
+        est = plan_config(config, device, hbm)
+        print(est.summary())
+        payload = est.to_dict()
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    return 0

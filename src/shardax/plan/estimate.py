@@ -1,0 +1,225 @@
+"""Compile a ``shardax train`` configuration from abstract shapes and estimate its cost.
+
+Nothing is allocated and nothing runs: the train state's shapes come from ``jax.eval_shape``,
+the step is lowered and compiled for ``jax.device_count()`` (emulated CPU) devices, and the
+estimate reads the compiled program:
+
+- memory per device: ``compiled.memory_analysis()`` (arguments, outputs, temporaries; peak =
+  arguments + outputs - aliased (donated) + temporaries);
+- collectives per step: the optimized HLO (``shardax.inspect.hlo_collectives``), loop trip
+  counts included;
+- step time, a roofline: ``compute_s + comm_s`` with
+  ``compute_s = model FLOPs per device x remat factor / peak FLOP/s / (1 - pipeline bubble)``
+  and ``comm_s = sum(bytes of each collective x (2 for all-reduce, else 1)) / link bandwidth``
+  (no overlap of compute and communication assumed).
+
+>>> est = plan_config(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
+>>> print(est.summary())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from shardax import models
+from shardax.inspect import _human
+from shardax.parallel.pipeline import bubble_fraction
+from shardax.train.build import abstract, resolve, step_function
+from shardax.train.config import TrainConfig
+from shardax.train.mfu import DeviceSpec, flops_per_token
+
+__all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
+           "work_split", "remat_factor", "seconds", "train_command"]
+
+# Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
+STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
+               "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
+               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode")
+# Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs.
+_REMAT_FACTOR = {"none": 1.0, "save_dots": 1.0, "offload": 1.0, "full": 8 / 6}
+
+
+@dataclass
+class Compiled:
+    """What the compiled step says, independent of the target device (cached on disk)."""
+
+    memory: dict[str, int]
+    collectives: dict[str, dict[str, int]]  # kind -> {"count", "bytes"} per device per step
+    devices: int
+    mesh: dict[str, int]
+    compile_s: float
+
+    @property
+    def peak_bytes(self) -> int:
+        m = self.memory
+        return (m["argument_size_in_bytes"] + m["output_size_in_bytes"]
+                - m["alias_size_in_bytes"] + m["temp_size_in_bytes"])
+
+
+@dataclass
+class Estimate:
+    """One configuration on one device type: memory, collectives, bubble and step time."""
+
+    config: dict[str, Any]
+    compiled: Compiled
+    device: DeviceSpec
+    hbm_bytes: float
+    bubble: float
+    flops_per_device: float
+    compute_s: float
+    comm_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.compiled.peak_bytes <= self.hbm_bytes
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "command": train_command(self.config),
+                "devices": self.compiled.devices, "mesh": self.compiled.mesh,
+                "memory": self.compiled.memory, "peak_bytes": self.compiled.peak_bytes,
+                "hbm_bytes": self.hbm_bytes, "fits": self.fits,
+                "collectives": self.compiled.collectives, "bubble": self.bubble,
+                "flops_per_device": self.flops_per_device, "compute_s": self.compute_s,
+                "comm_s": self.comm_s, "step_s": self.step_s, "device": self.device.name,
+                "compile_s": self.compiled.compile_s}
+
+    def summary(self) -> str:
+        m, c = self.compiled.memory, self.compiled
+        used = {k: v for k, v in c.collectives.items() if v["count"]}
+        lines = [
+            f"plan: {self.config['model']} on {c.devices} devices, mesh "
+            + ", ".join(f"{k}={v}" for k, v in c.mesh.items())
+            + f", rules {self.config['rules']!r}, remat {self.config['remat']}, "
+            f"grad accum {self.config['grad_accum']}",
+            f"memory per device: arguments {_human(m['argument_size_in_bytes'])}, outputs "
+            f"{_human(m['output_size_in_bytes'])} ({_human(m['alias_size_in_bytes'])} aliased), "
+            f"temporaries {_human(m['temp_size_in_bytes'])}; peak {_human(c.peak_bytes)} of "
+            f"{_human(self.hbm_bytes)}: " + ("fits" if self.fits else "DOES NOT FIT"),
+            "collectives per step: " + (", ".join(
+                f"{k} x{v['count']} ({_human(v['bytes'])})" for k, v in used.items()) or "none"),
+            f"pipeline bubble: {self.bubble:.1%}",
+            f"estimated step time on {self.device.name}: {seconds(self.step_s)} = compute "
+            f"{seconds(self.compute_s)} ({self.flops_per_device:.3g} FLOPs per device at "
+            f"{self.device.peak_flops / 1e12:.0f} TFLOP/s) + communication "
+            f"{seconds(self.comm_s)} (at {self.device.link_bytes_per_s / 1e9:.0f} GB/s)",
+            f"train it: {train_command(self.config)}",
+        ]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def seconds(s: float) -> str:
+    """``0.0123`` -> ``'12.3 ms'``."""
+    if s >= 1:
+        return f"{s:.2f} s"
+    return f"{s * 1e3:.2f} ms" if s >= 1e-3 else f"{s * 1e6:.1f} µs"
+
+
+def train_command(config: dict[str, Any]) -> str:
+    """The ``shardax train`` command line of a configuration (flags that differ from the
+    defaults)."""
+    defaults = TrainConfig().to_json()
+    parts = ["shardax train"]
+    for key in STEP_FIELDS:
+        value = config.get(key, defaults[key])
+        if value == defaults[key] and key not in ("model", "mesh", "rules"):
+            continue
+        flag = f"--{key.replace('_', '-')}"
+        if isinstance(value, bool):
+            parts.append(flag)
+        else:
+            text = str(value)
+            parts += [flag, f"'{text}'" if any(ch in text for ch in " ;=,") and
+                      key == "precision" else text]
+    return " ".join(parts)
+
+
+def remat_factor(model_config: Any, seq_len: int) -> float:
+    """Executed FLOPs / model FLOPs under the model's remat policy (layers only: the output
+    head is not rematerialised)."""
+    factor = _REMAT_FACTOR[model_config.remat]
+    total = flops_per_token(model_config, seq_len)
+    head = 6.0 * model_config.vocab_size * model_config.dim
+    return (head + (total - head) * factor) / total
+
+
+def work_split(run: Any) -> int:
+    """Over how many devices one step's FLOPs are divided: the axes that split the batch,
+    'cp' (the sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it.
+    Axes that split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
+    shape = run.mesh.shape
+    batch = run.rules.spec_for(("batch",), run.mesh.mesh)[0]
+    axes = set((batch,) if isinstance(batch, str) else batch or ())
+    axes |= {"cp", "pp"} & set(shape)
+    mlp = run.rules.spec_for(("mlp",), run.mesh.mesh)[0]
+    if mlp == "tp" or (isinstance(mlp, tuple) and "tp" in mlp):
+        axes.add("tp")
+    return math.prod(shape[a] for a in axes)
+
+
+def _bubble(run: Any) -> float:
+    c, pp = run.model_config, run.mesh.shape.get("pp", 1)
+    if pp == 1:
+        return 0.0
+    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
+    return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
+
+
+def compile_config(config: TrainConfig) -> Compiled:
+    """Compiles the train step of ``config`` from abstract shapes on ``jax.device_count()``
+    devices; a ``UsageError`` for a bad configuration."""
+    start = time.perf_counter()
+    run = resolve(config)
+    graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
+    shardings = run.mesh.match_sharding_rule(run.rules, state_shape)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         state_shape, shardings)
+    batch = (jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32),) * 2
+    plan = step_function(run, graphdef).plan(state, batch)
+    collectives = {k: {"count": v.count, "bytes": v.bytes} for k, v in plan.collectives.items()}
+    return Compiled(plan.memory, collectives, jax.device_count(), dict(run.mesh.shape),
+                    time.perf_counter() - start)
+
+
+def estimate(config: TrainConfig, compiled: Compiled, device: DeviceSpec,
+             hbm_bytes: float | None = None) -> Estimate:
+    """The roofline estimate of a compiled configuration on ``device``."""
+    run = resolve(config)
+    tokens = config.batch_size * config.seq_len
+    flops = flops_per_token(run.model_config, config.seq_len) * tokens
+    flops *= remat_factor(run.model_config, config.seq_len) / work_split(run)
+    bubble = _bubble(run)
+    compute_s = flops / device.peak_flops / (1.0 - bubble)
+    moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
+                for k, v in compiled.collectives.items())
+    notes = []
+    if not isinstance(run.model_config, models.LlamaConfig):
+        notes.append("bubble and parallel axes apply to llama models only")
+    return Estimate(
+        config={k: getattr(config, k) for k in STEP_FIELDS}, compiled=compiled, device=device,
+        hbm_bytes=hbm_bytes if hbm_bytes is not None else device.hbm_bytes, bubble=bubble,
+        flops_per_device=flops, compute_s=compute_s,
+        comm_s=moved / device.link_bytes_per_s, notes=notes)
+
+
+def plan_config(config: TrainConfig, device: DeviceSpec,
+                hbm_bytes: float | None = None) -> Estimate:
+    """Compile ``config`` abstractly and estimate it on ``device`` (``hbm_bytes`` defaults to
+    the device's memory)."""
+    return estimate(config, compile_config(config), device, hbm_bytes)
+
+
+def config_from_dict(fields: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from the step fields of an ``Estimate.config`` (the rest defaults)."""
+    return dataclasses.replace(TrainConfig(), **fields)

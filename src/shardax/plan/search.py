@@ -1,0 +1,387 @@
+"""``shardax plan --search``: enumerate parallel layouts, compile the promising ones, rank them.
+
+1. Enumerate: every mesh over the device count with axes dp, fsdp, tp, pp, cp, ep whose sizes
+   the model and batch allow ('tp' divides the KV heads and the MLP width and is at most 8;
+   'pp' divides the layers; 'cp' divides the sequence into 2·cp chunks; 'ep' divides the
+   experts; the batch axes divide the batch per microbatch), each with the rule preset that
+   uses its axes, remat none / save_dots / full, scanned or unrolled layers (scanned only above
+   12 layers), gradient accumulation 1 / 2 / 4, and for 'pp' the gpipe and 1f1b schedules with
+   P or 2P microbatches.
+2. Prune analytically, before compiling: drop candidates whose parameters, gradients and
+   optimizer state alone exceed the memory per device, and order the rest by an analytic step
+   time (the roofline's compute term plus textbook collective bytes).
+3. Compile up to ``max_compiles`` of them in that order abstractly
+   (``estimate.compile_config``), in ``jobs`` worker processes, until ``budget_s`` runs out;
+   each compiled peak recalibrates the formula (layouts it now puts over the limit are
+   skipped); results are cached on disk by configuration, device count and JAX version.
+4. Drop what does not fit; rank the rest by the estimated step time.
+
+>>> result = search(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
+>>> result.ranked[0].summary()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from shardax import models
+from shardax.plan.estimate import (
+    STEP_FIELDS,
+    Compiled,
+    Estimate,
+    compile_config,
+    config_from_dict,
+    estimate,
+    remat_factor,
+)
+from shardax.train.build import resolve
+from shardax.train.config import TrainConfig, UsageError
+from shardax.train.mfu import DeviceSpec, flops_per_token
+
+__all__ = ["SearchResult", "candidates", "search", "analytic"]
+
+log = logging.getLogger("shardax.plan")
+AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
+REMAT = ("none", "save_dots", "full")
+GRAD_ACCUM = (1, 2, 4)
+MAX_TP = 8  # one node's fast links
+PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
+
+
+@dataclass
+class SearchResult:
+    """``ranked``: fitting configurations, fastest first; the counts say what was cut where."""
+
+    ranked: list[Estimate]
+    enumerated: int
+    pruned_memory: int
+    compiled: int
+    cached: int
+    over_hbm: int
+    failed: list[str] = field(default_factory=list)
+    skipped_budget: int = 0
+    seconds: float = 0.0
+    closest_over: list[Estimate] = field(default_factory=list)  # smallest peaks over the limit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranked": [e.to_dict() for e in self.ranked], "enumerated": self.enumerated,
+                "pruned_memory": self.pruned_memory, "compiled": self.compiled,
+                "cached": self.cached, "over_hbm": self.over_hbm, "failed": self.failed,
+                "skipped_budget": self.skipped_budget, "seconds": self.seconds,
+                "closest_over": [e.to_dict() for e in self.closest_over]}
+
+
+def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Ordered k-tuples of positive integers whose product is n."""
+    if k == 1:
+        return [(n,)]
+    return [(d, *rest) for d in range(1, n + 1) if n % d == 0
+            for rest in _factorizations(n // d, k - 1)]
+
+
+def _preset(sizes: dict[str, int]) -> str:
+    fsdp, tp = sizes.get("fsdp", 1) > 1, sizes.get("tp", 1) > 1
+    return ("fsdp_tp" if tp else "fsdp") if fsdp else ("tp" if tp else "dp")
+
+
+def _mesh_text(sizes: dict[str, int]) -> str:
+    kept = {a: s for a, s in sizes.items() if s > 1} or {"dp": 1}
+    return ",".join(f"{a}={s}" for a, s in kept.items())
+
+
+def candidates(base: TrainConfig, devices: int) -> list[TrainConfig]:
+    """Every layout of ``base``'s model and batch over ``devices`` that the model allows."""
+    c = models.get_config(base.model)
+    llama = isinstance(c, models.LlamaConfig)
+    out = []
+    for sizes_t in _factorizations(devices, len(AXES)):
+        sizes = dict(zip(AXES, sizes_t))
+        dp, fsdp, tp, pp, cp, ep = sizes_t
+        if tp > MAX_TP or (tp > 1 and (c.mlp_dim % tp or
+                                       getattr(c, "n_kv_heads", c.n_heads) % tp)):
+            continue
+        if not llama and (pp > 1 or cp > 1 or ep > 1):
+            continue
+        if pp > 1 and c.n_layers % pp:
+            continue
+        if cp > 1 and base.seq_len % (2 * cp):
+            continue
+        if ep > 1 and (not getattr(c, "n_experts", 0) or c.n_experts % ep):
+            continue
+        batch_split = dp * fsdp * ep
+        scans = (True,) if pp > 1 or c.n_layers > 12 else (False, True)
+        schedules = [("gpipe", 0)] if pp == 1 else [
+            (s, m) for s in ("gpipe", "1f1b") for m in (pp, 2 * pp)]
+        for remat in REMAT:
+            for scan in scans:
+                for accum in (GRAD_ACCUM if pp == 1 else (1,)):
+                    for schedule, micro in schedules:
+                        per_micro = base.batch_size // (accum * max(micro, 1))
+                        if base.batch_size % (accum * max(micro, 1)) or per_micro % batch_split:
+                            continue
+                        out.append(dataclasses.replace(
+                            base, mesh=_mesh_text(sizes), rules=_preset(sizes), remat=remat,
+                            scan_layers=scan, grad_accum=accum, pp_schedule=schedule,
+                            microbatches=micro, tp_mode="none", sequence_parallel=False,
+                            virtual_stages=1))
+    return out
+
+
+def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[float, float]:
+    """``(memory bytes per device, step seconds)`` from formulas alone, for pruning and
+    ordering: parameters + gradients + optimizer moments divided over the axes that shard
+    them, plus the activations kept for the backward pass; and the
+    roofline with textbook collective bytes (gradient all-reduce / reduce-scatter, FSDP
+    all-gathers per microbatch, Megatron TP's 4 activations all-reduces per layer)."""
+    c = models.get_config(config.model)
+    sizes = {a: 1 for a in AXES}
+    sizes.update({k: int(v) for k, v in (p.split("=") for p in config.mesh.split(","))})
+    n = models.param_count(c)
+    param_bytes = 4 if "params=bfloat16" not in config.precision and config.precision not in (
+        "bfloat16", "bf16") else 2
+    moments = 8 if config.optimizer == "adamw" else 0
+    model_split = sizes["fsdp"] * sizes["tp"] * sizes["pp"] * (
+        sizes["ep"] if getattr(c, "n_experts", 0) else 1)
+    state = n * (2 * param_bytes + moments) / model_split
+    batch_split = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
+    state += _activation_bytes(config, c, sizes, batch_split)
+    work = batch_split * sizes["cp"] * sizes["pp"] * sizes["tp"]
+    c_remat = dataclasses.replace(c, remat=config.remat)
+    flops = flops_per_token(c, config.seq_len) * config.batch_size * config.seq_len
+    flops *= remat_factor(c_remat, config.seq_len) / work
+    pp_micro = config.microbatches or sizes["pp"]
+    bubble = (sizes["pp"] - 1) / (pp_micro + sizes["pp"] - 1)
+    shard_bytes = n * param_bytes / (sizes["tp"] * sizes["pp"])
+    comm = 0.0
+    if batch_split > 1:
+        comm += 2 * shard_bytes  # gradient all-reduce (or reduce-scatter + all-gather)
+    if sizes["fsdp"] > 1:
+        comm += shard_bytes * config.grad_accum * (2 if config.remat == "full" else 1)
+    rows = config.batch_size // batch_split
+    act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
+    layers = c.n_layers / sizes["pp"]
+    if sizes["tp"] > 1:  # 2 all-reduces forward, 2 backward, of the [rows, seq, dim] stream
+        comm += 2 * 4 * layers * rows * config.seq_len * c.dim * act
+    if sizes["cp"] > 1:  # ring attention: K and V go round the ring, forward and backward
+        kv = getattr(c, "n_kv_heads", c.n_heads) * c.head_dim
+        comm += 3 * layers * (sizes["cp"] - 1) * 2 * rows * config.seq_len / sizes["cp"] \
+            * kv * act
+    if sizes["pp"] > 1:  # each microbatch's activations cross each stage boundary twice
+        comm += 2 * rows * config.seq_len / sizes["cp"] * c.dim * act
+    step = flops / device.peak_flops / (1 - bubble) + comm / device.link_bytes_per_s
+    return state, step
+
+
+def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
+                      batch_split: int) -> float:
+    """Activations saved for the backward pass per device (Korthikanti et al. 2022, without
+    dropout: ~30·s·b·h + 5·a·s²·b bytes per layer in 16 bits with no remat; the inputs of the
+    matmuls under save_dots; the layer input only under full remat), plus the logits."""
+    pp, cp, tp = sizes["pp"], sizes["cp"], sizes["tp"]
+    micro = config.microbatches or pp
+    in_flight = 1 if pp == 1 else micro if config.pp_schedule == "gpipe" else min(micro, pp)
+    rows = config.batch_size / (batch_split * config.grad_accum * (micro if pp > 1 else 1))
+    tokens = rows * config.seq_len / cp
+    act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
+    h = c.dim
+    per_layer = {
+        "none": tokens * (30 * h + 5 * c.n_heads * config.seq_len / cp) * act / 2 / tp,
+        "save_dots": tokens * (4 * h + 3 * c.mlp_dim) * act / tp,
+    }.get(config.remat, tokens * h * act)
+    logits = 2 * tokens * c.vocab_size * 4 / tp
+    return per_layer * c.n_layers / pp * in_flight + logits
+
+
+def _key(config: TrainConfig, devices: int) -> str:
+    text = json.dumps({"config": {k: getattr(config, k) for k in STEP_FIELDS},
+                       "devices": devices, "jax": jax.__version__,
+                       "backend": jax.default_backend()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _load(cache: Path | None, key: str) -> Compiled | None:
+    if cache is None or not (cache / f"{key}.json").exists():
+        return None
+    try:
+        return Compiled(**json.loads((cache / f"{key}.json").read_text()))
+    except (ValueError, TypeError):
+        return None  # an unreadable entry is compiled again
+
+
+def _store(cache: Path | None, key: str, compiled: Compiled) -> None:
+    if cache is not None:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cache / f"{key}.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(dataclasses.asdict(compiled)))
+        tmp.replace(cache / f"{key}.json")
+
+
+def _compile_worker(fields: dict[str, Any]) -> tuple[dict | None, str]:
+    """Runs in a worker process: compile one configuration; ``(Compiled as dict, error)``."""
+    try:
+        return dataclasses.asdict(compile_config(config_from_dict(fields))), ""
+    except Exception as e:  # a layout XLA or the model refuses is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+class _Workers:
+    """Compiles in ``jobs`` fresh processes (``python -m shardax.plan.worker``), so a layout
+    that crashes the compiler costs only its own process; they inherit XLA_FLAGS (the device
+    count) and JAX_PLATFORMS."""
+
+    def __init__(self, jobs: int, tmp: Path):
+        self.jobs, self.tmp, self.running, self.n = jobs, tmp, [], 0
+
+    def free(self) -> bool:
+        return len(self.running) < self.jobs
+
+    def submit(self, config: TrainConfig) -> None:
+        self.n += 1
+        out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
+        fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
+        with open(err, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "shardax.plan.worker", fields,
+                                     str(out)], stdout=subprocess.DEVNULL, stderr=stderr)
+        self.running.append((proc, config, out, err))
+
+    def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
+        done, still = [], []
+        for proc, config, out, err in self.running:
+            if proc.poll() is None:
+                still.append((proc, config, out, err))
+                continue
+            if proc.returncode == 0 and out.exists():
+                done.append((config, json.loads(out.read_text()), ""))
+            else:
+                lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
+                why = next((ln for ln in lines if ln.startswith(("F", "E", "shardax"))), "")
+                done.append((config, None, f"exit code {proc.returncode}: {why[:200]}"))
+        self.running = still
+        return done
+
+    def stop(self) -> int:
+        for proc, *_ in self.running:
+            proc.kill()
+            proc.wait()
+        n, self.running = len(self.running), []
+        return n
+
+
+def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None, *,
+           max_compiles: int = 16, budget_s: float = 600.0, jobs: int = 1,
+           cache: Path | None = DEFAULT_CACHE, top: int | None = None) -> SearchResult:
+    """Searches layouts of ``base`` (its model, batch, sequence, precision and optimizer) over
+    ``jax.device_count()`` devices; returns the fitting ones ranked by estimated step time.
+
+    The analytic memory is calibrated as results come in: once a compiled layout shows the
+    formula underestimated its peak by a factor r, layouts whose formula memory x r is over
+    the limit are no longer compiled."""
+    start = time.perf_counter()
+    hbm = hbm_bytes if hbm_bytes is not None else device.hbm_bytes
+    devices = jax.device_count()
+    every = candidates(base, devices)
+    scored = []
+    pruned = 0
+    for config in every:
+        memory, step = analytic(config, devices, device)
+        if memory > hbm * PRUNE_MARGIN:
+            pruned += 1
+            continue
+        scored.append((step, memory, config))
+    scored.sort(key=lambda x: x[0])
+    # The analytically best layout of each mesh first, then the runners-up: the compile budget
+    # goes to different meshes before variants of one (remat, accumulation) that rank together.
+    seen: set[str] = set()
+    firsts = [i for i, (_, _, c) in enumerate(scored) if not (c.mesh in seen or seen.add(c.mesh))]
+    order = [scored[i] for i in firsts + sorted(set(range(len(scored))) - set(firsts))]
+    log.info("search: %d layouts, %d over %.0f GiB by formula; compiling up to %d, "
+             "analytically fastest first", len(every), pruned, hbm / 2**30, max_compiles)
+    results: list[tuple[TrainConfig, Compiled]] = []
+    failed: list[str] = []
+    cached = calibrated = 0
+    scale = 1.0 / PRUNE_MARGIN  # compiled peak / formula memory, the largest seen so far
+    analytic_memory: dict[int, float] = {}
+
+    def take(config: TrainConfig, compiled: Compiled) -> None:
+        nonlocal scale
+        results.append((config, compiled))
+        scale = max(scale, compiled.peak_bytes / analytic_memory[id(config)])
+
+    pending = iter(order)
+    launched = 0
+    skipped = 0
+    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-"))) if jobs > 1 \
+        else None
+    try:
+        while True:
+            over_time = time.perf_counter() - start > budget_s
+            # Launch (or compile inline) the next candidates that still look like they fit.
+            while launched < max_compiles and not over_time and (
+                    workers is None or workers.free()):
+                item = next(pending, None)
+                if item is None:
+                    break
+                _, memory, config = item
+                if memory * scale > hbm:
+                    calibrated += 1
+                    continue
+                try:
+                    resolve(config)  # the checks `shardax train` makes
+                except UsageError:
+                    continue
+                analytic_memory[id(config)] = memory
+                launched += 1
+                hit = _load(cache, _key(config, devices))
+                if hit is not None:
+                    cached += 1
+                    take(config, hit)
+                elif workers is None:
+                    fields, error = _compile_worker({k: getattr(config, k) for k in STEP_FIELDS})
+                    _collect(config, fields, error, take, failed, cache, devices)
+                    over_time = time.perf_counter() - start > budget_s
+                else:
+                    workers.submit(config)
+            if workers is None or not workers.running:
+                break
+            for config, fields, error in workers.finished():
+                _collect(config, fields, error, take, failed, cache, devices)
+            if time.perf_counter() - start > budget_s:
+                skipped = workers.stop()
+                break
+            time.sleep(0.2)
+    finally:
+        if workers is not None:
+            workers.stop()
+    estimates = [estimate(config, compiled, device, hbm) for config, compiled in results]
+    fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    over = sorted((e for e in estimates if not e.fits), key=lambda e: e.compiled.peak_bytes)
+    return SearchResult(
+        ranked=fitting[:top] if top else fitting, enumerated=len(every),
+        pruned_memory=pruned + calibrated, compiled=len(results) - cached, cached=cached,
+        over_hbm=len(over), failed=failed, skipped_budget=skipped,
+        seconds=time.perf_counter() - start, closest_over=over[:3])
+
+
+def _collect(config: TrainConfig, fields: dict | None, error: str, take: Any,
+             failed: list, cache: Path | None, devices: int) -> None:
+    if fields is None:
+        failed.append(f"{config.mesh} remat={config.remat} grad_accum={config.grad_accum}: "
+                      f"{error}")
+        return
+    compiled = Compiled(**fields)
+    _store(cache, _key(config, devices), compiled)
+    take(config, compiled)
