@@ -1,7 +1,7 @@
 """Run every CPU benchmark, each in a fresh process, and write ``benchmarks/RESULTS.md``.
 
-    python benchmarks/run.py                    # all sections (~10 minutes on 2 cores)
-    python benchmarks/run.py --only overhead    # some sections; RESULTS.md gets only those
+    python benchmarks/run.py                    # all sections (~30-40 minutes on 2 cores)
+    python benchmarks/run.py --only overhead    # some sections; the others keep the last run
 
 Sections: memory + communication (``memory_comm.py``), collective dtypes (the same script
 with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
