@@ -97,7 +97,6 @@ class _Signature:
     positional: bool  # only positional dynamic arguments (no static, no keyword ones)
     args_treedef: Any  # tree structure of the dynamic positional arguments
     in_paths: list[str]
-    in_specs: list[Any]
     in_shardings: list[NamedSharding | None]  # one per flat dynamic leaf
     out_shardings: Any
     arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
@@ -314,8 +313,8 @@ class ShardedFunction:
                  if s is not None]
         jitted = jax.jit(body, in_shardings=jit_in, out_shardings=out_shardings,
                          donate_argnums=donate, **self.jit_kwargs)
-        return _Signature(jitted, positional, args_treedef, paths, in_specs, in_shardings,
-                          out_shardings, arg_shardings, needs_mesh=not named)
+        return _Signature(jitted, positional, args_treedef, paths, in_shardings, out_shardings,
+                          arg_shardings, needs_mesh=not named)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""

@@ -6,7 +6,7 @@ Parameters need nothing from here: ``LogicalAxisRules`` reads the names that
 
 Activations are different: ``nn.with_logical_constraint`` (and the constraint linen applies when
 it unboxes a parameter under a mesh) read *Flax's* rule context. Every shardax context whose
-``sjit`` has ``LogicalAxisRules`` sets it from those rules (``frameworks.tracing_contexts``), so
+``sjit`` has ``LogicalAxisRules`` sets it from those rules (``shardax.context``), so
 one rule list decides parameters and activations, as ``with_logical_constraint`` does for NNX.
 ``logical_axis_rules(rules)`` is the same thing by hand, for code traced outside ``sjit``.
 
