@@ -233,8 +233,16 @@ class MeshShardingHelper:
     ) -> tuple[Any, Any]:
         """Trees of functions that put one leaf on the mesh / bring it back to host numpy.
 
-        >>> shard_fns, gather_fns = mesh.make_shard_and_gather_fns(params, FSDPShardingRule())
+        >>> from shardax import FSDPShardingRule
+        >>> mesh = MeshShardingHelper([-1], ["fsdp"])
+        >>> params = {"w": np.ones((16, 4), np.float32)}
+        >>> rule = FSDPShardingRule(min_fsdp_size=0)
+        >>> shard_fns, gather_fns = mesh.make_shard_and_gather_fns(params, rule)
         >>> sharded = mesh.apply_shard_and_gather_fns(shard_fns, params)
+        >>> sharded["w"].sharding.spec
+        P('fsdp', None)
+        >>> type(mesh.apply_shard_and_gather_fns(gather_fns, sharded)["w"])
+        <class 'numpy.ndarray'>
         """
         shardings = self.match_sharding_rule(sharding_rule, pytree)
         replicated = jax.sharding.NamedSharding(self.mesh, PartitionSpec())

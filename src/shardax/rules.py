@@ -3,6 +3,7 @@
 A rule looks only at the tree (paths, shapes, framework metadata) and at the active mesh, so the
 same rule serves parameters, optimizer states and activations alike.
 
+>>> import jax.numpy as jnp
 >>> FSDPShardingRule(fsdp_axis_size=8, min_fsdp_size=0).apply({"w": jnp.zeros((16, 4))})
 {'w': P('fsdp', None)}
 """
@@ -102,6 +103,7 @@ class FSDPShardingRule(ShardingRule):
     active mesh (``fsdp_axis_name`` may be a tuple of mesh axes), else the largest power of two
     dividing some dimension (scalax's guess).
 
+    >>> import jax.numpy as jnp
     >>> FSDPShardingRule(fsdp_axis_size=4, min_fsdp_size=0).apply(jnp.zeros((3, 8)))
     P(None, 'fsdp')
     """
@@ -203,7 +205,9 @@ class TreePathShardingRule(ShardingRule):
 class PolicyShardingRule(ShardingRule):
     """A rule from a callable ``policy(path, leaf) -> PartitionSpec``.
 
-    >>> PolicyShardingRule(lambda path, x: PartitionSpec("tp") if "w" in path else PartitionSpec())
+    >>> policy = lambda path, x: PartitionSpec("tp") if "w" in path else PartitionSpec()
+    >>> PolicyShardingRule(policy).apply({"w": np.zeros(8), "b": np.zeros(8)})
+    {'b': P(), 'w': P('tp',)}
     """
 
     def __init__(self, policy: Callable[[str, Any], PartitionSpec]):

@@ -90,7 +90,10 @@ def attention(
     q: [batch, seq, heads, head_dim]; k, v: [batch, seq, kv_heads, head_dim] with heads a
     multiple of kv_heads. Scores and softmax are float32; the output has q's dtype.
 
-    >>> out = attention(q, k, v, causal=True)  # [batch, seq, heads, head_dim]
+    >>> q = jnp.ones((2, 16, 4, 8))                    # [batch, seq, heads, head_dim]
+    >>> k = v = jnp.ones((2, 16, 2, 8))                # [batch, seq, kv_heads, head_dim]
+    >>> attention(q, k, v, causal=True).shape
+    (2, 16, 4, 8)
     """
     _check_qkv(q, k, v, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -139,8 +142,10 @@ def load_balance(x: jax.Array, axis_size: int, seq_axis: int = 1) -> jax.Array:
     Apply it to token ids (or embeddings), RoPE positions and labels alike; undo it on outputs
     with :func:`unload_balance` (a mean loss over tokens does not need undoing).
 
-    >>> tokens = load_balance(tokens, mesh.shape["cp"])             # [batch, seq]
-    >>> pos = load_balance(jnp.arange(seq), mesh.shape["cp"], 0)    # positions for RoPE
+    >>> tokens = jnp.arange(8)[None]                   # [batch, seq], cp=2 -> 4 chunks
+    >>> load_balance(tokens, 2)                        # device 0: chunks 0, 3; device 1: 1, 2
+    Array([[0, 1, 6, 7, 2, 3, 4, 5]], dtype=int32)
+    >>> pos = load_balance(jnp.arange(8), 2, 0)        # positions for RoPE
     """
     return _permute_chunks(x, axis_size, seq_axis, inverse=False)
 
@@ -148,7 +153,9 @@ def load_balance(x: jax.Array, axis_size: int, seq_axis: int = 1) -> jax.Array:
 def unload_balance(x: jax.Array, axis_size: int, seq_axis: int = 1) -> jax.Array:
     """Exact inverse of :func:`load_balance`.
 
-    >>> y = unload_balance(load_balance(x, 4), 4)  # y == x
+    >>> x = jnp.arange(16)[None]
+    >>> bool((unload_balance(load_balance(x, 4), 4) == x).all())
+    True
     """
     return _permute_chunks(x, axis_size, seq_axis, inverse=True)
 
@@ -354,8 +361,12 @@ def ring_attention(
     by ``load_balance(x, axis_size)``; for causal attention that gives every device equal work.
     With ``causal=False`` the flag only checks divisibility (attention is order-equivariant).
 
-    >>> with jax.set_mesh(mesh):  # mesh axes e.g. (cp=4, fsdp=2)
+    >>> mesh = jax.make_mesh((4, 2), ("cp", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> q = k = v = jnp.ones((2, 16, 4, 8))            # [batch, seq, heads, head_dim]
+    >>> with jax.set_mesh(mesh):
     ...     out = jax.jit(ring_attention)(q, k, v)
+    >>> bool(jnp.allclose(out, attention(q, k, v)))
+    True
     """
     _check_qkv(q, k, v, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

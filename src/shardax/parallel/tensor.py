@@ -68,7 +68,12 @@ def column_parallel(
     ``sequence_parallel`` defaults to ``mode != 'sync'`` (async modes need it). ``batch_axes``:
     mesh axes that shard ``x``'s leading dim, made manual too (see module notes).
 
-    >>> h = column_parallel(x, w_in, mode="async")  # x: [batch, seq, d]  w_in: [d, ffn]
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> x, w_in = jnp.ones((2, 8, 16)), jnp.ones((16, 32))  # x: [batch, seq, d]  w_in: [d, ffn]
+    >>> with jax.set_mesh(mesh):
+    ...     h = jax.jit(lambda x, w: column_parallel(x, w, mode="async"))(x, w_in)
+    >>> bool(jnp.allclose(h, x @ w_in))
+    True
     """
     sp, n = _setup("column_parallel", x, w, b, axis, mode, sequence_parallel, mesh)
     if n == 1:
@@ -122,7 +127,12 @@ def row_parallel(
     over ``seq_dim`` (sequence parallelism), or reduced along a ``ppermute`` ring (async).
     ``b`` is replicated and added once, after the reduction.
 
-    >>> y = row_parallel(jax.nn.gelu(h), w_out, mode="async")  # w_out: [ffn, d]
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> h, w_out = jnp.ones((2, 8, 32)), jnp.ones((32, 16))  # h: [batch, seq, ffn]  w_out: [ffn, d]
+    >>> with jax.set_mesh(mesh):
+    ...     y = jax.jit(lambda h, w: row_parallel(h, w, mode="async"))(h, w_out)
+    >>> bool(jnp.allclose(y, h @ w_out))
+    True
     """
     sp, n = _setup("row_parallel", x, w, b, axis, mode, sequence_parallel, mesh)
     if n == 1:
@@ -179,7 +189,13 @@ def tp_mlp(
     One all-reduce forward in ``sync`` mode; all-gather + reduce-scatter with sequence
     parallelism; only ``ppermute`` rings in the async modes. Output layout equals input layout.
 
-    >>> y = tp_mlp(x, w_in, w_out, mode="async_bidi")  # x: [batch, seq, d]
+    >>> mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> x = jnp.ones((2, 8, 16))                       # [batch, seq, d]
+    >>> w_in, w_out = jnp.ones((16, 32)) / 16, jnp.ones((32, 16)) / 32
+    >>> with jax.set_mesh(mesh):
+    ...     y = jax.jit(lambda *a: tp_mlp(*a, mode="async_bidi"))(x, w_in, w_out)
+    >>> bool(jnp.allclose(y, jax.nn.gelu(x @ w_in) @ w_out))
+    True
     """
     kw = dict(
         axis=axis,

@@ -1,0 +1,63 @@
+"""Every test and doctest runs on 8 emulated CPU devices; this is the one place that sets it up.
+
+At the repository root so it applies to `tests/` and to the doctests of `src/shardax`
+(`pytest --doctest-modules src/shardax`) alike; fixtures live in `tests/conftest.py`.
+
+The suite runs tiny programs for a few steps, so XLA compile time is most of its cost. Two
+settings cut it without touching what the tests check (partitioning, collectives and memory
+come from XLA's HLO passes, before code generation; every numeric comparison runs both of its
+sides under the same flags):
+
+- LLVM code generation at ``-O0`` (``--xla_backend_optimization_level=0``): about a quarter
+  less CPU time over the suite; the programs run slower, which tiny programs do not notice.
+- JAX's persistent compilation cache in a fresh directory per test process, exported through
+  the environment so single-process subprocesses (examples, the `shardax` CLI) share it: a
+  program compiled by several tests compiles once. Multi-process runs go without it (see the
+  ``env`` fixture of ``test_multiprocess.py``).
+
+Benchmarks and `make run` use neither.
+"""
+
+import atexit
+import importlib.util
+import os
+import shutil
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="shardax-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+# Token caches (shardax.train.encode) go to a fresh directory per test process, shared with
+# its subprocesses, never to the user's ~/.cache.
+if "SHARDAX_CACHE_DIR" not in os.environ:
+    _tokens = tempfile.mkdtemp(prefix="shardax-tests-tokens-")
+    atexit.register(shutil.rmtree, _tokens, ignore_errors=True)
+    os.environ["SHARDAX_CACHE_DIR"] = _tokens
+
+import jax  # noqa: E402
+
+assert jax.device_count() == 8, f"tests expect 8 emulated CPU devices, got {jax.device_count()}"
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+# Doctest collection imports every module under src/shardax; a module whose optional
+# dependency (an extra in pyproject.toml) is not installed is left out instead of failing.
+_OPTIONAL = {
+    "src/shardax/frameworks/linen.py": "flax",
+    "src/shardax/train": "flax",
+    "src/shardax/plan": "flax",
+    "src/shardax/models": "flax",
+    "src/shardax/hf": "safetensors",
+    "src/shardax/cli.py": "tyro",
+}
+collect_ignore = [path for path, module in _OPTIONAL.items() if not _installed(module)]
