@@ -25,9 +25,10 @@ run: install
 	$(VENV)/bin/shardax train --out $(RUN)
 	ln -sfn $(notdir $(RUN)) runs/latest
 
-# Two workers, each file on one worker (files share their expensive reference runs).
+# Two workers, each file on one worker (files share their expensive reference runs); the
+# docstring examples of src/shardax run too (--doctest-modules; set-up in conftest.py).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --doctest-modules tests src/shardax
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,7 @@
 
     python examples/gpt2_param_compute_mapping.py
 
-Levanter (seed 003) trains with two mappings from logical axes to the mesh:
+Levanter trains with two mappings from logical axes to the mesh:
 
     param_mapping   = {"embed": "data"}   # parameters and optimizer state: FSDP over 'embed'
     compute_mapping = {"batch": "data"}   # activations: split by batch, features whole
@@ -12,7 +12,7 @@ the model's activation names (``with_logical_constraint`` inside ``shardax.model
 mapped by the compute rules (``logical_axis_rules=``); and the gradients, named with
 ``with_sharding_annotation``, are put back into the parameter layout (``annotation_shardings``),
 which is where FSDP reduce-scatters them. Parameters stay float32 and the forward pass runs in
-bfloat16 (``Policy``, seed 003's jmp policy). ``SHARDAX_EXAMPLE_STEPS`` sets the number of steps.
+bfloat16 (``Policy``, a jmp-style policy). ``SHARDAX_EXAMPLE_STEPS`` sets the number of steps.
 """
 
 import os

@@ -1,4 +1,4 @@
-"""Flax linen with logical axis names (seed 004, Flax's "Scale up on multiple devices" guide).
+"""Flax linen with logical axis names (Flax's "Scale up on multiple devices" guide).
 
     python examples/linen_logical.py
 

@@ -1,4 +1,4 @@
-"""Sharded init of a Flax NNX model (seed 001): never build the whole model on one device.
+"""Sharded init of a Flax NNX model (Flax's NNX sharding guide): never build it on one device.
 
     python examples/nnx_sharded_init.py
 
