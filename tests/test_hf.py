@@ -126,6 +126,20 @@ def test_kv_cache_equals_full_recompute_sharded_with_ragged_prompts(arch):
         assert decode.generate(single, [prompt], 12).tokens[0] == row
 
 
+def test_generate_pads_a_prompt_batch_the_mesh_does_not_divide():
+    """Two prompts on fsdp=4,tp=2 (the batch is split 4 ways): padded to four rows inside,
+    two rows out, each with the greedy tokens it gets alone on one device."""
+    ref = reference("llama_gqa")
+    prompts = [ref["tokens"][0][:3].tolist(), ref["tokens"][1][:2].tolist()]
+    mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
+    config = hf.load_config(FIXTURES / "llama_gqa")
+    rules = hf.default_rules(config, mesh.mesh)
+    model = nnx.merge(*hf.load_params(FIXTURES / "llama_gqa", config, mesh, rules))
+    out = decode.generate(model, prompts, 6, mesh=mesh, rules=rules)
+    single = hf.load_model(FIXTURES / "llama_gqa")
+    assert out.tokens == [decode.generate(single, [p], 6).tokens[0] for p in prompts]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_import_export_import_is_bit_identical(arch, tmp_path):
     """Export in small files (sharded, with an index): the tensors are byte-for-byte the ones

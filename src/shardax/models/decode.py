@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -167,7 +168,9 @@ def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_toke
     model's arrays should already be sharded; the cache follows the rules). When the longest
     prompt plus the new tokens exceed ``max_seq_len``, generation goes in rounds: each round
     re-reads (prefills) the last ``max_seq_len // 2`` tokens of every row and fills the rest
-    of the window.
+    of the window. Any number of prompts works: where the rules split the batch over mesh axes
+    the prompt count does not divide, the batch is padded with copies of the first prompt and
+    those rows are dropped from the result.
 
     Example::
 
@@ -179,7 +182,8 @@ def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_toke
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     length = model.config.max_seq_len
-    seqs = [list(p) for p in prompts]
+    rows = _padded_rows(len(prompts), mesh, rules)
+    seqs = [list(p) for p in prompts] + [list(prompts[0])] * (rows - len(prompts))
     new: list[list[int]] = [[] for _ in seqs]
     out = Generated(new, 0.0, 0.0)
     remaining, round_ = max_new_tokens, 0
@@ -195,7 +199,26 @@ def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_toke
         out.decode_s += got.decode_s
         remaining -= n
         round_ += 1
+    del new[len(prompts):]
     return out
+
+
+def _padded_rows(n: int, mesh: Any, rules: Any) -> int:
+    """``n`` rounded up to a multiple of the mesh axes the rules may split 'batch' over.
+
+    A rule list can give 'batch' different axes in different arrays (a fallback applies where
+    an earlier name took an axis); each is a subset of all the axes its rules name, so a
+    multiple of their product divides every one.
+    """
+    if mesh is None or rules is None:
+        return n
+    sizes = dict(getattr(mesh, "mesh", mesh).shape)
+    axes: set[str] = set()
+    for name, names in rules:
+        if name == "batch" and names is not None:
+            axes.update(a for a in ((names,) if isinstance(names, str) else names) if a in sizes)
+    multiple = math.prod(sizes[a] for a in axes)
+    return -(-n // multiple) * multiple
 
 
 def _once(model, prompts, max_new_tokens, temperature, seed, use_cache, mesh, rules
