@@ -1,0 +1,259 @@
+"""Every command and Python snippet in README.md and docs/*.md runs as written, or a test runs it.
+
+Each fenced block of a doc is read (````python``, ````bash`` and the unlabelled blocks whose
+lines are ``shardax`` commands); every Python block and every ``shardax ...`` / ``python ...``
+command in it is, in this order:
+
+- **not run** when the line before the block is ``<!-- not run: REASON -->`` (several hosts, an
+  accelerator, a download, or a fragment whose ``...`` the reader fills in); the reason is
+  required;
+- **covered** when its first line is in ``COVERED`` below, which names the test that runs the
+  same thing (that test must exist);
+- **run** otherwise: the Python blocks of one doc in order in one fresh process, sharing their
+  names as a notebook would (8 emulated CPU devices, in an empty working directory), and the
+  commands one by one in that directory.
+
+A new snippet is therefore run or explicitly accounted for; one test per doc file.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^([ \t]*)```(\w*)\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
+NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->\s*$")
+COMMAND = re.compile(r"^(?:\.venv/bin/)?(shardax \w+|python3?)(\s|$)")  # not "shardax train: ..."
+
+# (doc, first line of the snippet or command) -> the test that runs the same thing.
+COVERED: dict[tuple[str, str], str] = {
+    # README: the commands after `make run` continue its run directory.
+    ("README.md", 'print(train_step.plan(train_state, batch))'):
+        "tests/test_plan.py::test_rows_cover_every_input_and_output_leaf",
+    ("README.md", '.venv/bin/shardax generate --out runs/latest --prompt "def "'):
+        "tests/test_train.py::test_generate_continues_the_prompt",
+    ("README.md", ".venv/bin/shardax train --out runs/latest --steps 600 --resume "
+                  "--mesh dp=2,fsdp=2,tp=2"):
+        "tests/test_train.py::test_resume_onto_another_mesh_continues_training",
+    ("docs/checkpoints.md", "from shardax.train.checkpoint import Checkpointer, abstract_state"):
+        "tests/test_checkpoint.py::test_async_save_is_not_affected_by_donation",
+    ("docs/checkpoints.md", 'ckpt = Checkpointer("runs/exp1/ckpt")'):
+        "tests/test_checkpoint.py::test_resume_gives_bit_identical_training",
+    ("docs/checkpoints.md", 'fsdp8 = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))'):
+        "tests/test_checkpoint.py::test_resharding_restore_to_other_mesh_and_single_device",
+    ("docs/context_parallel.md", 'cp = mesh.shape["cp"]'):
+        "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
+    ("docs/context_parallel.md", "shardax train --mesh cp=4,fsdp=2"):
+        "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
+    ("docs/data.md", "shardax train --data corpus/ notes.jsonl"):
+        "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly",
+    ("docs/data.md", "shardax train --model llama-small --tokenizer models/llama2 --data shards/ "
+                     "--text-field content"):
+        "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly",
+    ("docs/data.md", "shardax train --model gpt2 --tokenizer models/gpt2 --data train.bin "
+                     "--token-dtype uint16"):
+        "tests/test_data.py::test_token_files",
+    ("docs/expert_parallel.md", "from shardax.parallel.expert import moe_mlp, init_moe_params, "
+                                "moe_param_specs, expert_capacity"):
+        "tests/test_parallel_expert.py::test_init_and_specs",
+    ("docs/expert_parallel.md", 'mesh = jax.make_mesh((4, 2), ("ep", "fsdp"), '
+                                'axis_types=(AxisType.Auto,) * 2)'):
+        "tests/test_parallel_expert.py::test_sharded_equals_reference",
+    ("docs/expert_parallel.md", "shardax train --model llama-moe-tiny --mesh ep=4,fsdp=2"):
+        "tests/test_parallel_train.py::test_moe_expert_parallel_matches_one_device",
+    # Hugging Face: the tests use tiny models made by transformers instead of a download.
+    ("docs/hugging_face.md", "from shardax import hf"):
+        "tests/test_hf.py::test_sharded_load_reads_each_device_slice_once_and_nothing_else",
+    ("docs/hugging_face.md", "from shardax.models import decode"):
+        "tests/test_hf.py::test_generate_pads_a_prompt_batch_the_mesh_does_not_divide",
+    ("docs/hugging_face.md", "shardax train --init-from hf:models/Llama-3.2-1B --mesh fsdp=4,tp=2 "
+                             "--seq-len 1024 --batch-size 16 --lr 2e-5 --steps 1000 "
+                             "--out runs/llama-ft"):
+        "tests/test_hf_cli.py::test_finetune_on_a_mesh_and_export_round_trips",
+    ("docs/hugging_face.md", "shardax export --out runs/llama-ft --to export/llama-ft [--step 800] "
+                             "[--max-shard-mb 2048] [--dtype bfloat16]"):
+        "tests/test_hf_cli.py::test_finetune_on_a_mesh_and_export_round_trips",
+    ("docs/hugging_face.md", 'shardax generate --from hf:export/llama-ft --prompt "def " '
+                             '--prompts "class " "import " --max-tokens 64 --temperature 0.7'):
+        "tests/test_hf_cli.py::test_generate_from_an_hf_dir_and_from_the_run",
+    ("docs/hugging_face.md", 'shardax generate --out runs/llama-ft --prompt "def "'):
+        "tests/test_hf_cli.py::test_generate_from_an_hf_dir_and_from_the_run",
+    # Frameworks: each section's full program is an example that test_examples.py runs.
+    ("docs/models_and_rules.md", 'param_mapping = LogicalAxisRules([("embed", "data")])'):
+        "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/models_and_rules.md", "def create():"):
+        "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/models_and_rules.md", "def init_fn(key, x):"):
+        "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/models_and_rules.md", "from shardax.frameworks.linen import logical_axis_rules"):
+        "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/models_and_rules.md", "params, static = eqx.partition(model, eqx.is_array)"):
+        "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/multi_host.md", "shardax launch --nproc 2 --devices-per-proc 4 -- shardax train "
+                           "--mesh fsdp=-1 --steps 200 --out runs/mp"):
+        "tests/test_multiprocess.py::test_two_processes_train_like_one_process",
+    ("docs/multi_host.md", "shardax launch --nproc 2 --devices-per-proc 4 -- shardax train "
+                           "--mesh fsdp=-1 --steps 200 --out runs/mp --resume"):
+        "tests/test_multiprocess.py::test_killed_worker_stops_the_job_and_resume_is_bit_identical",
+    ("docs/observability.md", "shardax train --out runs/a --log-to jsonl,tensorboard,wandb"):
+        "tests/test_observability.py::test_tensorboard_event_file_holds_the_scalars",
+    ("docs/observability.md", "shardax train --out runs/a --profile-steps 10:13"):
+        "tests/test_observability.py::test_profile_trace_covers_the_requested_steps",
+    ("docs/parallelism.md", "from shardax.parallel import fsdp"):
+        "tests/test_parallel_fsdp.py::test_forward_gradients_and_collectives",
+    ("docs/parallelism.md", "shardax train --mesh pp=2,fsdp=2,tp=2 --pp-schedule circular "
+                            "--virtual-stages 2 --microbatches 4"):
+        "tests/test_parallel_train.py::test_pipeline_fsdp_tp_matches_one_device",
+    ("docs/parallelism.md", "shardax train --mesh tp=8 --tp-mode async"):
+        "tests/test_parallel_train.py::test_async_tensor_parallel_matches_one_device",
+    ("docs/parallelism.md", "shardax train --mesh fsdp=4,tp=2 --sequence-parallel"):
+        "tests/test_parallel_train.py::test_sequence_parallel_matches_one_device",
+    ("docs/parallelism.md", "shardax train --mesh cp=4,fsdp=2"):
+        "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
+    ("docs/parallelism.md", "shardax train --model llama-moe-tiny --mesh ep=4,fsdp=2"):
+        "tests/test_parallel_train.py::test_moe_expert_parallel_matches_one_device",
+    ("docs/pipeline_parallel.md", "def layer(p, h):"):
+        "tests/test_parallel_pipeline.py::test_sgd_training_matches_single_device",
+    ("docs/pipeline_parallel.md", "shardax train --mesh pp=2,fsdp=2,tp=2 --microbatches 4"):
+        "tests/test_parallel_train.py::test_pipeline_fsdp_tp_matches_one_device",
+    ("docs/pipeline_parallel.md", "shardax train --mesh pp=2,fsdp=2,tp=2 --pp-schedule circular "
+                                  "--virtual-stages 2 --microbatches 4"):
+        "tests/test_parallel_train.py::test_pipeline_fsdp_tp_matches_one_device",
+    ("docs/pipeline_parallel.md", "shardax train --mesh pp=2,fsdp=4 --pp-schedule 1f1b "
+                                  "--microbatches 16 --batch-size 64"):
+        "tests/test_parallel_train.py::test_pipeline_fsdp_tp_matches_one_device",
+    ("docs/pipeline_parallel.md", "shardax train --mesh pp=2,fsdp=2,tp=2 --tp-mode async "
+                                  "--microbatches 2"):
+        "tests/test_parallel_train.py::test_pipeline_with_async_tensor_parallel",
+    ("docs/pipeline_parallel.md", "shardax train --mesh pp=2,fsdp=2,tp=2 --tp-mode sync "
+                                  "--sequence-parallel --pp-schedule circular --virtual-stages 2 "
+                                  "--microbatches 2"):
+        "tests/test_parallel_train.py::test_pipeline_with_sequence_parallel_circular",
+    ("docs/pipeline_parallel.md", "shardax train --mesh pp=2,cp=2,fsdp=2 --microbatches 2 "
+                                  "--pp-schedule 1f1b"):
+        "tests/test_parallel_train.py::test_pipeline_with_ring_attention",
+    ("docs/pipeline_parallel.md", "shardax train --model llama-moe-tiny --mesh pp=2,ep=2,fsdp=2 "
+                                  "--microbatches 1"):
+        "tests/test_parallel_train.py::test_pipeline_with_experts",
+    ("docs/pipeline_parallel.md", "shardax train --model llama-moe-tiny --mesh pp=2,ep=2,fsdp=2 "
+                                  "--microbatches 4 --pp-schedule 1f1b"):
+        "tests/test_parallel_train.py::test_pipeline_with_experts",
+    ("docs/planning.md", "shardax plan --model llama-8b --mesh fsdp=64 --batch-size 256 "
+                         "--seq-len 4096 --precision params=float32,compute=bfloat16 --remat full "
+                         "--scan-layers --devices 64 --target h100 --hbm 80GiB"):
+        "tests/test_planner.py::test_plan_command_line_prints_and_writes_json",
+    ("docs/planning.md", "shardax plan --model llama-8b --batch-size 256 --seq-len 4096 "
+                         "--precision params=float32,compute=bfloat16 --devices 64 --hbm 80GiB "
+                         "--search --jobs 2"):
+        "tests/test_planner.py::test_search_returns_only_fitting_layouts",
+    ("docs/scaling_a_train_step.md", "plan = train_step.plan(state, batch)"):
+        "tests/test_plan.py::test_rows_cover_every_input_and_output_leaf",
+    ("docs/sharded_init.md", "from shardax.sharding import MeshShardingHelper, LogicalAxisRules"):
+        "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/sharded_init.md", "state = mesh.sjit(lambda: init_state(create_model, tx)[1]"):
+        "tests/test_init.py::test_init_is_bit_identical_on_any_mesh",
+    ("docs/precision_remat_accumulation.md", "layer_fn = nnx.remat(lambda layer, x: layer(x),"):
+        "tests/test_models.py::test_remat_policies_match_no_remat",
+    ("docs/tensor_parallel.md", "shardax train --mesh fsdp=4,tp=2 --tp-mode sync"):
+        "tests/test_parallel_train.py::test_sync_tensor_parallel_block_is_megatron",
+    ("docs/tensor_parallel.md", "shardax train --mesh fsdp=4,tp=2 --sequence-parallel"):
+        "tests/test_parallel_train.py::test_sequence_parallel_matches_one_device",
+    ("docs/tensor_parallel.md", "shardax train --mesh tp=8 --tp-mode async"):
+        "tests/test_parallel_train.py::test_async_tensor_parallel_matches_one_device",
+}
+
+
+def covered(doc: str, first: str) -> bool:
+    """Whether a snippet (its first line) or a command of ``doc`` is in ``COVERED``."""
+    return any(d == doc and first.startswith(key) for d, key in COVERED)
+
+
+def blocks(doc: str) -> list[tuple[int, str, str, str | None]]:
+    """``(line, language, text, not-run reason or None)`` of every fenced block of ``doc``."""
+    text = (ROOT / doc).read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        reason = NOT_RUN.search(before)
+        code = textwrap.dedent(m.group(3)) if m.group(1) else m.group(3)
+        out.append((text.count("\n", 0, m.start()) + 1, m.group(2), code,
+                    reason.group(1) if reason else None))
+    return out
+
+
+def commands(block: str) -> list[str]:
+    """The shell commands of a block, continuation lines joined, comments dropped."""
+    lines = block.replace("\\\n", " ").splitlines()
+    found = []
+    for line in lines:
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if COMMAND.match(line):
+            found.append(" ".join(line.split()))
+    return found
+
+
+def snippets(doc: str) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """``(python blocks, commands)`` of ``doc`` to run, after the not-run and covered ones."""
+    python, shell = [], []
+    for line, lang, text, reason in blocks(doc):
+        if reason is not None:
+            continue
+        if lang == "python":
+            first = text.strip().splitlines()[0]
+            if not covered(doc, first):
+                python.append((line, text))
+        elif lang in ("bash", "sh", ""):
+            shell += [(line, c) for c in commands(text) if not covered(doc, c)]
+    return python, shell
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+RUNNER = textwrap.dedent("""
+    import sys, traceback
+    namespace = {"__name__": "__main__"}
+    for line, source in BLOCKS:
+        try:
+            exec(compile(source, f"{DOC}:{line}", "exec"), namespace)
+        except BaseException:
+            traceback.print_exc()
+            sys.exit(f"{DOC}: the Python block at line {line} failed")
+""")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_snippets_run(doc, tmp_path):
+    python, shell = snippets(doc)
+    if python:
+        script = f"DOC = {doc!r}\nBLOCKS = {python!r}\n{RUNNER}"
+        result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env(),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    for line, command in shell:
+        result = subprocess.run(shlex.split(command), cwd=tmp_path, env=env(),
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, (
+            f"{doc}:{line}: {command}\n{result.stdout}\n{result.stderr}")
+
+
+def test_every_not_run_block_says_why_and_every_covering_test_exists():
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for marker in re.findall(r"<!-- not run.*?-->", text):
+            assert NOT_RUN.match(marker), f"{doc}: {marker} needs `<!-- not run: REASON -->`"
+    for (doc, first), test in COVERED.items():
+        path, name = test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{test} (covers {doc}: {first})"
+        found = [c for _, _, text, _ in blocks(doc)
+                 for c in [text.strip().splitlines()[0], *commands(text)]]
+        assert any(c.startswith(first) for c in found), f"{doc} no longer has {first!r}"
