@@ -5,8 +5,17 @@
 rules, and bare ``PartitionSpec``s work because JAX's ambient mesh is set (``jax.set_mesh`` at
 top level, the abstract mesh under a trace, so a context may be entered inside ``jax.jit``).
 
->>> with mesh.get_context(annotation_shardings={"act": PartitionSpec("fsdp")}):  # doctest: +SKIP
-...     y = f(x)
+>>> import jax
+>>> import jax.numpy as jnp
+>>> from jax.sharding import PartitionSpec
+>>> from shardax import MeshShardingHelper
+>>> from shardax.constraints import with_sharding_annotation
+>>> mesh = MeshShardingHelper([-1], ["fsdp"])
+>>> f = jax.jit(lambda x: with_sharding_annotation(x * 2, "act"))
+>>> with mesh.get_context(annotation_shardings={"act": PartitionSpec("fsdp")}):
+...     y = f(jnp.ones(8))
+>>> y.sharding.spec
+P('fsdp',)
 """
 
 from __future__ import annotations

@@ -97,8 +97,13 @@ class MeshShardingHelper:
         ``axis_dims`` is then the shape within one slice.
       devices: the devices to use (default: all of ``jax.devices()``).
 
+    >>> from shardax import FSDPShardingRule
     >>> mesh = MeshShardingHelper([-1], ["fsdp"])
-    >>> step = mesh.sjit(train_step, in_shardings=(FSDPShardingRule(), None))  # doctest: +SKIP
+    >>> train_step = lambda state, batch: ({"w": state["w"] - batch.mean()}, batch.sum())
+    >>> step = mesh.sjit(train_step, in_shardings=(FSDPShardingRule(min_fsdp_size=0), None))
+    >>> state, loss = step({"w": np.ones((16, 4))}, np.ones((8, 2)))
+    >>> state["w"].sharding.spec
+    P('fsdp', None)
     """
 
     def __init__(
@@ -277,7 +282,10 @@ class MeshShardingHelper:
         The global batch is the processes' local batches stacked in process order (on one
         process the global array equals the local one, row for row).
 
-        >>> batch = mesh.local_data_to_global_array({"x": np.ones((8, 4))})  # doctest: +SKIP
+        >>> mesh = MeshShardingHelper([-1], ["fsdp"])
+        >>> batch = mesh.local_data_to_global_array({"x": np.ones((8, 4))})
+        >>> batch["x"].shape, batch["x"].sharding.spec
+        ((8, 4), P('fsdp',))
         """
         if mesh_axis_subset is None:
             axes = self.axis_names

@@ -375,7 +375,10 @@ def match_specs_flat(
 def match_specs(rules: Any, pytree: Any, mesh: Any = None) -> Any:
     """The checked ``PartitionSpec`` tree (None where unspecified) for ``pytree``.
 
-    >>> match_specs((FSDPShardingRule(), None), (params, batch), mesh)  # doctest: +SKIP
+    >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> params, batch = {"w": np.zeros((16, 4))}, np.zeros((8, 2))
+    >>> match_specs((FSDPShardingRule(min_fsdp_size=0), None), (params, batch), mesh)
+    ({'w': P('fsdp', None)}, None)
     """
     mesh = mesh if mesh is not None else active_mesh()
     if mesh is None:
