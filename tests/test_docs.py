@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^([ \t]*)```(\w*)\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->\s*$")
+HIDDEN = re.compile(r"\bshardax (train|plan|generate|export|launch)\s")
 COMMAND = re.compile(r"^(?:\.venv/bin/)?(shardax \w+|python3?)(\s|$)")  # not "shardax train: ..."
 
 # (doc, first line of the snippet or command) -> the test that runs the same thing.
@@ -251,6 +252,16 @@ def test_every_not_run_block_says_why_and_every_covering_test_exists():
         text = (ROOT / doc).read_text()
         for marker in re.findall(r"<!-- not run.*?-->", text):
             assert NOT_RUN.match(marker), f"{doc}: {marker} needs `<!-- not run: REASON -->`"
+        # A shardax command this test would not find (after `srun`, in a loop, in a config
+        # file) must be marked, so no command is left out silently. (Unlabelled blocks are
+        # program output unless a line starts with a command.)
+        for line, lang, block, reason in blocks(doc):
+            if lang not in ("bash", "sh", "yaml"):
+                continue
+            for command in block.replace("\\\n", " ").splitlines():
+                hidden = HIDDEN.search(command) and not COMMAND.match(command.strip())
+                assert reason is not None or not hidden, (
+                    f"{doc}:{line}: {command.strip()!r} is not run; mark its block")
     for (doc, first), test in COVERED.items():
         path, name = test.split("::")
         assert f"def {name}(" in (ROOT / path).read_text(), f"{test} (covers {doc}: {first})"
