@@ -26,9 +26,10 @@ run: install
 	ln -sfn $(notdir $(RUN)) runs/latest
 
 # Two workers, each file on one worker (files share their expensive reference runs); the
-# docstring examples of src/shardax run too (--doctest-modules; set-up in conftest.py).
+# docstring examples of src/shardax run too (--doctest-modules in pyproject.toml; the 8-device
+# set-up is conftest.py's).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --doctest-modules tests src/shardax
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests src/shardax
 
 lint: install
 	$(VENV)/bin/ruff check .
