@@ -45,8 +45,8 @@ def mesh_context(mesh: Mesh) -> Any:
         return jax.set_mesh(mesh)
     except ValueError:
         pass
-    ambient = jax.sharding.get_abstract_mesh()
-    if ambient is not None and not ambient.empty and ambient.shape == mesh.abstract_mesh.shape:
+    ambient = abstract_mesh()
+    if ambient is not None and ambient.shape == mesh.abstract_mesh.shape:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 

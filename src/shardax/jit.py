@@ -184,8 +184,7 @@ class ShardedFunction:
         return self.mesh_helper
 
     def _helper(self) -> Any:
-        frame = _context.current()
-        helper = self.mesh_helper or (frame.mesh_helper if frame is not None else None)
+        helper = self.mesh_helper or _context.active().mesh_helper
         if helper is None:
             raise ValueError(
                 "this sjit function has no mesh: create it with mesh.sjit(...) or call it inside "

@@ -306,8 +306,7 @@ class MeshShardingHelper:
 
 def get_global_mesh_helper() -> MeshShardingHelper | None:
     """The innermost active ``MeshShardingHelper``, or None outside any context."""
-    frame = _context.current()
-    return None if frame is None else frame.mesh_helper
+    return _context.active().mesh_helper
 
 
 def get_global_mesh() -> Mesh | None:
@@ -318,5 +317,4 @@ def get_global_mesh() -> Mesh | None:
 
 def get_global_annotation_shardings() -> dict[str, Any] | None:
     """The innermost context's ``annotation_shardings``, or None outside any context."""
-    frame = _context.current()
-    return None if frame is None else frame.annotation_shardings
+    return _context.active().annotation_shardings
