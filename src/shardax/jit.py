@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from shardax import _compat, _context
 from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
+from shardax.frameworks.nnx import InPlace, in_place_for
 from shardax.inspect import ShardingPlan
 from shardax.rules import LogicalAxisRules, ShardingRule, match_specs_flat
 from shardax.utils import tree_path_to_string
@@ -101,7 +102,8 @@ class _Signature:
     out_shardings: Any
     arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
     needs_mesh: bool  # no sharding anywhere: call under the ambient mesh to get the devices
-    by_args: Any = None  # for a non-positional signature, the jax.jit taking the arguments
+    in_place: InPlace | None  # NNX Variables among the arguments: their updates flow back
+    by_args: Any = None  # the jax.jit taking the arguments, when ``jitted`` does not
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class _Fast:
 
     jitted: Any
     mesh: Any  # set the ambient mesh around the call (only when the program needs it)
+    in_place: InPlace | None
 
 
 class ShardedFunction:
@@ -238,25 +241,21 @@ class ShardedFunction:
             self._cache.move_to_end(key)
         return entry, flat
 
-    def _paths(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> list[str]:
-        """Human names for every dynamic leaf: the parameter name, then the path inside it."""
+    def _arg_names(self, dyn_args: tuple, static_args: tuple) -> list[str]:
+        """The parameter name of each dynamic positional argument (``args[i]`` for ``*args``)."""
         static_nums = {i for i, _ in static_args}
         positions = [i for i in range(len(dyn_args) + len(static_nums)) if i not in static_nums]
-        names = list(self._signature.parameters) if self._signature is not None else []
+        params = list(self._signature.parameters.values()) if self._signature is not None else []
+        positional = (_inspect.Parameter.POSITIONAL_ONLY, _inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [params[i].name if i < len(params) and params[i].kind in positional
+                else f"args[{i}]" for i in positions]
 
-        def arg_name(i: int) -> str:
-            kinds = [p.kind for p in self._signature.parameters.values()] if names else []
-            if i < len(names) and kinds[i] in (
-                _inspect.Parameter.POSITIONAL_ONLY,
-                _inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            ):
-                return names[i]
-            return f"args[{i}]"
-
+    def _paths(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> list[str]:
+        """Human names for every dynamic leaf: the parameter name, then the path inside it."""
         out = []
-        for pos, arg in zip(positions, dyn_args):
+        for name, arg in zip(self._arg_names(dyn_args, static_args), dyn_args):
             for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]:
-                out.append(_join(arg_name(pos), path))
+                out.append(_join(name, path))
         for name, value in dyn_kwargs.items():
             for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]:
                 out.append(_join(name, path))
@@ -282,38 +281,48 @@ class ShardedFunction:
 
         flat = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
         expected = tuple(_shape_dtype(x) for x in flat)
+        in_place = in_place_for((dyn_args, dyn_kwargs),
+                                self._donated_leaves(dyn_args, dyn_kwargs, static_args),
+                                self._arg_names(dyn_args, static_args))
         # A call with positional dynamic arguments only (the usual train step) gets a jax.jit
         # over those arguments themselves, so later calls go straight to its C++ dispatch;
         # static or keyword arguments need the flat form (jax.jit refuses keyword arguments
         # next to in_shardings).
         positional = not dyn_kwargs and not static_args and not static_kwargs
         if positional:
-            body = self._positional_body(helper, args_treedef, expected)
+            body = self._positional_body(helper, args_treedef, expected, in_place)
             abstract = jax.tree_util.tree_unflatten(args_treedef, _abstract(flat))
             jit_in, donate = arg_shardings, tuple(i for i in sorted(self.donate_argnums)
                                                   if 0 <= i < len(dyn_args))
         else:
-            body = self._body(helper, static_args, static_kwargs, treedef, expected)
+            body = self._body(helper, static_args, static_kwargs, treedef, expected, in_place)
             abstract = _abstract(flat)
             jit_in, donate = tuple(in_shardings), self._donated_leaves(dyn_args, dyn_kwargs,
                                                                        static_args)
         out_shardings = None
-        if self.out_shardings is not None:
+        if self.out_shardings is not None or in_place is not None:
             # Traced as the call traces it (same function, no ambient mesh), so jit reuses it.
+            # This trace also tells in_place which Variables the function updates.
             out_shape = jax.eval_shape(body, *abstract)
+            if in_place is not None:
+                out_shape = out_shape[0]
+        if self.out_shardings is not None:
             _, _, out_specs = match_specs_flat(self.out_shardings, out_shape, mesh,
                                                what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(out_shape),
                 [None if s is None else NamedSharding(mesh, s) for s in out_specs],
             )
+        if in_place is not None:  # an updated Variable keeps the sharding it came in with
+            out_shardings = (out_shardings, [in_shardings[k] for k, kind, _ in in_place.sources
+                                             if kind == "update"])
         # Without any sharding, only the ambient mesh tells the program its devices.
         named = [s for s in in_shardings + jax.tree_util.tree_leaves(out_shardings)
                  if s is not None]
         jitted = jax.jit(body, in_shardings=jit_in, out_shardings=out_shardings,
                          donate_argnums=donate, **self.jit_kwargs)
         return _Signature(jitted, positional, args_treedef, paths, in_shardings, out_shardings,
-                          arg_shardings, needs_mesh=not named)
+                          arg_shardings, needs_mesh=not named, in_place=in_place)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
@@ -341,21 +350,22 @@ class ShardedFunction:
             start += count
         return tuple(donated)
 
-    def _body(self, helper, static_args, static_kwargs, treedef, expected) -> Callable:
+    def _body(self, helper, static_args, static_kwargs, treedef, expected, in_place) -> Callable:
         """The traced function of a signature with static or keyword arguments: the flat
-        dynamic leaves in, the user's output out. It refuses arguments of another signature,
-        whose shardings would have to be resolved again."""
+        dynamic leaves in, the user's output out (and the NNX updates, with ``in_place``). It
+        refuses arguments of another signature, whose shardings would have to be resolved
+        again."""
 
         def body(*flat):
             if not _same_signature(expected, flat):
                 raise _NewSignature
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
-            return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
+            return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs, in_place)
 
         body.__name__ = getattr(self.fun, "__name__", "sjit_body")
         return body
 
-    def _positional_body(self, helper, args_treedef, expected) -> Callable:
+    def _positional_body(self, helper, args_treedef, expected, in_place) -> Callable:
         """The traced function of a signature with positional dynamic arguments only; it
         refuses another tree structure or other shapes (checked while tracing only)."""
 
@@ -363,24 +373,32 @@ class ShardedFunction:
             flat, treedef = jax.tree_util.tree_flatten(args)
             if treedef != args_treedef or not _same_signature(expected, flat):
                 raise _NewSignature
-            return self._run(helper, (), (), args, {})
+            return self._run(helper, (), (), args, {}, in_place)
 
         body.__name__ = getattr(self.fun, "__name__", "sjit_body")
         return body
 
-    def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs) -> Any:
+    def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs,
+             in_place: InPlace | None = None) -> Any:
         """The user's function under its sharding context, entered while it is traced
-        (wherever that happens: top level or under another transformation)."""
+        (wherever that happens: top level or under another transformation). With
+        ``in_place``, returns ``(output, updates)``: the new values of the NNX Variables the
+        function changed in place."""
         with self._context(helper):
             if self.args_sharding_constraint is not None:
                 rules = self._per_arg(self.args_sharding_constraint, dyn_args,
                                       "args_sharding_constraint")
                 dyn_args = with_sharding_constraint(dyn_args, rules,
                                                     what="args_sharding_constraint")
+            before, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
             args = list(dyn_args)
             for i, value in static_args:
                 args.insert(i, value)
-            return self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            out = self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            if in_place is None:
+                return out
+            name = getattr(self.fun, "__qualname__", repr(self.fun))
+            return out, in_place.collect(before, (dyn_args, dyn_kwargs), treedef, out, name)
 
     def _context(self, helper: Any) -> ShardingContext:
         return ShardingContext(helper, self.annotation_shardings, self.logical_axis_rules)
@@ -392,21 +410,29 @@ class ShardedFunction:
         if fast is not None and not kwargs:
             try:
                 if fast.mesh is None:
-                    return fast.jitted(*args)
-                with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
-                    return fast.jitted(*args)
+                    out = fast.jitted(*args)
+                else:
+                    with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
+                        out = fast.jitted(*args)
             except (_NewSignature, ValueError):
                 pass  # new structure or shapes, or an input on another sharding
+            else:
+                return out if fast.in_place is None else fast.in_place.write_back((args, {}), *out)
         entry, flat = self._resolve(args, kwargs)
         mesh = self._helper().mesh
         placed = _placed(flat, entry.in_shardings)
         with _compat.mesh_context(mesh) if entry.needs_mesh else contextlib.nullcontext():
-            if not entry.positional:
-                return entry.jitted(*placed)
-            out = entry.jitted(*jax.tree_util.tree_unflatten(entry.args_treedef, placed))
-        if self.mesh_helper is not None and not self.static_argnums and not self.static_argnames:
-            self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None)
-        return out
+            if entry.positional:
+                out = entry.jitted(*jax.tree_util.tree_unflatten(entry.args_treedef, placed))
+            else:
+                out = entry.jitted(*placed)
+        if entry.positional and self.mesh_helper is not None and not self.static_argnums \
+                and not self.static_argnames:
+            self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None, entry.in_place)
+        if entry.in_place is None:
+            return out
+        _, _, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        return entry.in_place.write_back((dyn_args, dyn_kwargs), *out)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these arguments (``.as_text()``, ``.compile()``...).
@@ -438,7 +464,13 @@ class ShardedFunction:
         object for every call with this signature.
         """
         entry, _ = self._resolve(args, kwargs)
-        if entry.positional:
+        if entry.in_place is not None and entry.in_place.sources:
+            raise ValueError(
+                f"{getattr(self.fun, '__qualname__', self.fun)!r} updates NNX Variables of its "
+                f"arguments in place, which a jax.jit object cannot write back to the caller's "
+                f"objects; call the sjit function itself (it writes them back)"
+            )
+        if entry.positional and entry.in_place is None:
             return entry.jitted
         if entry.by_args is None:
             helper = self._helper()
