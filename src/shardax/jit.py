@@ -313,16 +313,22 @@ class ShardedFunction:
                 jax.tree_util.tree_structure(out_shape),
                 [None if s is None else NamedSharding(mesh, s) for s in out_specs],
             )
+        jit_out = out_shardings
         if in_place is not None:  # an updated Variable keeps the sharding it came in with
-            out_shardings = (out_shardings, [in_shardings[k] for k, kind, _ in in_place.sources
-                                             if kind == "update"])
-        # Without any sharding, only the ambient mesh tells the program its devices.
-        named = [s for s in in_shardings + jax.tree_util.tree_leaves(out_shardings)
-                 if s is not None]
-        jitted = jax.jit(body, in_shardings=jit_in, out_shardings=out_shardings,
+            jit_out = (out_shardings, [in_shardings[k] for k, kind, _ in in_place.sources
+                                       if kind == "update"])
+        named = [s for s in in_shardings + jax.tree_util.tree_leaves(jit_out) if s is not None]
+        jitted = jax.jit(body, in_shardings=jit_in, out_shardings=jit_out,
                          donate_argnums=donate, **self.jit_kwargs)
+        # With no sharding anywhere, only the ambient mesh can tell a program that names the
+        # mesh inside (a constraint, a shard_map) its devices; one that names none runs where
+        # jax.jit puts it, as scalax's does (under an outer trace, the outer program decides).
+        needs_mesh = not named and (
+            any(_compat.is_tracer(x) for x in flat)
+            or _compat.uses_mesh(jitted.trace(*abstract).jaxpr)
+        )
         return _Signature(jitted, positional, args_treedef, paths, in_shardings, out_shardings,
-                          arg_shardings, needs_mesh=not named, in_place=in_place)
+                          arg_shardings, needs_mesh=needs_mesh, in_place=in_place)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
@@ -455,6 +461,25 @@ class ShardedFunction:
         entry, _ = self._resolve(args, kwargs)
         compiled = self.lower(*args, **kwargs).compile()
         return ShardingPlan.from_compiled(compiled, entry.in_paths, self._helper().mesh)
+
+    # scalax's SJITCompiledFunction fields: the functions behind __call__, lower and
+    # get_jitted_function_by_args.
+
+    @property
+    def call_fn(self) -> Callable[..., Any]:
+        """Calls the function (scalax's field): the same as calling this object."""
+        return self.__call__
+
+    @property
+    def lower_fn(self) -> Callable[..., jax.stages.Lowered]:
+        """Lowers the function for these arguments (scalax's field): the same as ``lower``."""
+        return self.lower
+
+    @property
+    def jit_fn_by_static_args_fn(self) -> Callable[..., Any]:
+        """The ``jax.jit`` object for these arguments (scalax's field): the same as
+        ``get_jitted_function_by_args``."""
+        return self.get_jitted_function_by_args
 
     def get_jitted_function_by_args(self, *args: Any, **kwargs: Any) -> Any:
         """The ``jax.jit`` object for these arguments' signature (scalax's method).

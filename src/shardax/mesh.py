@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -186,9 +186,25 @@ class MeshShardingHelper:
         """
         return ShardingContext(self, annotation_shardings, logical_axis_rules)
 
-    def sjit(self, fun=None, **kwargs: Any) -> ShardedFunction:
-        """``jax.jit`` with sharding rules; see :func:`shardax.jit.sjit`."""
-        return sjit(fun, mesh=self, **kwargs)
+    def sjit(
+        self,
+        fun: Callable[..., Any] | None = None,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
+        static_argnums: int | Sequence[int] | None = None,
+        args_sharding_constraint: Any = None,
+        annotation_shardings: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:
+        """``jax.jit`` with sharding rules on this mesh; see :func:`shardax.jit.sjit`.
+
+        scalax's signature: ``mesh.sjit(f, PS("fsdp"))`` and ``mesh.sjit(f, None, None, (1,))``
+        work, and so do keywords and the decorator form (``fun`` left out).
+
+        >>> step = mesh.sjit(train_step, FSDPShardingRule(), None, (2,))  # doctest: +SKIP
+        """
+        return sjit(fun, in_shardings, out_shardings, static_argnums, args_sharding_constraint,
+                    annotation_shardings, mesh=self, **kwargs)
 
     sharded_jit = sjit  # scalax's older name
 
