@@ -8,6 +8,12 @@ enters the sharding context itself, so an sjit function called under any JAX tra
 resolved shardings. After the first call, a call with the same tree structure goes straight to
 that ``jax.jit`` object, whose C++ dispatch checks the rest.
 
+Flax NNX objects (modules, ``nnx.Optimizer``, metrics) may be passed as they are: rules resolve
+against their Variables, and what the function changes in place is written back to them, as
+``nnx.jit`` does (``shardax.frameworks.nnx``). A function without any rules runs where
+``jax.jit`` would run it, on the mesh only if it names the mesh inside (a constraint, a
+``shard_map``).
+
 >>> step = mesh.sjit(train_step, in_shardings=(FSDPShardingRule(), None),
 ...                  out_shardings=(FSDPShardingRule(), None))  # doctest: +SKIP
 >>> state, metrics = step(state, batch)  # doctest: +SKIP
