@@ -38,7 +38,8 @@ def in_place_for(tree: tuple[tuple, dict], donated: Sequence[int] = (),
                  arg_names: Sequence[str] = ()) -> InPlace | None:
     """An ``InPlace`` for calls whose ``(args, kwargs)`` are shaped like ``tree``, or None when
     they hold no NNX Variable. ``donated`` lists flat leaves whose buffers the call donates:
-    those are written back even when unchanged (the caller's copy is gone). ``arg_names`` name
+    when the function updates anything in place, those are written back even when unchanged
+    (the caller's copy is gone). ``arg_names`` name
     the positional arguments in error messages."""
     variable = _variable_type()
     if variable is None:
@@ -81,10 +82,17 @@ class InPlace:
         after_leaves, after_def = jax.tree_util.tree_flatten(after)
         if after_def != treedef:
             raise ValueError(self._structure_error(before, treedef, after, name))
+        changed = [self.mask[k] and new is not old
+                   for k, (old, new) in enumerate(zip(before, after_leaves))]
+        # A donated Variable is written back unchanged too (the caller's buffer is gone), but
+        # only by a function that updates in place: a step that returns new objects instead
+        # leaves its donated inputs behind, as jax.jit does, and carries no second copy out.
+        keep = [c or (any(changed) and self.mask[k] and k in self.donated)
+                for k, c in enumerate(changed)]
         out_ids = {id(x): i for i, x in enumerate(jax.tree_util.tree_leaves(out))}
         sources, updates = [], []
-        for k, (old, new) in enumerate(zip(before, after_leaves)):
-            if not self.mask[k] or (new is old and k not in self.donated):
+        for k, new in enumerate(after_leaves):
+            if not keep[k]:
                 continue
             if id(new) in out_ids:
                 sources.append((k, "out", out_ids[id(new)]))
