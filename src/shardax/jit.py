@@ -108,8 +108,8 @@ class _Signature:
     out_shardings: Any
     arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
     needs_mesh: bool  # no sharding anywhere: call under the ambient mesh to get the devices
-    in_place: InPlace | None  # NNX Variables among the arguments: their updates flow back
-    by_args: Any = None  # the jax.jit taking the arguments, when ``jitted`` does not
+    in_place: InPlace | None  # NNX Variables the function updates in place: written back
+    by_args: Any = None  # for a non-positional signature, the jax.jit taking the arguments
 
 
 @dataclass(frozen=True)
@@ -310,8 +310,10 @@ class ShardedFunction:
             # Traced as the call traces it (same function, no ambient mesh), so jit reuses it.
             # This trace also tells in_place which Variables the function updates.
             out_shape = jax.eval_shape(body, *abstract)
-            if in_place is not None:
+            if in_place is not None and in_place.sources:
                 out_shape = out_shape[0]
+            else:
+                in_place = None  # reads its NNX arguments, or returns new ones: nothing to do
         if self.out_shardings is not None:
             _, _, out_specs = match_specs_flat(self.out_shardings, out_shape, mesh,
                                                what="out_shardings")
@@ -394,15 +396,16 @@ class ShardedFunction:
              in_place: InPlace | None = None) -> Any:
         """The user's function under its sharding context, entered while it is traced
         (wherever that happens: top level or under another transformation). With
-        ``in_place``, returns ``(output, updates)``: the new values of the NNX Variables the
-        function changed in place."""
+        ``in_place`` and a function that changes NNX Variables in place, returns
+        ``(output, updates)``: their new values (see ``InPlace.collect``)."""
         with self._context(helper):
             if self.args_sharding_constraint is not None:
                 rules = self._per_arg(self.args_sharding_constraint, dyn_args,
                                       "args_sharding_constraint")
                 dyn_args = with_sharding_constraint(dyn_args, rules,
                                                     what="args_sharding_constraint")
-            before, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+            if in_place is not None:
+                before, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
             args = list(dyn_args)
             for i, value in static_args:
                 args.insert(i, value)
@@ -410,7 +413,9 @@ class ShardedFunction:
             if in_place is None:
                 return out
             name = getattr(self.fun, "__qualname__", repr(self.fun))
-            return out, in_place.collect(before, (dyn_args, dyn_kwargs), treedef, out, name)
+            updates = in_place.collect(before, (dyn_args, dyn_kwargs), treedef, out, name)
+            # A function that updates nothing in place keeps its own output.
+            return (out, updates) if in_place.sources else out
 
     def _context(self, helper: Any) -> ShardingContext:
         return ShardingContext(helper, self.annotation_shardings, self.logical_axis_rules)
@@ -495,13 +500,13 @@ class ShardedFunction:
         object for every call with this signature.
         """
         entry, _ = self._resolve(args, kwargs)
-        if entry.in_place is not None and entry.in_place.sources:
+        if entry.in_place is not None:
             raise ValueError(
                 f"{getattr(self.fun, '__qualname__', self.fun)!r} updates NNX Variables of its "
                 f"arguments in place, which a jax.jit object cannot write back to the caller's "
                 f"objects; call the sjit function itself (it writes them back)"
             )
-        if entry.positional and entry.in_place is None:
+        if entry.positional:
             return entry.jitted
         if entry.by_args is None:
             helper = self._helper()

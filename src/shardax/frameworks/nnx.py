@@ -57,7 +57,8 @@ class InPlace:
 
     ``sources`` is filled while tracing: for each flat leaf (of the arguments) to write back,
     where its new value is, ``("out", i)`` (leaf ``i`` of the function's output) or
-    ``("update", j)`` (entry ``j`` of the extra outputs).
+    ``("update", j)`` (entry ``j`` of the extra outputs). It stays empty for a function that
+    changes nothing in place: such a program has no extra outputs.
     """
 
     def __init__(self, variable: type, mask: tuple[bool, ...], donated: frozenset[int],
