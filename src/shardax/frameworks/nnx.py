@@ -124,19 +124,20 @@ class InPlace:
         out_leaves = jax.tree_util.tree_leaves(out) if any(
             kind == "out" for _, kind, _ in self.sources) else []
         new = {k: out_leaves[i] if kind == "out" else updates[i] for k, kind, i in self.sources}
-        items = jax.tree_util.tree_flatten_with_path(args, is_leaf=self._is_variable)[0]
+        items = jax.tree_util.tree_leaves(args, is_leaf=self._is_variable)
         pending, counts, start = [], {}, 0
-        for path, item in items:
+        for index, item in enumerate(items):
             leaves, vdef = jax.tree_util.tree_flatten(item)
             if self._is_variable(item):
                 counts[id(item)] = counts.get(id(item), 0) + 1
-                touched = [k for k in range(start, start + len(leaves)) if k in new]
-                if touched:
+                if any(k in new for k in range(start, start + len(leaves))):
                     values = [new.get(start + i, leaf) for i, leaf in enumerate(leaves)]
-                    pending.append((path, item, jax.tree_util.tree_unflatten(vdef, values)))
+                    pending.append((index, item, jax.tree_util.tree_unflatten(vdef, values)))
             start += len(leaves)
-        shared = [self._name(p) for p, item, _ in pending if counts[id(item)] > 1]
-        if shared:
+        if any(counts[id(item)] > 1 for _, item, _ in pending):
+            paths = [p for p, _ in
+                     jax.tree_util.tree_flatten_with_path(args, is_leaf=self._is_variable)[0]]
+            shared = [self._name(paths[i]) for i, item, _ in pending if counts[id(item)] > 1]
             raise ValueError(
                 f"sjit: the NNX Variables at {shared} are reachable from several places in the "
                 f"arguments and were updated in place; sjit passes NNX objects as pytrees, which "
