@@ -36,7 +36,7 @@ from _common import (
     models,
 )
 
-from shardax.inspect import hlo_collectives
+from shardax.hlo import hlo_collectives
 from shardax.parallel import tp_mlp
 from shardax.train.step import eval_loss
 

@@ -36,7 +36,7 @@ from _common import (
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardax.inspect import hlo_collectives, summarize_collectives
+from shardax.hlo import hlo_collectives, summarize_collectives
 from shardax.rules import FSDPShardingRule
 
 MIN_FSDP_SIZE = 2**10  # so that llama-tiny's leaves are sharded too

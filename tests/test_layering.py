@@ -71,7 +71,22 @@ def test_no_import_cycles():
 
 
 def test_context_state_is_the_bottom():
-    assert _graph()["shardax._context"] == set()
+    graph = _graph()
+    assert graph["shardax._compat"] == set()
+    assert graph["shardax._context"] == {"shardax._compat"}
+
+
+def test_frameworks_sit_below_the_rules():
+    """What rules need of each framework never reaches back up into rules, jit or mesh."""
+    graph = _graph()
+    above = {
+        (module, target)
+        for module, targets in graph.items() if module.startswith("shardax.frameworks")
+        for target in targets
+        if not target.startswith("shardax.frameworks")
+        and target not in ("shardax._context", "shardax._compat", "shardax.utils")
+    }
+    assert not above, f"shardax.frameworks imports {sorted(above)}"
 
 
 def test_parallel_needs_only_jax_and_compat():

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardax import models
 from shardax.cli import main
-from shardax.inspect import hlo_collectives
+from shardax.hlo import hlo_collectives
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel import fsdp
 from shardax.rules import LogicalAxisRules

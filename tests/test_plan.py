@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from shardax.inspect import COLLECTIVE_KINDS, hlo_collectives, summarize_collectives
+from shardax.hlo import COLLECTIVE_KINDS, hlo_collectives, summarize_collectives
 from shardax.sharding import FSDPShardingRule, MeshShardingHelper, ShardingPlan
 
 

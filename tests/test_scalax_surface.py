@@ -12,6 +12,7 @@ from shardax.sharding import (
     FSDPShardingRule,
     MeshShardingContext,
     MeshShardingHelper,
+    NamedSharding,
     PartitionSpec,
     SJITCompiledFunction,
 )
@@ -75,9 +76,20 @@ def test_class_level_constraints_and_scalax_style_context():
         y = MeshShardingHelper.with_sharding_constraint(x * 2.0, PartitionSpec("fsdp"))
         return MeshShardingHelper.with_sharding_annotation(y, "out")
 
+    def g(x):
+        return MeshShardingHelper.with_sharding_constraint(x * 2.0, PartitionSpec("fsdp"))
+
     with MeshShardingContext(mesh_helper=mesh, annotation_shardings={"out": PartitionSpec()}):
         out = jax.jit(f)(x)
+        sharded = jax.jit(g)(x)
+        lowered = jax.jit(f).lower(x).as_text()
     np.testing.assert_array_equal(out, x * 2.0)
+    # The constraint and the annotation both took effect: out ends replicated over the mesh...
+    assert out.sharding == NamedSharding(mesh.mesh, PartitionSpec())
+    assert lowered.count("sdy.sharding_constraint") == 2
+    # ...and the constraint alone leaves it sharded along fsdp.
+    assert sharded.sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))
+    np.testing.assert_array_equal(sharded, x * 2.0)
 
 
 def test_sjit_compiled_function_and_jitted_function_by_args():
@@ -98,3 +110,69 @@ def test_largest_power_of_two_divisor():
     rule = FSDPShardingRule()
     assert [rule.largest_power_of_two_divisor(n) for n in (1, 6, 8, 24, 7)] == [1, 2, 8, 8, 1]
     assert FSDPShardingRule.largest_power_of_two_divisor(96) == 32
+
+
+# ----------------------------------------------------------------------------- scalax's sjit
+
+
+def test_positional_sjit_signature():
+    """scalax's sjit(fun, in_shardings, out_shardings, static_argnums, args_sharding_constraint,
+    annotation_shardings)."""
+    mesh = MeshShardingHelper([-1], ["fsdp"])
+    x = jnp.arange(16.0)
+    out = mesh.sjit(lambda x: x * 2, PartitionSpec("fsdp"))(x)
+    assert out.sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))
+    np.testing.assert_array_equal(out, x * 2)
+
+    scale = mesh.sjit(lambda x, k: x * k, None, None, (1,))
+    np.testing.assert_array_equal(scale(x, 3), x * 3)
+    assert scale.static_argnums == (1,)
+
+    full = mesh.sjit(lambda x: x + 1, PartitionSpec("fsdp"), PartitionSpec(), None,
+                     PartitionSpec("fsdp"))
+    assert full(x).sharding == NamedSharding(mesh.mesh, PartitionSpec())
+    annotated = mesh.sjit(lambda x: sharding.with_sharding_annotation(x + 1, "a"), None,
+                          None, None, None, {"a": PartitionSpec("fsdp")})
+    assert annotated(x).sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))
+    # The keyword and decorator forms still work.
+    decorated = mesh.sjit(in_shardings=PartitionSpec("fsdp"))(lambda x: x - 1)
+    assert decorated(x).sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))
+
+
+def test_compiled_function_fields_are_scalax_s():
+    """call_fn, lower_fn and jit_fn_by_static_args_fn are the functions behind __call__,
+    lower and get_jitted_function_by_args, as in scalax's SJITCompiledFunction dataclass."""
+    mesh = MeshShardingHelper([-1], ["fsdp"])
+    step = mesh.sjit(lambda x, k: x * k, PartitionSpec("fsdp"), PartitionSpec("fsdp"), (1,))
+    x = jnp.arange(16.0)
+    out = step.call_fn(x, 3)
+    np.testing.assert_array_equal(out, x * 3)
+    assert out.sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))
+    lowered = step.lower_fn(x, 3)
+    assert isinstance(lowered, jax.stages.Lowered)
+    assert lowered.as_text() == step.lower(x, 3).as_text()
+    jitted = step.jit_fn_by_static_args_fn(x, 3)
+    assert jitted is step.get_jitted_function_by_args(x, 3)
+    np.testing.assert_array_equal(jitted(x, 3), x * 3)
+
+
+def test_rule_less_sjit_places_outputs_as_jax_jit():
+    """No in/out shardings: the output stays where jax.jit puts it (one device for
+    single-device inputs), not replicated over the mesh."""
+    mesh = MeshShardingHelper([-1], ["fsdp"])
+    x = jnp.arange(16.0)
+
+    def f(x):
+        return (x * 2).reshape(4, 4).sum(0) + jnp.arange(4.0)
+
+    out = mesh.sjit(f)(x)
+    expected = jax.jit(f)(x)
+    assert isinstance(out.sharding, jax.sharding.SingleDeviceSharding)
+    assert out.sharding == expected.sharding
+    np.testing.assert_array_equal(out, expected)
+    # A program that names the mesh inside (a constraint) runs on the mesh's devices.
+    constrained = mesh.sjit(lambda x: sharding.with_sharding_constraint(x * 2,
+                                                                        PartitionSpec("fsdp")))
+    assert constrained(x).sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))
+    bare = mesh.sjit(lambda x: jax.lax.with_sharding_constraint(x * 2, PartitionSpec("fsdp")))
+    assert bare(x).sharding == NamedSharding(mesh.mesh, PartitionSpec("fsdp"))

@@ -370,8 +370,15 @@ def test_new_shapes_and_dtypes_resolve_rules_again(mesh):
 
 
 def test_the_cache_is_keyed_on_the_mesh_not_the_helper_object():
-    """Two meshes, one shape, one function: each call runs the program of its own mesh."""
-    f = sharding.sjit(lambda x: x * 2, in_shardings=PS("fsdp"), out_shardings=PS("fsdp"))
+    """Two meshes, one shape, one function: each call runs the program of its own mesh, and
+    each mesh keeps its program (traced once each)."""
+    traces = []
+
+    def double(x):
+        traces.append(x.shape)
+        return x * 2
+
+    f = sharding.sjit(double, in_shardings=PS("fsdp"), out_shardings=PS("fsdp"))
     devices = jax.devices()
     forward = MeshShardingHelper([8], ["fsdp"], devices=devices)
     backward = MeshShardingHelper([8], ["fsdp"], devices=devices[::-1])
@@ -384,17 +391,31 @@ def test_the_cache_is_keyed_on_the_mesh_not_the_helper_object():
     assert b.sharding == NamedSharding(backward.mesh, PS("fsdp"))
     first_row_on = {s.device: float(s.data[0]) for s in b.addressable_shards}
     assert first_row_on[devices[0]] == 14.0 and first_row_on[devices[7]] == 0.0
-    assert len(f._cache) == 2
+    for helper in (forward, backward, forward):
+        with helper.get_context():
+            assert f(x).sharding == NamedSharding(helper.mesh, PS("fsdp"))
+    assert len(traces) == 2
 
 
 def test_the_cache_is_bounded_least_recently_used_first(mesh, monkeypatch):
     import shardax.jit as jit_module
 
     monkeypatch.setattr(jit_module, "CACHE_SIZE", 3)
-    f = mesh.sjit(lambda x: x + 1)
+    traces = []
+
+    def inc(x):
+        traces.append(x.shape[0])
+        return x + 1
+
+    f = mesh.sjit(inc)
     for n in (1, 2, 3, 1, 4):  # 1 is used again, so 2 is the oldest when 4 arrives
         f(jnp.zeros(n))
-    assert [key[-1][0][0] for key in f._cache] == [(3,), (1,), (4,)]
+    assert traces == [1, 2, 3, 4]
+    for n in (3, 1, 4):  # kept: no new trace
+        f(jnp.zeros(n))
+    assert traces == [1, 2, 3, 4]
+    f(jnp.zeros(2))  # dropped: traced again
+    assert traces == [1, 2, 3, 4, 2]
 
 
 def test_tree_structure_is_part_of_the_cache_key(mesh):

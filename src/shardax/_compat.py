@@ -11,10 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.extend.core
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
-__all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer"]
+__all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer",
+           "uses_mesh"]
 
 AUTO = AxisType.Auto
 
@@ -45,8 +47,8 @@ def mesh_context(mesh: Mesh) -> Any:
         return jax.set_mesh(mesh)
     except ValueError:
         pass
-    ambient = jax.sharding.get_abstract_mesh()
-    if ambient is not None and not ambient.empty and ambient.shape == mesh.abstract_mesh.shape:
+    ambient = abstract_mesh()
+    if ambient is not None and ambient.shape == mesh.abstract_mesh.shape:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
@@ -60,3 +62,24 @@ def abstract_mesh() -> Any | None:
     """The ambient abstract mesh set by ``jax.set_mesh``, or None when there is none."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh
+
+
+def uses_mesh(jaxpr: Any) -> bool:
+    """True when a traced program names a mesh anywhere (a sharding constraint, a
+    ``shard_map``...), in its own equations or in those of the programs it calls.
+
+    Such a program needs the mesh's devices; one that names none runs where ``jax.jit`` puts
+    it (the inputs' devices).
+    """
+    def names_mesh(value: Any) -> bool:
+        if isinstance(value, (Mesh, AbstractMesh, NamedSharding)):
+            return True
+        return isinstance(value, (tuple, list)) and any(names_mesh(v) for v in value)
+
+    inner = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in inner.eqns:
+        if any(names_mesh(v) for v in eqn.params.values()):
+            return True
+        if any(uses_mesh(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
+            return True
+    return False

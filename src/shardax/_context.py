@@ -1,11 +1,12 @@
-"""The thread-local state every shardax module reads: what is active now.
+"""What is active now (mesh, mesh helper, logical rules): thread-local state and its one accessor.
 
 One stack of active sharding contexts (mesh helper, annotation shardings, logical axis rules),
 one stack of logical rules pushed by hand (``use_logical_rules``), and the mesh rules are being
-resolved against. Everything above reads it through the accessors here; nothing keeps a copy.
-This module imports nothing from shardax, so every other module may import it.
+resolved against. Every reader goes through ``active()``; nothing keeps a copy. JAX's own ambient
+mesh is read through ``_compat`` (the one module below this one), so every other module may
+import this one.
 
->>> current() is None   # outside any ``sjit`` / ``mesh.get_context()``
+>>> active().mesh_helper is None   # outside any ``sjit`` / ``mesh.get_context()``
 True
 """
 
@@ -17,14 +18,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardax import _compat
+
 __all__ = [
     "Frame",
     "ActiveFrames",
-    "current",
+    "Active",
+    "active",
     "pushed",
-    "logical_rules",
     "pushed_logical_rules",
-    "resolving_mesh",
     "resolving_on",
 ]
 
@@ -57,23 +59,72 @@ class ActiveFrames:
         return list(_STATE.frames)
 
 
-def current() -> Frame | None:
-    """The innermost active context of this thread, or None."""
-    frames = _STATE.frames
-    return frames[-1] if frames else None
+class Active:
+    """A view of what is active in this thread now; each attribute is read when asked for.
+
+    Attributes:
+      frame: the innermost active context (``sjit`` / ``mesh.get_context()``), or None.
+      mesh_helper: its ``MeshShardingHelper``, or None.
+      annotation_shardings: its ``annotation_shardings``, or None.
+      logical_rules: the logical axis rules in force: pushed by ``use_logical_rules``, else
+        the context's, else None.
+      mesh: the mesh rules consult: the one being matched against, else the context's, else
+        JAX's ambient one (``jax.set_mesh``), else None.
+      abstract_mesh: JAX's ambient abstract mesh (what a trace sees, manual ``shard_map``
+        axes included), or None.
+    """
+
+    __slots__ = ()
+
+    @property
+    def frame(self) -> Frame | None:
+        frames = _STATE.frames
+        return frames[-1] if frames else None
+
+    @property
+    def mesh_helper(self) -> Any:
+        frame = self.frame
+        return None if frame is None else frame.mesh_helper
+
+    @property
+    def annotation_shardings(self) -> Mapping[str, Any] | None:
+        frame = self.frame
+        return None if frame is None else frame.annotation_shardings
+
+    @property
+    def logical_rules(self) -> Any:
+        if _STATE.logical_rules:
+            return _STATE.logical_rules[-1]
+        frame = self.frame
+        return None if frame is None else frame.logical_axis_rules
+
+    @property
+    def mesh(self) -> Any:
+        if _STATE.resolving_mesh is not None:
+            return _STATE.resolving_mesh
+        helper = self.mesh_helper
+        return helper.mesh if helper is not None else _compat.abstract_mesh()
+
+    @property
+    def abstract_mesh(self) -> Any:
+        return _compat.abstract_mesh()
+
+
+_ACTIVE = Active()
+
+
+def active() -> Active:
+    """What is active in this thread now (see ``Active``).
+
+    >>> with mesh.get_context():  # doctest: +SKIP
+    ...     assert active().mesh is mesh.mesh
+    """
+    return _ACTIVE
 
 
 def pushed(frame: Frame) -> contextlib.AbstractContextManager[Frame]:
     """Makes ``frame`` the innermost active context for the ``with`` block."""
     return _pushed_on(_STATE.frames, frame)
-
-
-def logical_rules() -> Any:
-    """The logical axis rules in force: pushed by hand, else the active context's, else None."""
-    if _STATE.logical_rules:
-        return _STATE.logical_rules[-1]
-    frame = current()
-    return None if frame is None else frame.logical_axis_rules
 
 
 def pushed_logical_rules(rules: Any) -> contextlib.AbstractContextManager[Any]:
@@ -88,11 +139,6 @@ def _pushed_on(stack: list, item: Any) -> Iterator[Any]:
         yield item
     finally:
         stack.pop()
-
-
-def resolving_mesh() -> Any:
-    """The mesh rules are being matched against right now, or None."""
-    return _STATE.resolving_mesh
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ def with_sharding_constraint(pytree: Any, sharding_rule: Any, *, what: str = "co
     >>> f(jnp.ones((8, 4))).sharding.spec
     P('fsdp',)
     """
-    context = _context.current()
+    context = _context.active().frame
     if context is None:
         return pytree
     mesh = context.mesh_helper.mesh
@@ -52,7 +52,7 @@ def with_sharding_annotation(pytree: Any, sharding_name: str) -> Any:
     The model code names the value; the call site decides how it is sharded. A name the
     context does not know is left unconstrained, with one warning per trace.
     """
-    context = _context.current()
+    context = _context.active().frame
     if context is None:
         return pytree
     known = context.annotation_shardings or {}

@@ -47,7 +47,7 @@ class ShardingContext(_context.Frame):
     @classmethod
     def get_global_context(cls) -> _context.Frame | None:
         """The innermost active context of this thread, or None (scalax's classmethod)."""
-        return _context.current()
+        return _context.active().frame
 
     def __enter__(self) -> ShardingContext:
         stack = contextlib.ExitStack()

@@ -8,6 +8,12 @@ enters the sharding context itself, so an sjit function called under any JAX tra
 resolved shardings. After the first call, a call with the same tree structure goes straight to
 that ``jax.jit`` object, whose C++ dispatch checks the rest.
 
+Flax NNX objects (modules, ``nnx.Optimizer``, metrics) may be passed as they are: rules resolve
+against their Variables, and what the function changes in place is written back to them, as
+``nnx.jit`` does (``shardax.frameworks.nnx``). A function without any rules runs where
+``jax.jit`` would run it, on the mesh only if it names the mesh inside (a constraint, a
+``shard_map``).
+
 >>> step = mesh.sjit(train_step, in_shardings=(FSDPShardingRule(), None),
 ...                  out_shardings=(FSDPShardingRule(), None))  # doctest: +SKIP
 >>> state, metrics = step(state, batch)  # doctest: +SKIP
@@ -30,6 +36,7 @@ from jax.sharding import NamedSharding
 from shardax import _compat, _context
 from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
+from shardax.frameworks.nnx import InPlace, in_place_for
 from shardax.inspect import ShardingPlan
 from shardax.rules import LogicalAxisRules, ShardingRule, match_specs_flat
 from shardax.utils import tree_path_to_string
@@ -101,6 +108,7 @@ class _Signature:
     out_shardings: Any
     arg_shardings: tuple  # in_shardings as one tree per dynamic positional argument
     needs_mesh: bool  # no sharding anywhere: call under the ambient mesh to get the devices
+    in_place: InPlace | None  # NNX Variables the function updates in place: written back
     by_args: Any = None  # for a non-positional signature, the jax.jit taking the arguments
 
 
@@ -110,6 +118,7 @@ class _Fast:
 
     jitted: Any
     mesh: Any  # set the ambient mesh around the call (only when the program needs it)
+    in_place: InPlace | None
 
 
 class ShardedFunction:
@@ -184,8 +193,7 @@ class ShardedFunction:
         return self.mesh_helper
 
     def _helper(self) -> Any:
-        frame = _context.current()
-        helper = self.mesh_helper or (frame.mesh_helper if frame is not None else None)
+        helper = self.mesh_helper or _context.active().mesh_helper
         if helper is None:
             raise ValueError(
                 "this sjit function has no mesh: create it with mesh.sjit(...) or call it inside "
@@ -239,25 +247,21 @@ class ShardedFunction:
             self._cache.move_to_end(key)
         return entry, flat
 
-    def _paths(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> list[str]:
-        """Human names for every dynamic leaf: the parameter name, then the path inside it."""
+    def _arg_names(self, dyn_args: tuple, static_args: tuple) -> list[str]:
+        """The parameter name of each dynamic positional argument (``args[i]`` for ``*args``)."""
         static_nums = {i for i, _ in static_args}
         positions = [i for i in range(len(dyn_args) + len(static_nums)) if i not in static_nums]
-        names = list(self._signature.parameters) if self._signature is not None else []
+        params = list(self._signature.parameters.values()) if self._signature is not None else []
+        positional = (_inspect.Parameter.POSITIONAL_ONLY, _inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return [params[i].name if i < len(params) and params[i].kind in positional
+                else f"args[{i}]" for i in positions]
 
-        def arg_name(i: int) -> str:
-            kinds = [p.kind for p in self._signature.parameters.values()] if names else []
-            if i < len(names) and kinds[i] in (
-                _inspect.Parameter.POSITIONAL_ONLY,
-                _inspect.Parameter.POSITIONAL_OR_KEYWORD,
-            ):
-                return names[i]
-            return f"args[{i}]"
-
+    def _paths(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple) -> list[str]:
+        """Human names for every dynamic leaf: the parameter name, then the path inside it."""
         out = []
-        for pos, arg in zip(positions, dyn_args):
+        for name, arg in zip(self._arg_names(dyn_args, static_args), dyn_args):
             for path, _ in jax.tree_util.tree_flatten_with_path(arg)[0]:
-                out.append(_join(arg_name(pos), path))
+                out.append(_join(name, path))
         for name, value in dyn_kwargs.items():
             for path, _ in jax.tree_util.tree_flatten_with_path(value)[0]:
                 out.append(_join(name, path))
@@ -283,38 +287,56 @@ class ShardedFunction:
 
         flat = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
         expected = tuple(_shape_dtype(x) for x in flat)
+        in_place = in_place_for((dyn_args, dyn_kwargs),
+                                self._donated_leaves(dyn_args, dyn_kwargs, static_args),
+                                self._arg_names(dyn_args, static_args))
         # A call with positional dynamic arguments only (the usual train step) gets a jax.jit
         # over those arguments themselves, so later calls go straight to its C++ dispatch;
         # static or keyword arguments need the flat form (jax.jit refuses keyword arguments
         # next to in_shardings).
         positional = not dyn_kwargs and not static_args and not static_kwargs
         if positional:
-            body = self._positional_body(helper, args_treedef, expected)
+            body = self._positional_body(helper, args_treedef, expected, in_place)
             abstract = jax.tree_util.tree_unflatten(args_treedef, _abstract(flat))
             jit_in, donate = arg_shardings, tuple(i for i in sorted(self.donate_argnums)
                                                   if 0 <= i < len(dyn_args))
         else:
-            body = self._body(helper, static_args, static_kwargs, treedef, expected)
+            body = self._body(helper, static_args, static_kwargs, treedef, expected, in_place)
             abstract = _abstract(flat)
             jit_in, donate = tuple(in_shardings), self._donated_leaves(dyn_args, dyn_kwargs,
                                                                        static_args)
         out_shardings = None
-        if self.out_shardings is not None:
+        if self.out_shardings is not None or in_place is not None:
             # Traced as the call traces it (same function, no ambient mesh), so jit reuses it.
+            # This trace also tells in_place which Variables the function updates.
             out_shape = jax.eval_shape(body, *abstract)
+            if in_place is not None and in_place.sources:
+                out_shape = out_shape[0]
+            else:
+                in_place = None  # reads its NNX arguments, or returns new ones: nothing to do
+        if self.out_shardings is not None:
             _, _, out_specs = match_specs_flat(self.out_shardings, out_shape, mesh,
                                                what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(out_shape),
                 [None if s is None else NamedSharding(mesh, s) for s in out_specs],
             )
-        # Without any sharding, only the ambient mesh tells the program its devices.
-        named = [s for s in in_shardings + jax.tree_util.tree_leaves(out_shardings)
-                 if s is not None]
-        jitted = jax.jit(body, in_shardings=jit_in, out_shardings=out_shardings,
+        jit_out = out_shardings
+        if in_place is not None:  # an updated Variable keeps the sharding it came in with
+            jit_out = (out_shardings, [in_shardings[k] for k, kind, _ in in_place.sources
+                                       if kind == "update"])
+        named = [s for s in in_shardings + jax.tree_util.tree_leaves(jit_out) if s is not None]
+        jitted = jax.jit(body, in_shardings=jit_in, out_shardings=jit_out,
                          donate_argnums=donate, **self.jit_kwargs)
+        # With no sharding anywhere, only the ambient mesh can tell a program that names the
+        # mesh inside (a constraint, a shard_map) its devices; one that names none runs where
+        # jax.jit puts it, as scalax's does (under an outer trace, the outer program decides).
+        needs_mesh = not named and (
+            any(_compat.is_tracer(x) for x in flat)
+            or _compat.uses_mesh(jitted.trace(*abstract).jaxpr)
+        )
         return _Signature(jitted, positional, args_treedef, paths, in_shardings, out_shardings,
-                          arg_shardings, needs_mesh=not named)
+                          arg_shardings, needs_mesh=needs_mesh, in_place=in_place)
 
     def _per_arg(self, rules: Any, dyn_args: tuple, what: str) -> Any:
         """Checks that a per-argument rule tuple has one entry per dynamic positional arg."""
@@ -342,21 +364,22 @@ class ShardedFunction:
             start += count
         return tuple(donated)
 
-    def _body(self, helper, static_args, static_kwargs, treedef, expected) -> Callable:
+    def _body(self, helper, static_args, static_kwargs, treedef, expected, in_place) -> Callable:
         """The traced function of a signature with static or keyword arguments: the flat
-        dynamic leaves in, the user's output out. It refuses arguments of another signature,
-        whose shardings would have to be resolved again."""
+        dynamic leaves in, the user's output out (and the NNX updates, with ``in_place``). It
+        refuses arguments of another signature, whose shardings would have to be resolved
+        again."""
 
         def body(*flat):
             if not _same_signature(expected, flat):
                 raise _NewSignature
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
-            return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
+            return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs, in_place)
 
         body.__name__ = getattr(self.fun, "__name__", "sjit_body")
         return body
 
-    def _positional_body(self, helper, args_treedef, expected) -> Callable:
+    def _positional_body(self, helper, args_treedef, expected, in_place) -> Callable:
         """The traced function of a signature with positional dynamic arguments only; it
         refuses another tree structure or other shapes (checked while tracing only)."""
 
@@ -364,24 +387,35 @@ class ShardedFunction:
             flat, treedef = jax.tree_util.tree_flatten(args)
             if treedef != args_treedef or not _same_signature(expected, flat):
                 raise _NewSignature
-            return self._run(helper, (), (), args, {})
+            return self._run(helper, (), (), args, {}, in_place)
 
         body.__name__ = getattr(self.fun, "__name__", "sjit_body")
         return body
 
-    def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs) -> Any:
+    def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs,
+             in_place: InPlace | None = None) -> Any:
         """The user's function under its sharding context, entered while it is traced
-        (wherever that happens: top level or under another transformation)."""
+        (wherever that happens: top level or under another transformation). With
+        ``in_place`` and a function that changes NNX Variables in place, returns
+        ``(output, updates)``: their new values (see ``InPlace.collect``)."""
         with self._context(helper):
             if self.args_sharding_constraint is not None:
                 rules = self._per_arg(self.args_sharding_constraint, dyn_args,
                                       "args_sharding_constraint")
                 dyn_args = with_sharding_constraint(dyn_args, rules,
                                                     what="args_sharding_constraint")
+            if in_place is not None:
+                before, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
             args = list(dyn_args)
             for i, value in static_args:
                 args.insert(i, value)
-            return self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            out = self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            if in_place is None:
+                return out
+            name = getattr(self.fun, "__qualname__", repr(self.fun))
+            updates = in_place.collect(before, (dyn_args, dyn_kwargs), treedef, out, name)
+            # A function that updates nothing in place keeps its own output.
+            return (out, updates) if in_place.sources else out
 
     def _context(self, helper: Any) -> ShardingContext:
         return ShardingContext(helper, self.annotation_shardings, self.logical_axis_rules)
@@ -393,21 +427,29 @@ class ShardedFunction:
         if fast is not None and not kwargs:
             try:
                 if fast.mesh is None:
-                    return fast.jitted(*args)
-                with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
-                    return fast.jitted(*args)
+                    out = fast.jitted(*args)
+                else:
+                    with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
+                        out = fast.jitted(*args)
             except (_NewSignature, ValueError):
                 pass  # new structure or shapes, or an input on another sharding
+            else:
+                return out if fast.in_place is None else fast.in_place.write_back((args, {}), *out)
         entry, flat = self._resolve(args, kwargs)
         mesh = self._helper().mesh
         placed = _placed(flat, entry.in_shardings)
         with _compat.mesh_context(mesh) if entry.needs_mesh else contextlib.nullcontext():
-            if not entry.positional:
-                return entry.jitted(*placed)
-            out = entry.jitted(*jax.tree_util.tree_unflatten(entry.args_treedef, placed))
-        if self.mesh_helper is not None and not self.static_argnums and not self.static_argnames:
-            self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None)
-        return out
+            if entry.positional:
+                out = entry.jitted(*jax.tree_util.tree_unflatten(entry.args_treedef, placed))
+            else:
+                out = entry.jitted(*placed)
+        if entry.positional and self.mesh_helper is not None and not self.static_argnums \
+                and not self.static_argnames:
+            self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None, entry.in_place)
+        if entry.in_place is None:
+            return out
+        _, _, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        return entry.in_place.write_back((dyn_args, dyn_kwargs), *out)
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these arguments (``.as_text()``, ``.compile()``...).
@@ -431,6 +473,25 @@ class ShardedFunction:
         compiled = self.lower(*args, **kwargs).compile()
         return ShardingPlan.from_compiled(compiled, entry.in_paths, self._helper().mesh)
 
+    # scalax's SJITCompiledFunction fields: the functions behind __call__, lower and
+    # get_jitted_function_by_args.
+
+    @property
+    def call_fn(self) -> Callable[..., Any]:
+        """Calls the function (scalax's field): the same as calling this object."""
+        return self.__call__
+
+    @property
+    def lower_fn(self) -> Callable[..., jax.stages.Lowered]:
+        """Lowers the function for these arguments (scalax's field): the same as ``lower``."""
+        return self.lower
+
+    @property
+    def jit_fn_by_static_args_fn(self) -> Callable[..., Any]:
+        """The ``jax.jit`` object for these arguments (scalax's field): the same as
+        ``get_jitted_function_by_args``."""
+        return self.get_jitted_function_by_args
+
     def get_jitted_function_by_args(self, *args: Any, **kwargs: Any) -> Any:
         """The ``jax.jit`` object for these arguments' signature (scalax's method).
 
@@ -439,6 +500,12 @@ class ShardedFunction:
         object for every call with this signature.
         """
         entry, _ = self._resolve(args, kwargs)
+        if entry.in_place is not None:
+            raise ValueError(
+                f"{getattr(self.fun, '__qualname__', self.fun)!r} updates NNX Variables of its "
+                f"arguments in place, which a jax.jit object cannot write back to the caller's "
+                f"objects; call the sjit function itself (it writes them back)"
+            )
         if entry.positional:
             return entry.jitted
         if entry.by_args is None:

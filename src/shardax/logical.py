@@ -43,7 +43,7 @@ def use_logical_rules(rules: SpecFor) -> Iterator[SpecFor]:
 def current_logical_rules() -> SpecFor | None:
     """The innermost rules of this thread: pushed by ``use_logical_rules``, else those of the
     active ``sjit`` / ``get_context`` (its ``logical_axis_rules``), else ``None``."""
-    return _context.logical_rules()
+    return _context.active().logical_rules
 
 
 def _entry_axes(entry: Any) -> tuple[str, ...]:
@@ -91,8 +91,8 @@ def with_logical_constraint(x: jax.Array, names: Sequence[str | None]) -> jax.Ar
     rules = current_logical_rules()
     if rules is None:
         return x
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    mesh = _context.active().abstract_mesh
+    if mesh is None:
         return x
     spec = _fit_to_mesh(rules.spec_for(names), names, x.shape, mesh)
     if len(spec) > x.ndim:

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -191,9 +191,25 @@ class MeshShardingHelper:
         """
         return ShardingContext(self, annotation_shardings, logical_axis_rules)
 
-    def sjit(self, fun=None, **kwargs: Any) -> ShardedFunction:
-        """``jax.jit`` with sharding rules; see :func:`shardax.jit.sjit`."""
-        return sjit(fun, mesh=self, **kwargs)
+    def sjit(
+        self,
+        fun: Callable[..., Any] | None = None,
+        in_shardings: Any = None,
+        out_shardings: Any = None,
+        static_argnums: int | Sequence[int] | None = None,
+        args_sharding_constraint: Any = None,
+        annotation_shardings: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:
+        """``jax.jit`` with sharding rules on this mesh; see :func:`shardax.jit.sjit`.
+
+        scalax's signature: ``mesh.sjit(f, PS("fsdp"))`` and ``mesh.sjit(f, None, None, (1,))``
+        work, and so do keywords and the decorator form (``fun`` left out).
+
+        >>> step = mesh.sjit(train_step, FSDPShardingRule(), None, (2,))  # doctest: +SKIP
+        """
+        return sjit(fun, in_shardings, out_shardings, static_argnums, args_sharding_constraint,
+                    annotation_shardings, mesh=self, **kwargs)
 
     sharded_jit = sjit  # scalax's older name
 
@@ -322,8 +338,7 @@ class MeshShardingHelper:
 
 def get_global_mesh_helper() -> MeshShardingHelper | None:
     """The innermost active ``MeshShardingHelper``, or None outside any context."""
-    frame = _context.current()
-    return None if frame is None else frame.mesh_helper
+    return _context.active().mesh_helper
 
 
 def get_global_mesh() -> Mesh | None:
@@ -334,5 +349,4 @@ def get_global_mesh() -> Mesh | None:
 
 def get_global_annotation_shardings() -> dict[str, Any] | None:
     """The innermost context's ``annotation_shardings``, or None outside any context."""
-    frame = _context.current()
-    return None if frame is None else frame.annotation_shardings
+    return _context.active().annotation_shardings

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardax import _compat, _context, frameworks
+from shardax import _context, frameworks
 from shardax.utils import leaf_shape, tree_path_to_string
 
 __all__ = [
@@ -66,21 +66,6 @@ def _map_leaves(f: Callable[[str, Any], Any], pytree: Any) -> Any:
 
 def _shape(leaf: Any) -> tuple[int, ...]:
     return leaf_shape(frameworks.unbox(leaf))
-
-
-# ----------------------------------------------------------------------------- the active mesh
-
-
-def active_mesh() -> Any | None:
-    """The mesh rules consult: the one being matched against, else the active context's, else
-    JAX's ambient one (``jax.set_mesh``)."""
-    mesh = _context.resolving_mesh()
-    if mesh is not None:
-        return mesh
-    frame = _context.current()
-    if frame is not None:
-        return frame.mesh_helper.mesh
-    return _compat.abstract_mesh()
 
 
 def _axis_size(axes: MeshAxes, mesh: Any) -> int | None:
@@ -146,7 +131,7 @@ class FSDPShardingRule(ShardingRule):
     def apply(self, pytree: Any) -> Any:
         size = self.fsdp_axis_size
         if size is None:
-            size = _axis_size(self.fsdp_axis_name, active_mesh())
+            size = _axis_size(self.fsdp_axis_name, _context.active().mesh)
         return _map_leaves(lambda _, leaf: self._spec(_shape(leaf), size), pytree)
 
 
@@ -255,7 +240,7 @@ class LogicalAxisRules(ShardingRule):
         mesh axes to every still-unassigned dimension of that name if none of those axes is
         taken yet; ``(name, None)`` assigns "replicated". What stays unassigned is replicated.
         """
-        mesh = mesh if mesh is not None else active_mesh()
+        mesh = mesh if mesh is not None else _context.active().mesh
         present = set(mesh.axis_names) if mesh is not None else None
         unassigned = object()
         result: list[Any] = [unassigned] * len(names)
@@ -380,7 +365,7 @@ def match_specs(rules: Any, pytree: Any, mesh: Any = None) -> Any:
     >>> match_specs((FSDPShardingRule(min_fsdp_size=0), None), (params, batch), mesh)
     ({'w': P('fsdp', None)}, None)
     """
-    mesh = mesh if mesh is not None else active_mesh()
+    mesh = mesh if mesh is not None else _context.active().mesh
     if mesh is None:
         raise ValueError("match_specs needs a mesh: pass one or call it inside a mesh context")
     _, _, specs = match_specs_flat(rules, pytree, mesh)

@@ -20,19 +20,17 @@ one rule list decides parameters and activations, as ``with_logical_constraint``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from shardax.rules import LogicalAxisRules, active_mesh
+from shardax import _context
 
 __all__ = ["axis_rules", "logical_axis_rules"]
 
 FlaxRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 
-def axis_rules(
-    rules: LogicalAxisRules | Sequence[tuple[str, Any]], mesh: Any | None = None
-) -> FlaxRules:
+def axis_rules(rules: Iterable[tuple[str, Any]], mesh: Any | None = None) -> FlaxRules:
     """``rules`` in Flax's format, without the mesh axes ``mesh`` lacks.
 
     Flax resolves names the way ``LogicalAxisRules.spec_for`` does (priority order, a mesh axis
@@ -44,8 +42,7 @@ def axis_rules(
     >>> axis_rules([("batch", ("dp", "fsdp")), ("mlp", "tp")])  # no mesh: nothing dropped
     (('batch', ('dp', 'fsdp')), ('mlp', 'tp'))
     """
-    rules = rules if isinstance(rules, LogicalAxisRules) else LogicalAxisRules(rules)
-    mesh = mesh if mesh is not None else active_mesh()
+    mesh = mesh if mesh is not None else _context.active().mesh
     present = None if mesh is None else set(mesh.axis_names)
     out = []
     for name, axes in rules:
@@ -62,7 +59,7 @@ def axis_rules(
 
 @contextlib.contextmanager
 def logical_axis_rules(
-    rules: LogicalAxisRules | Sequence[tuple[str, Any]], mesh: Any | None = None
+    rules: Iterable[tuple[str, Any]], mesh: Any | None = None
 ) -> Iterator[FlaxRules]:
     """Flax's ``nn.logical_axis_rules`` context, set from shardax rules.
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax import _context
 from shardax.models._layers import param
 from shardax.models.axes import BATCH_AXES
 from shardax.parallel import moe_mlp
@@ -49,8 +50,8 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         c, dt = self.config, self.config.dtype
-        mesh = jax.sharding.get_abstract_mesh()
-        names = () if mesh.empty else mesh.axis_names
+        mesh = _context.active().abstract_mesh
+        names = () if mesh is None else mesh.axis_names
         axes = tuple(a for a in BATCH_AXES if a in names) if "ep" in names else ()
         y, aux = moe_mlp(
             x, self.router[...], self.w_up[...].astype(dt), self.w_down[...].astype(dt),

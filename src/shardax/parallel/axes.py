@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import jax
 
-__all__ = ["axis_size", "manual_axes"]
+from shardax import _compat
+
+__all__ = ["mesh_or_context", "axis_size", "manual_axes"]
 
 Mesh = jax.sharding.Mesh | jax.sharding.AbstractMesh
 
 
-def _mesh(mesh: Mesh | None) -> Mesh | None:
-    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+def mesh_or_context(mesh: Mesh | None = None) -> Mesh | None:
+    """``mesh`` if given, else the context mesh (``jax.set_mesh``, ``shard_map``); None if
+    there is none.
+
+    >>> mesh_or_context() is None  # no mesh set
+    True
+    """
+    m = mesh if mesh is not None else _compat.abstract_mesh()
     return None if m is None or m.empty else m
 
 
@@ -24,7 +32,7 @@ def axis_size(name: str, mesh: Mesh | None = None) -> int:
     >>> axis_size("pp")
     1
     """
-    m = _mesh(mesh)
+    m = mesh_or_context(mesh)
     if m is None or name not in m.axis_names:
         return 1
     return int(m.shape[name])
@@ -36,5 +44,5 @@ def manual_axes(mesh: Mesh | None = None) -> frozenset[str]:
     >>> manual_axes()
     frozenset()
     """
-    m = _mesh(mesh)
+    m = mesh_or_context(mesh)
     return frozenset(getattr(m, "manual_axes", ())) if m is not None else frozenset()

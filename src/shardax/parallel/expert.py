@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from shardax.parallel.axes import axis_size, manual_axes
+from shardax.parallel.axes import axis_size, manual_axes, mesh_or_context
 
 Array = jax.Array
 
@@ -167,7 +167,7 @@ def _token_shards(mesh, axis: str, batch_axes: tuple[str, ...]) -> tuple[int, in
             f"moe_mlp: mesh axes {sorted(manual)} are already manual (called inside a shard_map "
             "over them); call moe_mlp outside shard_map, it adds its own."
         )
-    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    m = mesh_or_context(mesh)
     bad = [a for a in batch_axes if a == axis or a not in m.axis_names]
     if bad:
         raise ValueError(

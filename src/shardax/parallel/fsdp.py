@@ -44,7 +44,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from shardax.parallel._stages import to_microbatches
-from shardax.parallel.axes import axis_size, manual_axes
+from shardax.parallel.axes import axis_size, manual_axes, mesh_or_context
 
 __all__ = ["Gather", "fsdp_dim", "loop_layers", "scan_layers", "value_and_grad"]
 
@@ -262,7 +262,7 @@ def value_and_grad(
             f"fsdp value_and_grad: mesh axes {sorted(manual_axes(mesh) & {axis, *batch_axes})} "
             "are already manual (called inside a shard_map over them)"
         )
-    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    m = mesh_or_context(mesh)
     batch_axes = tuple(a for a in batch_axes if a in m.axis_names and a != axis)
     data = (*batch_axes, axis)
     shards = _data_shards(batch, data, grad_accum, mesh)

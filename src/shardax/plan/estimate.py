@@ -6,7 +6,7 @@ estimate reads the compiled program:
 
 - memory per device: ``compiled.memory_analysis()`` (arguments, outputs, temporaries; peak =
   arguments + outputs - aliased (donated) + temporaries);
-- collectives per step: the optimized HLO (``shardax.inspect.hlo_collectives``), loop trip
+- collectives per step: the optimized HLO (``shardax.hlo.hlo_collectives``), loop trip
   counts included;
 - step time, a roofline: ``compute_s + comm_s`` with
   ``compute_s = model FLOPs per device x remat factor / peak FLOP/s / (1 - pipeline bubble)``
