@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _reference import TINY_TRAIN
 
 from shardax.train import encode as encode_lib
 from shardax.train import readers
@@ -526,9 +527,7 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
 
 # ----------------------------------------------------------------------------- shardax train
 
-# As in test_train.py: tiny SGD runs on llama-tiny, 8 x 32 tokens.
-TINY = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=2)
+TINY = TINY_TRAIN
 
 
 def _losses(out: Path) -> dict[int, float]:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _reference import TINY_TRAIN
 
 from shardax.launch import _failures, free_port, launch
 from shardax.train.loop import TrainConfig, train
@@ -42,8 +43,7 @@ from shardax.train.loop import TrainConfig, train
 pytestmark = pytest.mark.multiprocess
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-TINY = dict(steps=6, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=3)
+TINY = {**TINY_TRAIN, "steps": 6, "ckpt_every": 3}
 REL = 1e-6  # 1 vs 2 processes, or another mesh: float32 reduction order (seen 1.1e-7)
 BOUND_S = 300  # no subprocess may outlive this; a hang fails the test instead of CI
 

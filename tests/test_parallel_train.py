@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _reference import TINY_TRAIN
 from flax import nnx
 
 from shardax import models
@@ -24,8 +25,7 @@ from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.step import init_state, train_step
 
 STEPS = 5  # issue 4: the first 5 losses match one device
-TINY = dict(steps=STEPS, batch_size=8, seq_len=32, lr=0.05, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=100)
+TINY = {**TINY_TRAIN, "steps": STEPS, "lr": 0.05, "ckpt_every": 100}
 # float32, same math in another reduction order (row-parallel sums, ring softmax, pipeline).
 RTOL = 2e-5
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from _reference import TINY_TRAIN
 
 from shardax.cli import main
 from shardax.train import report
@@ -30,8 +31,7 @@ from shardax.train.loop import SET_ASIDE_DIR, train
 from shardax.train.step import make_optimizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-TINY = dict(steps=6, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=2, mesh="fsdp=-1")
+TINY = {**TINY_TRAIN, "steps": 6, "mesh": "fsdp=-1"}
 BOUND_S = 300
 
 

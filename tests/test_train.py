@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _reference import assert_trained_alike
+from _reference import TINY_TRAIN, assert_trained_alike
 from flax import nnx
 
 from shardax import models
@@ -36,9 +36,7 @@ from shardax.train.step import init_state, make_optimizer, train_step
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MESH_3D = "dp=2,fsdp=2,tp=2"
-# SGD with a step large enough that a wrong gradient shows in the next losses.
-TINY = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=2)
+TINY = TINY_TRAIN
 REL = 1e-6  # across meshes / devices / microbatching: float32 reduction order (seen: 1.0e-7)
 
 
