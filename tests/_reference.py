@@ -1,4 +1,8 @@
-"""The suite's one rule for "these parameters trained like the one-device reference".
+"""The one-device reference of the suite's sharded tests, and its one rule for "these
+parameters trained like it".
+
+`train_one_device` is the reference run (`train_step` jitted with no mesh on one device) and
+`init_train_state` the state it starts from; every sharded training test builds on them.
 
 Every test that compares parameters after optimizer steps (a sharded run against the same
 steps on one device) calls `assert_trained_alike`; its tolerance is stated here and nowhere
@@ -34,10 +38,16 @@ Exact equality, where the math allows it, stays `np.testing.assert_array_equal`.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from shardax import models
+from shardax.train.step import init_state, train_step
 
 SGD_RTOL = 1e-4  # float32 reassociation (~1e-7 per add) through a few steps: 1000x margin
 ADAM_RTOL = 1e-3  # the same, plus a few noise-level elements stepping up to lr apart
@@ -80,3 +90,41 @@ def assert_trained_alike(got: Any, want: Any, start: Any, *, steps: int, optimiz
 # (``{**TINY_TRAIN, "steps": 6}``), nothing else.
 TINY_TRAIN = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
                   eval_every=100, ckpt_every=2)
+
+
+def init_train_state(model_config: Any, tx: Any, *, seed: int = 0, abstract: bool = False
+                     ) -> tuple[nnx.GraphDef, Any]:
+    """``(graphdef, state)`` of `init_state` for ``models.create(model_config, nnx.Rngs(seed))``
+    in one compiled call (eager init compiles every initializer apart); ``abstract``: shapes
+    only, nothing compiled."""
+    graphdefs = []
+
+    def state_only():
+        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
+        graphdefs.append(graphdef)  # static structure, no tracers
+        return state
+
+    state = jax.eval_shape(state_only) if abstract else jax.jit(state_only)()
+    return graphdefs[0], state
+
+
+class OneDeviceRun(NamedTuple):
+    losses: list[float]
+    start: Any  # the parameters before the first step (host arrays)
+    state: Any  # the train state after the last step (host arrays)
+
+
+def train_one_device(model_config: Any, tx: Any, batches: Any, *, seed: int = 0,
+                     **step_options: Any) -> OneDeviceRun:
+    """The reference of every sharded training test: `train_step` (with ``step_options``)
+    jitted without a mesh on ``jax.devices()[0]``, where every `shardax.parallel` block falls
+    back to single-device math, over ``batches`` (``(inputs, targets)`` pairs)."""
+    with jax.default_device(jax.devices()[0]):
+        graphdef, state = init_train_state(model_config, tx, seed=seed)
+        start = jax.device_get(state["params"])
+        step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, **step_options))
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, tuple(jnp.asarray(x) for x in batch))
+            losses.append(float(metrics["loss"]))
+    return OneDeviceRun(losses, start, jax.device_get(state))

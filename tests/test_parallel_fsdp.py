@@ -20,8 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _reference import assert_trained_alike
-from flax import nnx
+from _reference import assert_trained_alike, init_train_state, train_one_device
 from jax.sharding import PartitionSpec as P
 
 from shardax import models
@@ -30,7 +29,7 @@ from shardax.inspect import hlo_collectives
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel import fsdp
 from shardax.rules import LogicalAxisRules
-from shardax.train.step import init_state, train_step
+from shardax.train.step import train_step
 
 STEPS = 5
 RTOL = 2e-5  # losses, as in test_parallel_train
@@ -45,18 +44,6 @@ def _batches():
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def _init(tx, config=CONFIG):
-    graphdefs = []
-
-    def init():
-        graphdef, state = init_state(lambda: models.create(config, nnx.Rngs(0)), tx)
-        graphdefs.append(graphdef)
-        return state
-
-    state = jax.jit(init)()
-    return graphdefs[0], state
-
-
 def _train(step, state, batches):
     losses = []
     for batch in batches:
@@ -67,22 +54,14 @@ def _train(step, state, batches):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Per optimizer: the one-device losses, start and final parameters (no mesh at all)."""
-    out = {}
-    with jax.default_device(jax.devices()[0]):
-        for name, tx in OPTIMIZERS.items():
-            graphdef, state = _init(tx)
-            start = jax.device_get(state["params"])
-            step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx))
-            losses, state = _train(step, state, _batches())
-            out[name] = (losses, start, jax.device_get(state["params"]))
-    return out
+    """Per optimizer: the one-device run (no mesh at all)."""
+    return {name: train_one_device(CONFIG, tx, _batches()) for name, tx in OPTIMIZERS.items()}
 
 
 def _sharded_step(mesh_spec, tx, grad_accum):
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
-    graphdef, state = _init(tx)
+    graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=grad_accum,
                 param_rules=rules, fsdp_mode="explicit"),
@@ -99,9 +78,9 @@ def _sharded_step(mesh_spec, tx, grad_accum):
 def test_five_steps_equal_one_device(reference, mesh_spec, optimizer, grad_accum):
     step, state = _sharded_step(mesh_spec, OPTIMIZERS[optimizer], grad_accum)
     losses, state = _train(step, state, _batches())
-    want_losses, start, want_params = reference[optimizer]
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=0)
-    assert_trained_alike(state["params"], want_params, start, steps=STEPS,
+    want = reference[optimizer]
+    np.testing.assert_allclose(losses, want.losses, rtol=RTOL, atol=0)
+    assert_trained_alike(state["params"], want.state["params"], want.start, steps=STEPS,
                          optimizer=KIND[optimizer])
 
 
