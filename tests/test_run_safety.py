@@ -23,7 +23,7 @@ import pytest
 from _reference import TINY_TRAIN
 
 from shardax.cli import main
-from shardax.train import report
+from shardax.train import Checkpointer, report
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.generate import generate
@@ -267,7 +267,7 @@ def _signal_at_step(out, tmp_path, step: int, signum: int):
     return proc, stderr
 
 
-def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(reference, tmp_path):
+def test_sigterm_saves_the_current_step_whole(tmp_path):
     out = tmp_path / "run"
     proc, stderr = _signal_at_step(out, tmp_path, 2, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
@@ -277,11 +277,13 @@ def test_sigterm_saves_the_current_step_and_resume_is_bit_identical(reference, t
     step = int(stopped[0])
     logged = max(r["step"] for r in _metrics(out))
     assert _committed(out) == [step] and step >= logged >= 2
-    assert step < TINY["steps"], "stopped too late to compare with the reference"
-    # Resuming (to the reference's 6 steps) gives exactly the straight run's numbers.
-    train(_config(out, resume=True))
-    for key in ("loss", "grad_norm", "val_loss"):
-        assert _series(_metrics(out), key) == _series(reference[1], key), key
+    assert step < TINY["steps"], "stopped too late: the signal did not cut the run short"
+    # What --resume starts from (the checkpoint API; resuming a run is proved bit-identical
+    # once, in test_train.py): the step reads back whole, every array against its save-time
+    # fingerprint, with the data position of that step.
+    with Checkpointer(out / "checkpoints", read_only=True) as ckpt:
+        restored = ckpt.restore()
+    assert restored.step == step and restored.extra["data"]["step"] == step
 
 
 def test_a_first_ctrl_c_saves_the_current_step(tmp_path):
