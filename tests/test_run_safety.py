@@ -1,6 +1,7 @@
 """Runs you can trust: damaged checkpoints are skipped (resume and generate fall back to the
 newest good step), half-written steps never block a save, readers never write, `--steps 1`
-works, and SIGTERM / Ctrl-C save the current step so that resuming is bit-identical.
+works, and SIGTERM / Ctrl-C save the current step, whole (it restores through the checkpoint
+API; that a resume is bit-identical is proved once, in test_train.py, and here after damage).
 
 One straight reference run (6 SGD steps, checkpoints at 2, 4, 6) is shared by every test;
 runs are tiny (llama-tiny, 8 x 32 tokens). Signals go to real ``python -m shardax.cli train``
