@@ -10,7 +10,7 @@ ifndef RUN
 RUN := runs/$(shell date +%Y%m%d-%H%M%S)
 endif
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench check-transformers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,5 +39,13 @@ lint: install
 bench: install
 	$(PY) benchmarks/run.py
 
+# Hugging Face exports loaded by transformers itself: torch + transformers in a separate
+# environment (about 4 GB with torch's CUDA libraries, so never part of `make test`).
+HF_VENV ?= .venv-transformers
+check-transformers:
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/python -m pip install --quiet -e '.[train,hf]' torch transformers
+	$(HF_VENV)/bin/python benchmarks/hf_transformers.py
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(HF_VENV) runs

@@ -7,6 +7,42 @@ import os
 import pytest
 
 
+# Shared meshes: one `MeshShardingHelper` per layout for the whole session (per xdist worker).
+# Tests that are about constructing a helper build their own.
+
+
+@pytest.fixture(scope="session")
+def fsdp8():
+    """The 1-D mesh of all 8 devices on 'fsdp'."""
+    from shardax.mesh import MeshShardingHelper
+
+    return MeshShardingHelper([-1], ["fsdp"])
+
+
+@pytest.fixture(scope="session")
+def dp8():
+    """The 1-D mesh of all 8 devices on 'dp'."""
+    from shardax.mesh import MeshShardingHelper
+
+    return MeshShardingHelper([-1], ["dp"])
+
+
+@pytest.fixture(scope="session")
+def dp2_fsdp4():
+    """dp=2 x fsdp=4."""
+    from shardax.mesh import MeshShardingHelper
+
+    return MeshShardingHelper([2, -1], ["dp", "fsdp"])
+
+
+@pytest.fixture(scope="session")
+def dp_fsdp_tp():
+    """dp=2 x fsdp=2 x tp=2."""
+    from shardax.mesh import MeshShardingHelper
+
+    return MeshShardingHelper([2, 2, 2], ["dp", "fsdp", "tp"])
+
+
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 

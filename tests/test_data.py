@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _reference import TINY_TRAIN
 
 from shardax.train import encode as encode_lib
 from shardax.train import readers
@@ -526,9 +527,7 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
 
 # ----------------------------------------------------------------------------- shardax train
 
-# As in test_train.py: tiny SGD runs on llama-tiny, 8 x 32 tokens.
-TINY = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=2)
+TINY = TINY_TRAIN
 
 
 def _losses(out: Path) -> dict[int, float]:
@@ -536,9 +535,11 @@ def _losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-def test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly(tmp_path, llama_tokenizer):
+def test_train_on_jsonl_with_a_hf_tokenizer_checkpoints_its_position(tmp_path,
+                                                                     llama_tokenizer):
     import shutil
 
+    from shardax.train import Checkpointer
     from shardax.train.loop import TrainConfig, generate, train
 
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs() * 5, field="content")
@@ -549,12 +550,15 @@ def test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly(tmp_path, llama_toke
     assert (saved["tokenizer"], saved["text_field"]) == (str(llama_tokenizer), "content")
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == \
         (llama_tokenizer / "tokenizer.json").read_bytes()
-    # Stopped after step 2, resumed: the data position comes from the checkpoint.
-    resumed = tmp_path / "resumed"
-    shutil.copytree(out, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "4")
-    train(TrainConfig(out=str(resumed), resume=True, **config))
-    assert _losses(resumed) == _losses(out) and sorted(_losses(out)) == [1, 2, 3, 4]
+    assert sorted(_losses(out)) == [1, 2, 3, 4]
+    # A resume reads the data position of its checkpoint (the checkpoint API; resuming a run
+    # is proved bit-identical once, in test_train.py): the step, over the same tokenized jsonl.
+    with Checkpointer(out / "checkpoints", read_only=True) as ckpt:
+        positions = [ckpt.restore(step=step).extra["data"] for step in (2, 4)]
+    assert [p["step"] for p in positions] == [2, 4]
+    for p in positions:
+        assert (p["seed"], p["seq_len"], p["batch_size"]) == (0, 32, 8), p
+        assert p["num_tokens"] == positions[0]["num_tokens"] > 8 * 33, p
     # generate uses the run's copy of the tokenizer, even with the original gone.
     shutil.rmtree(llama_tokenizer)
     try:

@@ -6,9 +6,9 @@ device without a mesh: the loss and gradient of a step (forward and backward), a
 AdamW and of plain SGD (SGD exposes constant-factor gradient errors in the next loss), on
 `fsdp=8` and `fsdp=4,tp=2`, with and without gradient accumulation. Tolerance: the one other
 strategies use (`tests/test_parallel_train.py`): rtol 2e-5 on losses (float32, the same math
-summed in another order). Parameters after the 5 steps: rtol 1e-5 with atol 1e-6 under SGD and
-1e-5 under AdamW, whose update m/sqrt(v) turns a last-bit difference of a ~0 gradient into up
-to lr-sized steps (one element in 16k moves 4e-6 at lr 3e-3).
+summed in another order). Parameters after the 5 steps: `_reference.assert_trained_alike`, the
+suite's one rule for updates under SGD and under Adam (whose m/sqrt(v) turns a last-bit
+difference of a ~0 gradient into a step of up to lr).
 """
 
 import dataclasses
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from _reference import assert_trained_alike, init_train_state, train_one_device
 from jax.sharding import PartitionSpec as P
 
 from shardax import models
@@ -29,31 +29,19 @@ from shardax.hlo import hlo_collectives
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel import fsdp
 from shardax.rules import LogicalAxisRules
-from shardax.train.step import init_state, train_step
+from shardax.train.step import train_step
 
 STEPS = 5
 RTOL = 2e-5  # losses, as in test_parallel_train
-PARAMS_TOL = {"sgd": dict(rtol=1e-5, atol=1e-6), "adamw": dict(rtol=1e-5, atol=1e-5)}
 CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, tie_embeddings=True,
                              scan_layers=True)
 OPTIMIZERS = {"sgd": optax.sgd(0.1), "adamw": optax.adamw(3e-3, weight_decay=0.01)}
+KIND = {"sgd": "sgd", "adamw": "adam"}  # for assert_trained_alike
 
 
 def _batches():
     tokens = jax.random.randint(jax.random.key(1), (STEPS, 16, 17), 0, CONFIG.vocab_size)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
-
-
-def _init(tx, config=CONFIG):
-    graphdefs = []
-
-    def init():
-        graphdef, state = init_state(lambda: models.create(config, nnx.Rngs(0)), tx)
-        graphdefs.append(graphdef)
-        return state
-
-    state = jax.jit(init)()
-    return graphdefs[0], state
 
 
 def _train(step, state, batches):
@@ -66,21 +54,14 @@ def _train(step, state, batches):
 
 @pytest.fixture(scope="module")
 def reference():
-    """Per optimizer: the one-device losses and final parameters (no mesh at all)."""
-    out = {}
-    with jax.default_device(jax.devices()[0]):
-        for name, tx in OPTIMIZERS.items():
-            graphdef, state = _init(tx)
-            step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx))
-            losses, state = _train(step, state, _batches())
-            out[name] = (losses, jax.device_get(state["params"]))
-    return out
+    """Per optimizer: the one-device run (no mesh at all)."""
+    return {name: train_one_device(CONFIG, tx, _batches()) for name, tx in OPTIMIZERS.items()}
 
 
 def _sharded_step(mesh_spec, tx, grad_accum):
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
-    graphdef, state = _init(tx)
+    graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=grad_accum,
                 param_rules=rules, fsdp_mode="explicit"),
@@ -97,10 +78,10 @@ def _sharded_step(mesh_spec, tx, grad_accum):
 def test_five_steps_equal_one_device(reference, mesh_spec, optimizer, grad_accum):
     step, state = _sharded_step(mesh_spec, OPTIMIZERS[optimizer], grad_accum)
     losses, state = _train(step, state, _batches())
-    want_losses, want_params = reference[optimizer]
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=0)
-    jax.tree.map(partial(np.testing.assert_allclose, **PARAMS_TOL[optimizer]),
-                 jax.device_get(state["params"]), want_params)
+    want = reference[optimizer]
+    np.testing.assert_allclose(losses, want.losses, rtol=RTOL, atol=0)
+    assert_trained_alike(state["params"], want.state["params"], want.start, steps=STEPS,
+                         optimizer=KIND[optimizer])
 
 
 # --- the building block on a small model: forward, gradients, collectives --------------------

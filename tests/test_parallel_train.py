@@ -9,23 +9,20 @@ ordinary model". The compiled step of each run (recorded from `sjit.plan`) is th
 the collectives its strategy must produce. Bad flag combinations exit with code 2.
 """
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _reference import TINY_TRAIN, train_one_device
 from flax import nnx
 
 from shardax import models
 from shardax.cli import main
 from shardax.jit import ShardedFunction
 from shardax.train.loop import TrainConfig, prepare, train
-from shardax.train.step import init_state, train_step
 
 STEPS = 5  # issue 4: the first 5 losses match one device
-TINY = dict(steps=STEPS, batch_size=8, seq_len=32, lr=0.05, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=100)
+TINY = {**TINY_TRAIN, "steps": STEPS, "lr": 0.05, "ckpt_every": 100}
 # float32, same math in another reduction order (row-parallel sums, ring softmax, pipeline).
 RTOL = 2e-5
 
@@ -38,24 +35,9 @@ def _reference_losses(model: str, tmp_path) -> list[float]:
     """SGD losses of ``model`` trained on one device with no mesh: the plain program."""
     run = prepare(TrainConfig(**{**TINY, "model": model, "mesh": "dp=-1",
                                  "out": str(tmp_path / "ref")}))
-    device = jax.devices()[0]
-    graphdefs = []
-
-    def init():
-        graphdef, state = init_state(
-            lambda: models.create(run.model_config, nnx.Rngs(run.config.seed)), run.tx)
-        graphdefs.append(graphdef)
-        return state
-
-    with jax.default_device(device):
-        state = jax.jit(init)()
-        step = jax.jit(partial(train_step, graphdef=graphdefs[0], tx=run.tx, policy=run.policy))
-        losses = []
-        for i in range(STEPS):
-            batch = tuple(jnp.asarray(x) for x in run.train_data.batch(i))
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-    return losses
+    batches = [run.train_data.batch(i) for i in range(STEPS)]
+    return train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
+                            policy=run.policy).losses
 
 
 @pytest.fixture(scope="module")

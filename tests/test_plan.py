@@ -15,17 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from shardax.hlo import COLLECTIVE_KINDS, hlo_collectives, summarize_collectives
-from shardax.sharding import FSDPShardingRule, MeshShardingHelper, ShardingPlan
-
-
-@pytest.fixture(scope="module")
-def fsdp8():
-    return MeshShardingHelper([-1], ["fsdp"])
-
-
-@pytest.fixture(scope="module")
-def dp8():
-    return MeshShardingHelper([-1], ["dp"])
+from shardax.sharding import FSDPShardingRule, ShardingPlan
 
 
 def ones(*shape, dtype=np.float32):
@@ -39,8 +29,8 @@ def loss(w, x):
 # ----------------------------------------------------------------------------- rows and bytes
 
 
-def test_rows_cover_every_input_and_output_leaf():
-    helper = MeshShardingHelper([2, -1], ["dp", "fsdp"])
+def test_rows_cover_every_input_and_output_leaf(dp2_fsdp4):
+    helper = dp2_fsdp4
     state = {"w": ones(16, 8), "b": ones(8, dtype=np.int32), "step": np.array(0, np.int32)}
     batch = {"x": ones(4, 16, dtype=np.float16)}
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _reference import TINY_TRAIN
 
 from shardax.cli import main
 from shardax.plan import candidates, plan_config, search
@@ -26,7 +27,7 @@ from shardax.train.mfu import device_spec
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 H100 = device_spec("h100")
-TINY = dict(model="llama-tiny", batch_size=8, seq_len=32)
+TINY = dict(model="llama-tiny", batch_size=TINY_TRAIN["batch_size"], seq_len=TINY_TRAIN["seq_len"])
 
 
 @pytest.fixture(scope="module")

@@ -28,16 +28,6 @@ def z(*shape):
     return np.zeros(shape, np.float32)
 
 
-@pytest.fixture(scope="module")
-def fsdp8():
-    return MeshShardingHelper([-1], ["fsdp"])
-
-
-@pytest.fixture(scope="module")
-def dp_fsdp_tp():
-    return MeshShardingHelper([2, 2, 2], ["dp", "fsdp", "tp"])
-
-
 # ----------------------------------------------------------------------------- FSDP
 
 
@@ -72,8 +62,8 @@ def test_fsdp_min_size_replicates_small_leaves():
     assert FSDPShardingRule().apply(z(8, 1024)) == PS()  # default: 8192 < 2**20 elements
 
 
-def test_fsdp_axis_size_comes_from_the_active_mesh(fsdp8):
-    small = MeshShardingHelper([2, -1], ["dp", "fsdp"])  # fsdp = 4
+def test_fsdp_axis_size_comes_from_the_active_mesh(fsdp8, dp2_fsdp4):
+    small = dp2_fsdp4  # fsdp = 4
     rule = FSDPShardingRule(min_fsdp_size=0)
     tree = {"a": z(12, 8), "b": z(6, 4)}
     with fsdp8.get_context():
@@ -95,10 +85,9 @@ def test_fsdp_tuple_axis_name_uses_the_product_of_sizes():
     assert match_specs(rule, tree, helper.mesh) == expected
 
 
-def test_fsdp_on_a_mesh_without_the_axis_fails_loudly():
-    helper = MeshShardingHelper([-1], ["dp"])
+def test_fsdp_on_a_mesh_without_the_axis_fails_loudly(dp8):
     with pytest.raises(ValueError, match=r"'fsdp'.*\('dp',\)"):
-        match_specs(FSDPShardingRule(fsdp_axis_size=8, min_fsdp_size=0), z(16), helper.mesh)
+        match_specs(FSDPShardingRule(fsdp_axis_size=8, min_fsdp_size=0), z(16), dp8.mesh)
 
 
 # ----------------------------------------------------------------------------- tree paths
@@ -231,10 +220,9 @@ def test_logical_spec_for_priority_and_fallbacks(dp_fsdp_tp, names, spec):
         assert RULES.spec_for(names) == spec
 
 
-def test_logical_axes_absent_from_the_mesh_are_dropped():
-    fsdp_only = MeshShardingHelper([-1], ["fsdp"])
-    assert RULES.spec_for(("batch", "mlp"), fsdp_only.mesh) == PS("fsdp", None)
-    assert RULES.spec_for(("embed", "heads"), fsdp_only.mesh) == PS("fsdp", None)
+def test_logical_axes_absent_from_the_mesh_are_dropped(fsdp8):
+    assert RULES.spec_for(("batch", "mlp"), fsdp8.mesh) == PS("fsdp", None)
+    assert RULES.spec_for(("embed", "heads"), fsdp8.mesh) == PS("fsdp", None)
     dp_tp = MeshShardingHelper([2, -1], ["dp", "tp"])
     assert RULES.spec_for(("batch", "embed"), dp_tp.mesh) == PS("dp", "tp")
 

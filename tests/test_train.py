@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _reference import TINY_TRAIN, assert_trained_alike, init_train_state
 from flax import nnx
 
 from shardax import models
@@ -31,13 +32,11 @@ from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train.checkpoint import Checkpointer
 from shardax.train.loop import TrainConfig, UsageError, generate, prepare, train
-from shardax.train.step import init_state, make_optimizer, train_step
+from shardax.train.step import make_optimizer, train_step
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MESH_3D = "dp=2,fsdp=2,tp=2"
-# SGD with a step large enough that a wrong gradient shows in the next losses.
-TINY = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-            eval_every=100, ckpt_every=2)
+TINY = TINY_TRAIN
 REL = 1e-6  # across meshes / devices / microbatching: float32 reduction order (seen: 1.0e-7)
 
 
@@ -307,20 +306,6 @@ def _small_config(**overrides):
                              **overrides)
 
 
-def _init(cfg, tx, abstract=False):
-    """``init_state`` in one compiled call (eager init compiles every initializer apart);
-    ``abstract``: shapes only, nothing compiled."""
-    graphdefs = []
-
-    def state_only():
-        graphdef, state = init_state(lambda: models.create(cfg, nnx.Rngs(0)), tx)
-        graphdefs.append(graphdef)  # static structure, no tracers
-        return state
-
-    state = jax.eval_shape(state_only) if abstract else jax.jit(state_only)()
-    return graphdefs[0], state
-
-
 def _batch(rows=4, length=16, seed=0):
     tokens = np.random.default_rng(seed).integers(0, 256, (rows, length + 1), dtype=np.int32)
     return jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
@@ -331,7 +316,7 @@ def sgd_reference():
     """A small llama, a batch of 8 rows, and a hand-written single-device loss + SGD step."""
     cfg, lr = _small_config(), 0.1
     tx = optax.sgd(lr)
-    graphdef, state = _init(cfg, tx)
+    graphdef, state = init_train_state(cfg, tx)
     batch = _batch(rows=8)
 
     @jax.jit
@@ -345,17 +330,16 @@ def sgd_reference():
         grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
         return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads), grad_norm
 
-    want = reference(state["params"], state["rest"], *batch)
+    want = (*reference(state["params"], state["rest"], *batch), state["params"])
     assert want[2] > 0.1  # the update is visible at the tolerances below
     return tx, graphdef, state, batch, want
 
 
 def _check_step(new, metrics, want):
-    want_loss, want_params, want_norm = want
+    want_loss, want_params, want_norm, start = want
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], want_norm, rtol=1e-6)
-    jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7),
-                 new["params"], want_params)
+    assert_trained_alike(new["params"], want_params, start, steps=1, optimizer="sgd")
     assert int(new["step"]) == 1
 
 
@@ -392,9 +376,9 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
     assert run.model_config.param_dtype == jnp.float32
 
     tx = make_optimizer("adamw", 1e-2, steps=10, warmup=1)
-    _, _, base, batch, (full_loss, _, _) = sgd_reference  # the float32-compute loss
+    _, _, base, batch, (full_loss, *_) = sgd_reference  # the float32-compute loss
     state = {**base, "opt_state": jax.jit(tx.init)(base["params"])}
-    graphdef, _ = _init(_small_config(dtype=jnp.bfloat16, param_dtype=jnp.float32), tx,
+    graphdef, _ = init_train_state(_small_config(dtype=jnp.bfloat16, param_dtype=jnp.float32), tx,
                         abstract=True)
     step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, policy=policy))
     new, metrics = step(state, batch)
