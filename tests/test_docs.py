@@ -54,10 +54,10 @@ COVERED: dict[tuple[str, str], str] = {
     ("docs/context_parallel.md", "shardax train --mesh cp=4,fsdp=2"):
         "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
     ("docs/data.md", "shardax train --data corpus/ notes.jsonl"):
-        "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly",
+        "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_checkpoints_its_position",
     ("docs/data.md", "shardax train --model llama-small --tokenizer models/llama2 --data shards/ "
                      "--text-field content"):
-        "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly",
+        "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_checkpoints_its_position",
     ("docs/data.md", "shardax train --model gpt2 --tokenizer models/gpt2 --data train.bin "
                      "--token-dtype uint16"):
         "tests/test_data.py::test_token_files",
@@ -102,7 +102,7 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_multiprocess.py::test_two_processes_train_like_one_process",
     ("docs/multi_host.md", "shardax launch --nproc 2 --devices-per-proc 4 -- shardax train "
                            "--mesh fsdp=-1 --steps 200 --out runs/mp --resume"):
-        "tests/test_multiprocess.py::test_killed_worker_stops_the_job_and_resume_is_bit_identical",
+        "tests/test_multiprocess.py::test_killed_worker_stops_the_job_and_leaves_a_restorable_checkpoint",
     ("docs/observability.md", "shardax train --out runs/a --log-to jsonl,tensorboard,wandb"):
         "tests/test_observability.py::test_tensorboard_event_file_holds_the_scalars",
     ("docs/observability.md", "shardax train --out runs/a --profile-steps 10:13"):
