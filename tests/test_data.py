@@ -539,7 +539,8 @@ def _losses(out: Path) -> dict[int, float]:
 def test_train_on_jsonl_with_a_hf_tokenizer_resumes_exactly(tmp_path, llama_tokenizer):
     import shutil
 
-    from shardax.train.loop import TrainConfig, generate, train
+    from shardax.train.generate import generate
+    from shardax.train.loop import TrainConfig, train
 
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs() * 5, field="content")
     config = dict(TINY, data=[str(docs)], tokenizer=str(llama_tokenizer), text_field="content")

@@ -166,14 +166,13 @@ except ValueError as e:
 import jax
 from jax.experimental import multihost_utils
 from shardax.train import data as data_lib
-from shardax.train.loop import TrainConfig, _global_batch, prepare
+from shardax.train.loop import TrainConfig, prepare
 
 tokens = data_lib.load_bytes(data_lib.default_corpus("train"))
 for mesh in sys.argv[1:]:
     run = prepare(TrainConfig(mesh=mesh, batch_size=8, seq_len=32, out=sys.argv[0] + ".none"))
-    spec = run.rules.spec_for(("batch", "length"), run.mesh.mesh)
-    local = run.train_data.batch(5)
-    for field, want in zip(_global_batch(run.mesh, local, spec, 8),
+    local = run.inputs.train.batch(5)
+    for field, want in zip(run.inputs.batch(5),
                            data_lib.TokenBatches(tokens, 32, 8, seed=0).batch(5)):
         got = np.asarray(multihost_utils.process_allgather(field, tiled=True))
         assert np.array_equal(got, want), (mesh, jax.process_index())

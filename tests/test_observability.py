@@ -23,7 +23,8 @@ import pytest
 from flax import nnx
 
 from shardax import models
-from shardax.train.mfu import device_spec, flops_per_token, matmul_params, mfu
+from shardax.devices import device_spec
+from shardax.train.mfu import flops_per_token, matmul_params, mfu
 from shardax.train.profiler import parse_profile_steps, trace_files
 from shardax.train.step import init_state, train_step
 from shardax.train.trackers import parse_log_to

@@ -73,7 +73,7 @@ def reference():
             graphdef, state = _init(tx)
             step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx))
             losses, state = _train(step, state, _batches())
-            out[name] = (losses, jax.device_get(state["params"]))
+            out[name] = (losses, jax.device_get(state.params))
     return out
 
 
@@ -100,7 +100,7 @@ def test_five_steps_equal_one_device(reference, mesh_spec, optimizer, grad_accum
     want_losses, want_params = reference[optimizer]
     np.testing.assert_allclose(losses, want_losses, rtol=RTOL, atol=0)
     jax.tree.map(partial(np.testing.assert_allclose, **PARAMS_TOL[optimizer]),
-                 jax.device_get(state["params"]), want_params)
+                 jax.device_get(state.params), want_params)
 
 
 # --- the building block on a small model: forward, gradients, collectives --------------------

@@ -36,8 +36,9 @@ def _config(tmp_path, **overrides) -> TrainConfig:
 
 def _reference_losses(model: str, tmp_path) -> list[float]:
     """SGD losses of ``model`` trained on one device with no mesh: the plain program."""
-    run = prepare(TrainConfig(**{**TINY, "model": model, "mesh": "dp=-1",
-                                 "out": str(tmp_path / "ref")}))
+    prepared = prepare(TrainConfig(**{**TINY, "model": model, "mesh": "dp=-1",
+                                      "out": str(tmp_path / "ref")}))
+    run = prepared.run
     device = jax.devices()[0]
     graphdefs = []
 
@@ -52,7 +53,7 @@ def _reference_losses(model: str, tmp_path) -> list[float]:
         step = jax.jit(partial(train_step, graphdef=graphdefs[0], tx=run.tx, policy=run.policy))
         losses = []
         for i in range(STEPS):
-            batch = tuple(jnp.asarray(x) for x in run.train_data.batch(i))
+            batch = tuple(jnp.asarray(x) for x in prepared.inputs.train.batch(i))
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
     return losses

@@ -30,7 +30,8 @@ from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train.checkpoint import Checkpointer
-from shardax.train.loop import TrainConfig, UsageError, generate, prepare, train
+from shardax.train.generate import generate
+from shardax.train.loop import TrainConfig, UsageError, prepare, train
 from shardax.train.step import init_state, make_optimizer, train_step
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -345,7 +346,7 @@ def sgd_reference():
         grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
         return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads), grad_norm
 
-    want = reference(state["params"], state["rest"], *batch)
+    want = reference(state.params, state.rest, *batch)
     assert want[2] > 0.1  # the update is visible at the tolerances below
     return tx, graphdef, state, batch, want
 
@@ -355,7 +356,7 @@ def _check_step(new, metrics, want):
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], want_norm, rtol=1e-6)
     jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7),
-                 new["params"], want_params)
+                 new.params, want_params)
     assert int(new["step"]) == 1
 
 
@@ -377,7 +378,7 @@ def test_sharded_grad_accumulation_equals_one_big_batch_on_one_device(sgd_refere
         in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
         out_shardings=(rules, None))
     new, metrics = step(state, batch)
-    embed = new["params"]["embed"][...]
+    embed = new.params["embed"][...]
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tp", "fsdp")  # really sharded
     _check_step(new, metrics, want)
 
@@ -387,13 +388,13 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
     policy = Policy.from_string(spec)
     assert (policy.params, policy.compute, policy.output) == (
         jnp.float32, jnp.bfloat16, jnp.float32)
-    run = prepare(_config(tmp_path / "run", precision=spec, optimizer="adamw"))
+    run = prepare(_config(tmp_path / "run", precision=spec, optimizer="adamw")).run
     assert run.model_config.dtype == jnp.bfloat16
     assert run.model_config.param_dtype == jnp.float32
 
     tx = make_optimizer("adamw", 1e-2, steps=10, warmup=1)
     _, _, base, batch, (full_loss, _, _) = sgd_reference  # the float32-compute loss
-    state = {**base, "opt_state": jax.jit(tx.init)(base["params"])}
+    state = base._replace(opt_state=jax.jit(tx.init)(base.params))
     graphdef, _ = _init(_small_config(dtype=jnp.bfloat16, param_dtype=jnp.float32), tx,
                         abstract=True)
     step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, policy=policy))
@@ -407,7 +408,7 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
         before, after = (jax.tree.leaves(s[key]) for s in (state, new))
         assert [x.dtype for x in after] == [x.dtype for x in before]
     moved = [not np.array_equal(a, b)
-             for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(new["params"]))]
+             for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params))]
     assert all(moved)
 
     # Same parameters and batch as the float32 reference: bfloat16 compute really happened

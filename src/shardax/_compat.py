@@ -12,9 +12,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import distributed as _distributed  # private: no public preemption-service query
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
-__all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer"]
+__all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer",
+           "preemption_service_running", "sync_processes"]
 
 AUTO = AxisType.Auto
 
@@ -60,3 +63,15 @@ def abstract_mesh() -> Any | None:
     """The ambient abstract mesh set by ``jax.set_mesh``, or None when there is none."""
     mesh = jax.sharding.get_abstract_mesh()
     return None if mesh is None or mesh.empty else mesh
+
+
+def preemption_service_running() -> bool:
+    """Whether JAX's preemption sync service runs (a multi-process job that enabled it)."""
+    state = getattr(_distributed, "global_state", None)
+    return getattr(state, "preemption_sync_manager", None) is not None
+
+
+def sync_processes(name: str) -> None:
+    """Waits until every process of a multi-process job reaches this point (no-op alone)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

@@ -30,6 +30,8 @@ import threading
 
 import jax
 
+from shardax import _compat
+
 __all__ = ["StopRequests", "Stopped"]
 
 
@@ -48,11 +50,7 @@ class Stopped(Exception):
 
 def _preemption_service() -> bool:
     """Whether JAX's preemption sync service runs (multi-process jobs)."""
-    if jax.process_count() == 1:
-        return False
-    from jax._src import distributed
-
-    return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
+    return jax.process_count() > 1 and _compat.preemption_service_running()
 
 
 class StopRequests:
