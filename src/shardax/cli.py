@@ -15,8 +15,10 @@ settings, with their help text. Arguments are read and checked before JAX starts
 because ``--devices`` (emulated CPU devices when there is no accelerator) must be set before
 that. Bad input is one line on stderr and exit code 2.
 
-The train stack (tyro, flax, optax, orbax) is imported only inside the subcommands that need
-it, so ``shardax --help`` and ``shardax launch`` work with the core install (jax, numpy).
+The train stack (tyro, flax, optax, orbax: the optional extra "train") is imported only inside
+the subcommands that need it, so ``shardax --help`` and ``shardax launch`` work with the core
+install (jax, numpy); jax itself (and the shardax modules that import it) is imported only
+after ``--devices`` and ``JAX_PLATFORMS`` are set, because JAX reads them from the environment.
 """
 
 import argparse

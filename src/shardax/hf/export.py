@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from shardax.hf.files import write_safetensors
 from shardax.hf.mapping import TensorMap, param_maps, to_hf
@@ -40,8 +41,6 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 def _host(x: jax.Array) -> np.ndarray:
     """One array on this host: a per-tensor gather (all-gather across processes if needed)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
@@ -143,6 +142,4 @@ def _plan(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

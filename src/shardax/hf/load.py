@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardax import models
+from shardax._compat import make_mesh
 from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
 from shardax.hf.mapping import TensorMap, param_maps, read_block
 from shardax.models.configs import GPT2Config, LlamaConfig, config_from_hf
@@ -61,8 +62,6 @@ def default_rules(config: LlamaConfig | GPT2Config, mesh: jax.sharding.Mesh) -> 
 
 def _as_mesh(mesh: Any) -> jax.sharding.Mesh:
     if mesh is None:
-        from shardax._compat import make_mesh
-
         return make_mesh(np.array(jax.devices()[:1]), ("dp",))
     return getattr(mesh, "mesh", mesh)
 

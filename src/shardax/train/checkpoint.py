@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from shardax import _compat
 from shardax.utils import flatten_tree
 
 __all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state", "flat",
@@ -317,10 +318,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             log.warning("removing half-written checkpoint step %d (no commit marker)", step)
             shutil.rmtree(self.directory / str(step), ignore_errors=True)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"shardax-clear-step-{step}")
+        _compat.sync_processes(f"shardax-clear-step-{step}")
         self._manager.reload()
 
     def restore(self, step: int | None = None, target: Any = None, *, verify: bool = True,

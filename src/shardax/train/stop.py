@@ -29,6 +29,7 @@ import sys
 import threading
 
 import jax
+from jax.experimental import multihost_utils
 
 from shardax import _compat
 
@@ -95,8 +96,6 @@ class StopRequests:
         """Whether to stop after ``step``: all processes must call it after every step and
         get the same answer."""
         if self._shared:
-            from jax.experimental import multihost_utils
-
             if multihost_utils.reached_preemption_sync_point(step):
                 self.signum = self.signum or signal.SIGTERM
                 return True
