@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from shardax.hf.configs import config_to_hf
 from shardax.hf.files import write_safetensors
 from shardax.hf.mapping import TensorMap, param_maps, to_hf
 from shardax.models.configs import GPT2Config, LlamaConfig
@@ -83,7 +84,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
     d = Path(directory)
     if jax.process_index() == 0:
         d.mkdir(parents=True, exist_ok=True)
-        hf_config = {**config.to_hf_config(), "torch_dtype": out_dtype.name}
+        hf_config = {**config_to_hf(config), "torch_dtype": out_dtype.name}
         (d / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if len(files) > 1:
             weight_map = {n: f for f, names in files.items() for n in names}

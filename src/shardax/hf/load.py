@@ -26,9 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardax import models
 from shardax._compat import make_mesh
+from shardax.hf.configs import config_from_hf
 from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
 from shardax.hf.mapping import TensorMap, param_maps, read_block
-from shardax.models.configs import GPT2Config, LlamaConfig, config_from_hf
+from shardax.models.configs import GPT2Config, LlamaConfig
 from shardax.rules import LogicalAxisRules, match_specs
 from shardax.utils import tree_path_to_string
 

@@ -4,9 +4,13 @@ Shared by the training loop (`shardax.train.loop`), the planner and sampling
 (`shardax.train.generate`); the run comes from `shardax.train.resolve.resolve`, nothing here
 reads the config's strings or the training data.
 
+>>> from shardax.train.config import TrainConfig, check
+>>> from shardax.train.resolve import resolve
 >>> run = resolve(check(TrainConfig(batch_size=8)))
 >>> graphdef, state_shape = abstract(run.model_config, run.tx, run.config.seed, run.mesh)
->>> step = step_function(run, graphdef)
+>>> step = step_function(run, graphdef)      # call it with (state, batch), or .plan() it
+>>> int(state_shape.step.size)
+1
 """
 
 from __future__ import annotations

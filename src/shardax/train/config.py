@@ -8,8 +8,10 @@ in-range numbers, known names, the mesh string's syntax) without touching a devi
 input is a `UsageError` naming the flag before a backend starts; `GenerateConfig`,
 `ExportConfig` and `PlanConfig` have `check_generate`, `check_export` and `check_plan`.
 
->>> config = TrainConfig(steps=20, mesh="dp=2,fsdp=-1")
->>> check(config)                 # raises UsageError("--steps ...") etc. on bad values
+>>> config = check(TrainConfig(steps=20, mesh="dp=2,fsdp=-1"))  # UsageError on bad values
+>>> check(TrainConfig(steps=0))
+Traceback (most recent call last):
+shardax.train.config.UsageError: --steps 0: must be >= 1
 """
 
 from __future__ import annotations

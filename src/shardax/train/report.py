@@ -8,9 +8,12 @@ reports memory, and ``val_loss`` where evaluated). A resumed run keeps the recor
 step it continues from. The plot needs matplotlib (an optional dependency);
 without it the run says so and skips it.
 
->>> log = MetricsLog("runs/a/metrics.jsonl")
+>>> import tempfile
+>>> log = MetricsLog(Path(tempfile.mkdtemp()) / "metrics.jsonl")
 >>> records = log.read(up_to=200)      # skips (and reports) lines that are not JSON
 >>> log.start(records); log.append({"step": 201, "loss": 1.3})
+>>> log.read(up_to=300)
+[{'step': 201, 'loss': 1.3}]
 """
 
 from __future__ import annotations

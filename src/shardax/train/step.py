@@ -10,8 +10,13 @@ targets and RoPE positions are put in ``load_balance`` order once (so ring atten
 every device equal work, and the mean loss needs no undoing), and an MoE model's
 load-balancing loss, weighted by ``moe_aux_weight``, is added to the cross-entropy.
 
->>> graphdef, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1))
+>>> from shardax.models import CONFIGS
+>>> graphdef, state = init_state(lambda: Llama(CONFIGS["llama-tiny"], nnx.Rngs(0)),
+...                              optax.sgd(0.1))
+>>> batch = (jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))
 >>> state, metrics = train_step(state, batch, graphdef=graphdef, tx=optax.sgd(0.1))
+>>> int(state.step), metrics["loss"].shape
+(1, ())
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ signal and all processes stop after the same step. A first SIGINT is turned into
 reach that handler.
 
 >>> with StopRequests() as stop:
-...     for step in range(start, steps):
-...         state = train_step(state)
-...         if stop.reached(step + 1):
-...             save(step + 1)
+...     for step in range(3):
+...         pass                          # one train step
+...         if stop.reached(step + 1):    # SIGTERM / Ctrl-C arrived: save, then stop
 ...             raise Stopped(step + 1, stop.signum)
+>>> Stopped(7, 15).exit_code
+143
 """
 
 from __future__ import annotations
