@@ -357,7 +357,7 @@ def _check_step(new, metrics, want):
     np.testing.assert_allclose(metrics["grad_norm"], want_norm, rtol=1e-6)
     jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-6, atol=1e-7),
                  new.params, want_params)
-    assert int(new["step"]) == 1
+    assert int(new.step) == 1
 
 
 @pytest.mark.parametrize("accum", [1, 2])
