@@ -23,7 +23,7 @@ from flax import nnx
 
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
-from shardax.train.config import UsageError, hf_dir
+from shardax.train.config import UsageError
 from shardax.train.resolve import Resolved
 from shardax.train.step import TrainState, init_state, train_step
 
@@ -52,12 +52,11 @@ def create_from_hf(run: Resolved) -> TrainState:
     """The train state of step 0 with the parameters of ``--init-from hf:DIR``, read straight
     into their sharding under the run's rules (each process reads only its devices' slices)
     and the optimizer state created sharded alike."""
-    init_from, mesh, rules = run.config.init_from, run.mesh, run.rules
+    mesh, rules = run.mesh, run.rules
     try:
-        graphdef, loaded = hf.load_params(hf_dir(init_from, "--init-from"), run.model_config,
-                                          mesh, rules)
+        graphdef, loaded = hf.load_params(run.init_dir, run.model_config, mesh, rules)
     except ValueError as e:
-        raise UsageError(f"--init-from {init_from}: {e}") from None
+        raise UsageError(f"--init-from {run.config.init_from}: {e}") from None
     _, params, rest = nnx.split(nnx.merge(graphdef, loaded), nnx.Param, ...)
     opt_state = mesh.sjit(run.tx.init, in_shardings=(rules,), out_shardings=rules)(params)
     step = jax.device_put(jax.numpy.int32(0),

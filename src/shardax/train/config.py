@@ -316,16 +316,6 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return sizes
 
 
-def _check_precision(spec: str) -> None:
-    try:
-        policy = Policy.from_string(spec)
-    except ValueError as e:
-        raise UsageError(f"--precision {spec!r}: {e}") from None
-    wide = [k for k in ("params", "compute", "output") if getattr(policy, k).itemsize > 4]
-    _usage(not wide, f"--precision {spec!r}: shardax train runs float32, bfloat16 or float16 "
-                     "(64-bit floats would need jax_enable_x64 and silently became float32)")
-
-
 def check(config: TrainConfig) -> TrainConfig:
     """Checks every field of a `TrainConfig` without starting JAX: types, finite and in-range
     numbers, known model, rules and mesh axes. Returns the config; raises `UsageError`."""
@@ -346,28 +336,32 @@ def check(config: TrainConfig) -> TrainConfig:
     _usage(bool(config.out.strip()), "--out: give a run directory")
     _usage(bool(config.tokenizer.strip()), "--tokenizer: give 'bytes' or a tokenizer directory")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
-    parse_mesh(config.mesh)
-    _check_precision(config.precision)
     _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
            f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "
            "device table)")
-    _check_observability(config)
     if config.init_from is not None:
         hf_dir(config.init_from, "--init-from")
     _usage(config.model in models.CONFIGS,
            f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
     _usage(config.rules in models.PRESETS,
            f"unknown --rules {config.rules!r}; known presets: {sorted(models.PRESETS)}")
-    return config
-
-
-def _check_observability(config: TrainConfig) -> None:
-    """``--profile-steps`` syntax, ``--log-to`` names and their optional packages."""
+    # Last, the checks that other modules make: the mesh string, the precision policy, the
+    # profiler's steps and the trackers' packages.
+    parse_mesh(config.mesh)
+    spec = config.precision
+    try:
+        policy = Policy.from_string(spec)
+    except ValueError as e:
+        raise UsageError(f"--precision {spec!r}: {e}") from None
+    _usage(all(getattr(policy, k).itemsize <= 4 for k in ("params", "compute", "output")),
+           f"--precision {spec!r}: shardax train runs float32, bfloat16 or float16 (64-bit "
+           "floats would need jax_enable_x64 and silently became float32)")
     try:
         parse_profile_steps(config.profile_steps)
         check_installed(parse_log_to(config.log_to))
     except (ValueError, MissingExtra) as e:
         raise UsageError(str(e)) from None
+    return config
 
 
 def hf_dir(spec: str, name: str) -> Path:

@@ -46,7 +46,8 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     (a preset list) the parameters are restored sharded by them instead."""
     config = run_dir.saved
     # A pipelined run saved its layers stacked, which the model keeps.
-    model = model_config(config, Policy.from_string(config.precision),
+    init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+    model = model_config(config, Policy.from_string(config.precision), init_dir,
                          pipelined=pipelined(config.mesh))
     mesh = make_mesh(mesh_spec or f"dp={jax.device_count()}")
     graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh)

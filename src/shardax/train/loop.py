@@ -60,7 +60,8 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
     nothing is written. ``run_dir``: what `check_run_dir` returned for the already checked
     ``config`` (the CLI checks both before JAX starts)."""
     if run_dir is None:
-        run_dir = check_run_dir(check(config))
+        check(config)
+        run_dir = check_run_dir(config)
     run = resolve(config)
     return Prepared(run, run_dir, prepare_inputs(run, run_dir))
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -53,15 +54,16 @@ def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.
             make_schedule(config.optimizer, config.lr, config.steps, warmup=warmup))
 
 
-def model_config(config: TrainConfig, policy: Policy, pipelined: bool = False) -> Any:
-    """The model config of ``--model`` (or of the ``--init-from hf:DIR`` model) with the
-    precision ``policy``, ``--remat`` and ``--seq-len`` applied (no parallelism flags); layers
-    stacked when ``pipelined`` (a 'pp' mesh keeps them so, in checkpoints too)."""
+def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
+                 pipelined: bool = False) -> Any:
+    """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
+    the precision ``policy``, ``--remat`` and ``--seq-len`` applied (no parallelism flags);
+    layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in checkpoints too)."""
     scan = config.scan_layers or pipelined
-    if config.init_from is not None:
+    if init_dir is not None:
         try:
-            c = hf.load_config(hf_dir(config.init_from, "--init-from"), remat=config.remat,
-                               dtype=policy.compute, param_dtype=policy.params)
+            c = hf.load_config(init_dir, remat=config.remat, dtype=policy.compute,
+                               param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
         c = dataclasses.replace(c, scan_layers=c.scan_layers or scan)
@@ -150,6 +152,8 @@ class Resolved:
     microbatches: int
     #: the idle fraction of a step under the pipeline schedule (0 without a 'pp' axis)
     bubble: float
+    #: the Hugging Face model directory of ``--init-from hf:DIR`` (None without it)
+    init_dir: Path | None = None
 
     def fsdp_summary(self) -> str:
         """One line for the train plan: which FSDP mode is active."""
@@ -187,8 +191,10 @@ def resolve(config: TrainConfig) -> Resolved:
     does not fit the devices is a UsageError."""
     mesh = make_mesh(config.mesh)
     policy = Policy.from_string(config.precision)
+    init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
     try:
-        model, rule_list = _parallelism(config, mesh.shape, model_config(config, policy))
+        model, rule_list = _parallelism(config, mesh.shape,
+                                        model_config(config, policy, init_dir))
     except ValueError as e:
         raise UsageError(str(e)) from None
     mode = fsdp_mode(config, mesh.shape, model)  # UsageError if it cannot run
@@ -209,4 +215,4 @@ def resolve(config: TrainConfig) -> Resolved:
     return Resolved(
         config=config, mesh=mesh, rules=rules, model_config=model, policy=policy, tx=tx,
         schedule=schedule, fsdp_mode=mode, batch_split=batch_split, microbatches=micro,
-        bubble=_bubble(mesh.shape, model))
+        bubble=_bubble(mesh.shape, model), init_dir=init_dir)

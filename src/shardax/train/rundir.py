@@ -23,8 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardax.mesh import parse_mesh_string
 from shardax.train.checkpoint import list_steps
-from shardax.train.config import TrainConfig, UsageError, flag, parse_mesh
+from shardax.train.config import TrainConfig, UsageError, flag
 from shardax.train.configfile import from_dict
 from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer
 
@@ -116,7 +117,10 @@ def pipelined(mesh: str) -> bool:
     >>> pipelined("pp=2,fsdp=-1"), pipelined("fsdp=-1")
     (True, False)
     """
-    return parse_mesh(mesh).get("pp", 1) != 1
+    try:
+        return parse_mesh_string(mesh).get("pp", 1) != 1
+    except ValueError as e:  # a saved config.json edited by hand
+        raise UsageError(f"--mesh {mesh!r}: {e}") from None
 
 
 def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
