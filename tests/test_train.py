@@ -405,7 +405,7 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
     floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and all(x.dtype == jnp.float32 for x in floats)
     for key in ("params", "opt_state"):  # the step keeps every dtype
-        before, after = (jax.tree.leaves(s[key]) for s in (state, new))
+        before, after = (jax.tree.leaves(getattr(s, key)) for s in (state, new))
         assert [x.dtype for x in after] == [x.dtype for x in before]
     moved = [not np.array_equal(a, b)
              for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params))]

@@ -38,7 +38,7 @@ class LlamaConfig:
     ``mlp_dim`` hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
 
     ``rope_scaling`` is Llama-3's frequency scaling, ``qkv_bias`` adds q/k/v biases (Qwen2).
-    :meth:`from_hf_config` reads a Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
+    `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
     """
 
     vocab_size: int = 256

@@ -155,14 +155,12 @@ def remat_factor(model_config: Any, seq_len: int) -> float:
     return (head + (total - head) * factor) / total
 
 
-def work_split(run: Any) -> int:
+def work_split(run: Resolved) -> int:
     """Over how many devices one step's FLOPs are divided: the axes that split the batch,
     'cp' (the sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it.
     Axes that split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
     shape = run.mesh.shape
-    batch = run.rules.spec_for(("batch",), run.mesh.mesh)[0]
-    axes = set((batch,) if isinstance(batch, str) else batch or ())
-    axes |= {"cp", "pp"} & set(shape)
+    axes = set(run.batch_axes) | ({"cp", "pp"} & set(shape))
     mlp = run.rules.spec_for(("mlp",), run.mesh.mesh)[0]
     if mlp == "tp" or (isinstance(mlp, tuple) and "tp" in mlp):
         axes.add("tp")

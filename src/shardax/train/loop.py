@@ -159,14 +159,69 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
              "FLOP/s unknown: MFU n/a (pass --peak-tflops to report it)"))
 
 
+class _Steps:
+    """What happens after each train step: its metrics record (logged, evaluated, tracked),
+    checkpoints, and stopping on SIGTERM / Ctrl-C."""
+
+    def __init__(self, p: Prepared, start: int, records: list[dict], evaluate: Any,
+                 metrics_log: report.MetricsLog, clock: report.StepClock):
+        self.run, self.inputs, self.config = p.run, p.inputs, p.run.config
+        self.start, self.records, self.evaluate = start, records, evaluate
+        self.metrics_log, self.clock = metrics_log, clock
+        self.is_main = jax.process_index() == 0
+        self.trackers = (report.Trackers(self.config.log_to, p.run_dir.out,
+                                         self.config.to_json()) if self.is_main else None)
+        self.ckpt = Checkpointer(p.run_dir.checkpoints, max_to_keep=3)
+
+    def record(self, step: int, state: TrainState, metrics: dict) -> dict:
+        """The metrics record of 0-based ``step`` (empty when nothing is due), written out."""
+        config, done = self.config, step + 1
+        record: dict[str, Any] = {}
+        if done % config.log_every == 0 or done in (config.steps, self.start + 1):
+            record = {"step": done, **self.clock.measure(done, metrics),
+                      "lr": float(self.run.schedule(step)), **report.memory_in_use()}
+        if done % config.eval_every == 0 or done == config.steps:
+            val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
+            record = {"step": done, **record, "val_loss": float(np.mean(val))}
+        if record:
+            self.records.append(record)
+            if self.is_main:
+                self.metrics_log.append(record)
+                self.trackers.log(record)
+        return record
+
+    def save(self, done: int, state: TrainState, stop: StopRequests) -> None:
+        """Saves a checkpoint when one is due; on a stop request saves (if not yet) and
+        raises `Stopped` once it is committed."""
+        config = self.config
+        due = done % config.ckpt_every == 0 or done == config.steps
+        if due:
+            self._save(done, state)
+        if done < config.steps and stop.reached(done):
+            if not due:
+                self._save(done, state)
+            self.ckpt.wait()  # synchronous: committed before the process exits
+            raise Stopped(done, stop.signum)
+
+    def _save(self, done: int, state: TrainState) -> None:
+        position = {**self.inputs.train.state(), "step": done}
+        self.ckpt.save(done, flat(state), extra={"data": position,
+                                                 "config": self.config.to_json()}, force=True)
+
+    def close(self) -> None:
+        """Finishes (or abandons) the in-flight save and closes the trackers."""
+        self.ckpt.close()
+        if self.trackers is not None:
+            self.trackers.close()
+
+
 def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     run, run_dir, inputs = p.run, p.run_dir, p.inputs
     config, mesh, rules = run.config, run.mesh, run.rules
     is_main = jax.process_index() == 0
     graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
-    shardings = mesh.match_sharding_rule(rules, state_shape)
     metrics_log = report.MetricsLog(run_dir.metrics)
-    start, state = _initial_state(p, state_shape, shardings)
+    start, state = _initial_state(p, state_shape, mesh.match_sharding_rule(rules, state_shape))
     records = metrics_log.read(up_to=start, quiet=not is_main) if config.resume else []
     if state is None:
         _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
@@ -178,61 +233,31 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
         metrics_log.start(records)
 
     step_fn = build.step_function(run, graphdef)
-    eval_fn = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
-                        in_shardings=(rules, inputs.sharding.spec))
+    evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
+                         in_shardings=(rules, inputs.sharding.spec))
     first = inputs.batch(start)
     plan = step_fn.plan(state, first)
-    per_token = flops_per_token(run.model_config, config.seq_len)
-    peak = _peak_flops(config)
+    per_token, peak = flops_per_token(run.model_config, config.seq_len), _peak_flops(config)
     if is_main:  # what the compiled step holds and moves per device (`shardax plan` predicts it)
         run_dir.plan.write_text(plan.to_json() + "\n")
         _banner(p, state_shape, plan, per_token, peak)
-
-    ckpt = Checkpointer(run_dir.checkpoints, max_to_keep=3)
-
-    def save(step: int) -> None:
-        position = {**inputs.train.state(), "step": step}
-        ckpt.save(step, flat(state), extra={"data": position, "config": config.to_json()},
-                  force=True)
-
-    trackers = report.Trackers(config.log_to, run_dir.out, config.to_json()) if is_main else None
     clock = report.StepClock(config.batch_size * config.seq_len, start, per_token, peak,
                              jax.device_count())
+    steps = _Steps(p, start, records, evaluate, metrics_log, clock)
     profiler = StepProfiler(parse_profile_steps(config.profile_steps), run_dir.profile)
     try:
         with report.Progress(config.steps, start) as progress:
             for step in range(start, config.steps):
                 batch = first if step == start else inputs.batch(step)
-                done = step + 1
-                profiler.before(done)
+                profiler.before(step + 1)
                 state, metrics = step_fn(state, batch)
-                profiler.after(done, (state, metrics))
-                record: dict[str, Any] = {}
-                if done % config.log_every == 0 or done in (config.steps, start + 1):
-                    record = {"step": done, **clock.measure(done, metrics),
-                              "lr": float(run.schedule(step)), **report.memory_in_use()}
-                if done % config.eval_every == 0 or done == config.steps:
-                    val = [float(eval_fn(state, b)) for b in inputs.val_batches()]
-                    record = {"step": done, **record, "val_loss": float(np.mean(val))}
-                if record:
-                    records.append(record)
-                    if is_main:
-                        metrics_log.append(record)
-                        trackers.log(record)
-                progress.update(done, record if is_main else None)
-                saved = done % config.ckpt_every == 0 or done == config.steps
-                if saved:
-                    save(done)
-                if done < config.steps and stop.reached(done):
-                    if not saved:
-                        save(done)
-                    ckpt.wait()  # synchronous: committed before the process exits
-                    raise Stopped(done, stop.signum)
+                profiler.after(step + 1, (state, metrics))
+                record = steps.record(step, state, metrics)
+                progress.update(step + 1, record if is_main else None)
+                steps.save(step + 1, state, stop)
     finally:  # an interrupted run still finishes (or abandons) its in-flight save
         profiler.stop()
-        ckpt.close()
-        if trackers is not None:
-            trackers.close()
+        steps.close()
     if is_main:
         png = report.plot(run_dir.out, records)
         print(f"wrote {metrics_log.path}{f', {png}' if png else ''} and checkpoints in "

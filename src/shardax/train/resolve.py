@@ -146,7 +146,8 @@ class Resolved:
     tx: optax.GradientTransformation
     schedule: optax.Schedule
     fsdp_mode: str
-    #: devices the batch rows are split over (the axes the 'batch' rule names)
+    #: the mesh axes the 'batch' rule splits the rows over, and over how many devices
+    batch_axes: tuple[str, ...]
     batch_split: int
     #: pipeline microbatches per step (1 without a 'pp' axis)
     microbatches: int
@@ -199,9 +200,9 @@ def resolve(config: TrainConfig) -> Resolved:
         raise UsageError(str(e)) from None
     mode = fsdp_mode(config, mesh.shape, model)  # UsageError if it cannot run
     rules = LogicalAxisRules(rule_list)
-    batch_axes = rules.spec_for(("batch",), mesh.mesh)[0]
-    batch_split = math.prod(mesh.shape[a] for a in ((batch_axes,) if isinstance(batch_axes, str)
-                                                  else batch_axes or ()))
+    spec = rules.spec_for(("batch",), mesh.mesh)[0]
+    batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    batch_split = math.prod(mesh.shape[a] for a in batch_axes)
     micro = getattr(model, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
     if config.batch_size % (batch_split * config.grad_accum * micro):
         raise UsageError(
@@ -214,5 +215,5 @@ def resolve(config: TrainConfig) -> Resolved:
     tx, schedule = optimizer(config)
     return Resolved(
         config=config, mesh=mesh, rules=rules, model_config=model, policy=policy, tx=tx,
-        schedule=schedule, fsdp_mode=mode, batch_split=batch_split, microbatches=micro,
-        bubble=_bubble(mesh.shape, model), init_dir=init_dir)
+        schedule=schedule, fsdp_mode=mode, batch_axes=batch_axes, batch_split=batch_split,
+        microbatches=micro, bubble=_bubble(mesh.shape, model), init_dir=init_dir)
