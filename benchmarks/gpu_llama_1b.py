@@ -61,10 +61,11 @@ def main() -> None:
     from flax import nnx
 
     from shardax import models
+    from shardax.devices import device_spec
     from shardax.mesh import MeshShardingHelper
     from shardax.precision import Policy
     from shardax.rules import LogicalAxisRules
-    from shardax.train.mfu import device_spec, flops_per_token, mfu
+    from shardax.train.mfu import flops_per_token, mfu
     from shardax.train.step import init_state, make_optimizer, train_step
 
     policy = Policy.from_string(args.precision)

@@ -53,6 +53,7 @@ def write_model(directory: Path, gb: float) -> dict:
     """A random Llama (dim 2048, GQA 16/4 heads, vocab 32000) with enough layers for ``gb``."""
     import numpy as np
 
+    from shardax.hf.configs import config_to_hf
     from shardax.hf.files import write_safetensors
     from shardax.hf.mapping import param_maps
     from shardax.models import LlamaConfig
@@ -78,7 +79,7 @@ def write_model(directory: Path, gb: float) -> dict:
                           lambda n: (rng.standard_normal(specs[n][1], np.float32) * 0.02))
     (directory / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {}, "weight_map": {n: f for f, g in files.items() for n in g}}))
-    (directory / "config.json").write_text(json.dumps(config.to_hf_config()))
+    (directory / "config.json").write_text(json.dumps(config_to_hf(config)))
     sizes = [4 * math.prod(s) for _, s in specs.values()]
     return {"layers": layers, "model_bytes": sum(sizes), "largest_tensor_bytes": max(sizes),
             "tensors": len(sizes)}

@@ -111,8 +111,8 @@ def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
     split = _state_split(preset, mesh)
     pp = mesh.shape.get("pp", 1)
     p_bytes = _itemsize(policy.params)
-    m_bytes = _itemsize(_leaf_dtype(state["opt_state"], "mu"))
-    v_bytes = _itemsize(_leaf_dtype(state["opt_state"], "nu"))
+    m_bytes = _itemsize(_leaf_dtype(state.opt_state, "mu"))
+    v_bytes = _itemsize(_leaf_dtype(state.opt_state, "nu"))
     state_rows = [r for r in plan.rows if r.kind == "input" and r.path.startswith("state/")]
     measured = sum(r.bytes_per_device for r in state_rows)
     formula = (psi - psi_layers + psi_layers / pp) * (p_bytes + m_bytes + v_bytes) / split
@@ -151,7 +151,7 @@ def tp_forward() -> dict[str, Any]:
     loss = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=FP32),
                      in_shardings=(rules, batch_spec))
     # Only what eval_loss reads: jax.jit drops unused arguments, which ShardingPlan mislabels.
-    params = {"params": state["params"], "rest": state["rest"]}
+    params = {"params": state.params, "rest": state.rest}
     plan = loss.plan(params, batch_shape(BATCH, SEQ))
     bsh = BATCH // mesh.shape["dp"] * SEQ * config.dim * 4
     ars = [op for op in plan.collective_ops if op.kind == "all-reduce"]

@@ -33,11 +33,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardax._compat import make_mesh
+from shardax.devices import DeviceSpec
 from shardax.plan import plan_config, search
 from shardax.plan.estimate import seconds, train_command
-from shardax.train.build import abstract, create, resolve, step_function
+from shardax.train.build import abstract, create, step_function
 from shardax.train.config import TrainConfig
-from shardax.train.mfu import DeviceSpec
+from shardax.train.resolve import resolve
 
 BASE = TrainConfig(model="llama-small", batch_size=16, seq_len=128)
 MAX_COMPILES = 10

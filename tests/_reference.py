@@ -121,7 +121,7 @@ def train_one_device(model_config: Any, tx: Any, batches: Any, *, seed: int = 0,
     back to single-device math, over ``batches`` (``(inputs, targets)`` pairs)."""
     with jax.default_device(jax.devices()[0]):
         graphdef, state = init_train_state(model_config, tx, seed=seed)
-        start = jax.device_get(state["params"])
+        start = jax.device_get(state.params)
         step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, **step_options))
         losses = []
         for batch in batches:

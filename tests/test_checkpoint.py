@@ -9,11 +9,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, abstract_state
+from shardax import models
+from shardax.train.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    abstract_state,
+    flat,
+    restore_state,
+)
 from shardax.train.data import TokenBatches
+from shardax.train.step import TrainState, init_state
 
 
 def mesh_of(shape, names):
@@ -323,3 +332,26 @@ def test_resume_gives_bit_identical_training(tmp_path):
     resumed = train(params, data, 3)
     assert step == 3
     assert_tree_equal(resumed, straight)
+
+
+def test_a_checkpoint_of_the_old_dict_train_state_restores_into_train_state(tmp_path):
+    """Before `TrainState`, the train state was a dict ``{"params", "rest", "opt_state",
+    "step"}``; a checkpoint written from it (here: with the old key names, the flat form
+    orbax stores) restores into the typed state, leaf for leaf."""
+    config = models.get_config("llama-tiny", n_layers=1)
+    tx = optax.adamw(1e-3)
+    _, state = init_state(lambda: models.create(config, nnx.Rngs(0)), tx)
+    old = {"params": state.params, "rest": state.rest, "opt_state": state.opt_state,
+           "step": jnp.int32(7)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, flat(old), extra={}, force=True)
+        ckpt.wait()
+    shape = jax.eval_shape(lambda: state)
+    assert isinstance(shape, TrainState)
+    assert sorted(flat(shape)) == sorted(flat(old))  # the layout on disk is unchanged
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), shape)
+    with Checkpointer(tmp_path, read_only=True) as reader:
+        restored, back = restore_state(reader, shape, shardings)
+    assert restored.step == 7 and isinstance(back, TrainState) and int(back.step) == 7
+    for key, want in flat(old).items():
+        np.testing.assert_array_equal(np.asarray(flat(back)[key]), np.asarray(want))

@@ -540,7 +540,8 @@ def test_train_on_jsonl_with_a_hf_tokenizer_checkpoints_its_position(tmp_path,
     import shutil
 
     from shardax.train import Checkpointer
-    from shardax.train.loop import TrainConfig, generate, train
+    from shardax.train.generate import generate
+    from shardax.train.loop import TrainConfig, train
 
     docs = _write_jsonl(tmp_path / "docs.jsonl", _docs() * 5, field="content")
     config = dict(TINY, data=[str(docs)], tokenizer=str(llama_tokenizer), text_field="content")

@@ -26,6 +26,7 @@ from shardax.hf.files import SafetensorsFile, tensor_index
 from shardax.logical import use_logical_rules
 from shardax.models import decode
 from shardax.sharding import MeshShardingHelper
+from shardax.utils import flatten_tree
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 ARCHS = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2"]
@@ -50,7 +51,7 @@ def assert_logits_close(got, want):
 
 
 def params(model):
-    return {k: np.asarray(v) for k, v in hf.export._flat(nnx.state(model, nnx.Param)).items()}
+    return {k: np.asarray(v) for k, v in flatten_tree(nnx.state(model, nnx.Param), sep="/").items()}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -126,9 +126,9 @@ def test_sharded_init_memory_is_bounded(reference, fsdp_init):
     assert held <= 2.0 * train_bytes, (held, train_bytes)
     assert train_bytes == pytest.approx(3 * state_bytes, rel=0.01)  # params, mu, nu
 
-    adam = train_state["opt_state"][0]  # adamw = chain(scale_by_adam, ...)
-    param_specs = [x.sharding.spec for x in leaves(train_state["params"])]
+    adam = train_state.opt_state[0]  # adamw = chain(scale_by_adam, ...)
+    param_specs = [x.sharding.spec for x in leaves(train_state.params)]
     assert [x.sharding.spec for x in leaves(adam.mu)] == param_specs
     assert [x.sharding.spec for x in leaves(adam.nu)] == param_specs
-    for got, want in zip(leaves(train_state["params"]), leaves(reference), strict=True):
+    for got, want in zip(leaves(train_state.params), leaves(reference), strict=True):
         assert np.array_equal(np.asarray(got), np.asarray(want))

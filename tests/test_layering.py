@@ -98,3 +98,55 @@ def test_parallel_needs_only_jax_and_compat():
         if not target.startswith("shardax.parallel") and target != "shardax._compat"
     }
     assert not outside, f"shardax.parallel imports {sorted(outside)}"
+
+
+# Imports that may stand inside a function: optional dependencies (extras, or the standard
+# library's tomllib before Python 3.11), which a module imports only where it needs them.
+OPTIONAL = {"flax", "optax", "orbax", "grain", "tokenizers", "safetensors", "pyarrow",
+            "tensorboardX", "wandb", "matplotlib", "yaml", "tomllib", "tomli", "tyro", "rich",
+            "equinox", "torch", "transformers", "etils"}
+# The CLI imports jax and the train/plan modules lazily: ``shardax --help`` and ``launch`` need
+# only the core install, and JAX reads --devices / JAX_PLATFORMS from the environment when it
+# is imported (the module docstring of shardax.cli says so).
+LAZY_IN_CLI = ("jax", "shardax.train", "shardax.plan", "shardax.distributed", "shardax.launch")
+
+
+def _function_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, name)`` of every import inside a function of ``path`` (``from a import b``
+    gives ``a.b``)."""
+    found = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                found += [(node.lineno, alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+    return sorted(set(found))
+
+
+def _allowed(module: str, where: str) -> bool:
+    if module.split(".")[0] in OPTIONAL:
+        return True
+    return where == "shardax.cli" and any(
+        module == m or module.startswith(m + ".") for m in LAZY_IN_CLI)
+
+
+def test_imports_inside_functions_are_optional_dependencies():
+    bad = [f"{name}:{line} imports {module}"
+           for name, path in sorted(_modules().items())
+           for line, module in _function_imports(path) if not _allowed(module, name)]
+    assert not bad, ("imports inside functions that are not optional dependencies (move them "
+                     "to the module's top, or add a real optional dependency to OPTIONAL):\n"
+                     + "\n".join(bad))
+
+
+def test_the_function_import_check_can_fail(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    import json\n    import yaml\n    from shardax import mesh\n")
+    found = _function_imports(module)
+    assert found == [(2, "json"), (3, "yaml"), (4, "shardax.mesh")]
+    assert [m for _, m in found if not _allowed(m, "shardax.m")] == ["json", "shardax.mesh"]
+    assert _allowed("shardax.train.loop", "shardax.cli")
+    assert not _allowed("shardax.train.loop", "shardax.train.build")

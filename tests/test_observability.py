@@ -24,7 +24,8 @@ import pytest
 from _reference import init_train_state
 
 from shardax import models
-from shardax.train.mfu import device_spec, flops_per_token, matmul_params, mfu
+from shardax.devices import device_spec
+from shardax.train.mfu import flops_per_token, matmul_params, mfu
 from shardax.train.profiler import parse_profile_steps, trace_files
 from shardax.train.step import train_step
 from shardax.train.trackers import parse_log_to

@@ -80,7 +80,7 @@ def test_five_steps_equal_one_device(reference, mesh_spec, optimizer, grad_accum
     losses, state = _train(step, state, _batches())
     want = reference[optimizer]
     np.testing.assert_allclose(losses, want.losses, rtol=RTOL, atol=0)
-    assert_trained_alike(state["params"], want.state["params"], want.start, steps=STEPS,
+    assert_trained_alike(state.params, want.state.params, want.start, steps=STEPS,
                          optimizer=KIND[optimizer])
 
 

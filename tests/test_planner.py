@@ -18,12 +18,12 @@ import pytest
 from _reference import TINY_TRAIN
 
 from shardax.cli import main
+from shardax.devices import device_spec
 from shardax.plan import candidates, plan_config, search
 from shardax.plan.command import parse_bytes
 from shardax.plan.estimate import train_command
-from shardax.train.build import resolve
-from shardax.train.config import TrainConfig
-from shardax.train.mfu import device_spec
+from shardax.train.config import TrainConfig, check
+from shardax.train.resolve import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 H100 = device_spec("h100")
@@ -104,7 +104,7 @@ def test_candidates_are_valid_train_configurations():
     assert not any("ep=" in m for m in meshes)  # llama-tiny has no experts
     assert not any("tp=4" in m or "tp=8" in m for m in meshes)  # 2 KV heads
     for config in configs[:: max(len(configs) // 40, 1)]:  # a spread of them, checked fully
-        resolve(config)
+        resolve(check(config))
     moe = candidates(TrainConfig(model="llama-moe-tiny", batch_size=8, seq_len=32), 8)
     assert any("ep=4" in c.mesh for c in moe) and not any("ep=8" in c.mesh for c in moe)
 

@@ -28,7 +28,8 @@ from shardax.train import Checkpointer, report
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.generate import generate
-from shardax.train.loop import SET_ASIDE_DIR, train
+from shardax.train.loop import train
+from shardax.train.rundir import SET_ASIDE_DIR
 from shardax.train.step import make_optimizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"

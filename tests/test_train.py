@@ -31,7 +31,8 @@ from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train.checkpoint import Checkpointer
-from shardax.train.loop import TrainConfig, UsageError, generate, prepare, train
+from shardax.train.generate import generate
+from shardax.train.loop import TrainConfig, UsageError, prepare, train
 from shardax.train.step import make_optimizer, train_step
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -330,7 +331,7 @@ def sgd_reference():
         grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
         return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads), grad_norm
 
-    want = (*reference(state["params"], state["rest"], *batch), state["params"])
+    want = (*reference(state.params, state.rest, *batch), state.params)
     assert want[2] > 0.1  # the update is visible at the tolerances below
     return tx, graphdef, state, batch, want
 
@@ -339,8 +340,8 @@ def _check_step(new, metrics, want):
     want_loss, want_params, want_norm, start = want
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], want_norm, rtol=1e-6)
-    assert_trained_alike(new["params"], want_params, start, steps=1, optimizer="sgd")
-    assert int(new["step"]) == 1
+    assert_trained_alike(new.params, want_params, start, steps=1, optimizer="sgd")
+    assert int(new.step) == 1
 
 
 @pytest.mark.parametrize("accum", [1, 2])
@@ -361,7 +362,7 @@ def test_sharded_grad_accumulation_equals_one_big_batch_on_one_device(sgd_refere
         in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
         out_shardings=(rules, None))
     new, metrics = step(state, batch)
-    embed = new["params"]["embed"][...]
+    embed = new.params["embed"][...]
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tp", "fsdp")  # really sharded
     _check_step(new, metrics, want)
 
@@ -371,13 +372,13 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
     policy = Policy.from_string(spec)
     assert (policy.params, policy.compute, policy.output) == (
         jnp.float32, jnp.bfloat16, jnp.float32)
-    run = prepare(_config(tmp_path / "run", precision=spec, optimizer="adamw"))
+    run = prepare(_config(tmp_path / "run", precision=spec, optimizer="adamw")).run
     assert run.model_config.dtype == jnp.bfloat16
     assert run.model_config.param_dtype == jnp.float32
 
     tx = make_optimizer("adamw", 1e-2, steps=10, warmup=1)
     _, _, base, batch, (full_loss, *_) = sgd_reference  # the float32-compute loss
-    state = {**base, "opt_state": jax.jit(tx.init)(base["params"])}
+    state = base._replace(opt_state=jax.jit(tx.init)(base.params))
     graphdef, _ = init_train_state(_small_config(dtype=jnp.bfloat16, param_dtype=jnp.float32), tx,
                         abstract=True)
     step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, policy=policy))
@@ -388,10 +389,10 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
     floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.floating)]
     assert floats and all(x.dtype == jnp.float32 for x in floats)
     for key in ("params", "opt_state"):  # the step keeps every dtype
-        before, after = (jax.tree.leaves(s[key]) for s in (state, new))
+        before, after = (jax.tree.leaves(getattr(s, key)) for s in (state, new))
         assert [x.dtype for x in after] == [x.dtype for x in before]
     moved = [not np.array_equal(a, b)
-             for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(new["params"]))]
+             for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new.params))]
     assert all(moved)
 
     # Same parameters and batch as the float32 reference: bfloat16 compute really happened

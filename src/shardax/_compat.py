@@ -13,10 +13,12 @@ from typing import Any
 import jax
 import jax.extend.core
 import numpy as np
+from jax._src import distributed as _distributed  # private: no public preemption-service query
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 __all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer",
-           "uses_mesh"]
+           "uses_mesh", "preemption_service_running", "sync_processes"]
 
 AUTO = AxisType.Auto
 
@@ -83,3 +85,15 @@ def uses_mesh(jaxpr: Any) -> bool:
         if any(uses_mesh(sub) for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
             return True
     return False
+
+
+def preemption_service_running() -> bool:
+    """Whether JAX's preemption sync service runs (a multi-process job that enabled it)."""
+    state = getattr(_distributed, "global_state", None)
+    return getattr(state, "preemption_sync_manager", None) is not None
+
+
+def sync_processes(name: str) -> None:
+    """Waits until every process of a multi-process job reaches this point (no-op alone)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)

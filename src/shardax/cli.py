@@ -15,8 +15,10 @@ settings, with their help text. Arguments are read and checked before JAX starts
 because ``--devices`` (emulated CPU devices when there is no accelerator) must be set before
 that. Bad input is one line on stderr and exit code 2.
 
-The train stack (tyro, flax, optax, orbax) is imported only inside the subcommands that need
-it, so ``shardax --help`` and ``shardax launch`` work with the core install (jax, numpy).
+The train stack (tyro, flax, optax, orbax: the optional extra "train") is imported only inside
+the subcommands that need it, so ``shardax --help`` and ``shardax launch`` work with the core
+install (jax, numpy); jax itself (and the shardax modules that import it) is imported only
+after ``--devices`` and ``JAX_PLATFORMS`` are set, because JAX reads them from the environment.
 """
 
 import argparse
@@ -233,13 +235,13 @@ def _start_backend(devices: int) -> None:
 
 def _train_defaults(argv: list[str]) -> Any:
     """The `TrainConfig` flags start from: the defaults, or the ``--config`` file's."""
-    from shardax.train import config as config_lib
+    from shardax.train.config import TrainConfig  # lazy: the train extra (see the docstring)
+    from shardax.train.configfile import from_dict, load_file
 
     path = _config_file(argv)
     if path is None:
-        return config_lib.TrainConfig()
-    return config_lib.from_dict(config_lib.TrainConfig, config_lib.load_file(path),
-                                where=f"--config {path}: ")
+        return TrainConfig()
+    return from_dict(TrainConfig, load_file(path), where=f"--config {path}: ")
 
 
 def _train(argv: list[str]) -> int:
@@ -252,17 +254,17 @@ def _train(argv: list[str]) -> int:
     if args.print_config:
         print(json.dumps(config.to_json(), indent=2))
         return 0
-    from shardax.train.loop import check_run_dir
+    from shardax.train.rundir import check_run_dir
 
-    check_run_dir(config)  # the run directory, before a backend starts
+    run_dir = check_run_dir(config)  # the run directory, before a backend starts
     _start_backend(args.devices)
+    import jax
+
     from shardax.train.loop import Stopped, train
 
     try:
-        train(config)
+        train(config, run_dir=run_dir)
     except Stopped as e:
-        import jax
-
         if jax.process_index() == 0:  # every process saved; one says so
             print(f"shardax train: {e}", file=sys.stderr, flush=True)
         return e.exit_code
@@ -293,15 +295,16 @@ def _generate(argv: list[str]) -> int:
     args = _parse(GenerateArgs, argv, None, "shardax generate")
     config = config_lib.check_generate(args.sample)
     _check_devices(args.devices)
-    from shardax.train.generate import check_run, generate
+    from shardax.train.rundir import check_run
 
-    if config.out is not None:
-        check_run(config.out, config.step)  # the run directory, before a backend starts
+    # the run directory, before a backend starts
+    run_dir = check_run(config.out, config.step) if config.out is not None else None
     _start_backend(args.devices)
+    from shardax.train.generate import sample
+
     prompts = [config.prompt, *config.prompts]
     stats: dict = {}
-    texts = generate(config.out, prompts, config.max_tokens, config.temperature, config.seed,
-                     config.step, source=config.source, stats=stats)
+    texts = sample(config, run_dir, stats=stats)
     print("\n\n".join(texts) if len(texts) > 1 else texts[0])
     # Not a "shardax generate:" note (those report problems): a plain statistics line.
     print(f"generated {stats['tokens']} tokens for {len(prompts)} prompt(s) in "
@@ -317,13 +320,13 @@ def _export(argv: list[str]) -> int:
     args = _parse(ExportArgs, argv, None, "shardax export")
     config = config_lib.check_export(args.export)
     _check_devices(args.devices)
-    from shardax.train.generate import check_run
+    from shardax.train.rundir import check_run
 
-    check_run(config.out, config.step)
+    run_dir = check_run(config.out, config.step)  # before a backend starts
     _start_backend(args.devices)
     from shardax.train.export import export_run
 
-    files = export_run(config.out, config.to, config.step, config.max_shard_mb, config.dtype)
+    files = export_run(config, run_dir)
     print(f"shardax export: wrote {config.to} ({len(files)} safetensors file(s) from this "
           "process)")
     return 0

@@ -29,6 +29,7 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 __all__ = [
     "COORDINATOR_ENV",
@@ -134,8 +135,6 @@ def _watchdog(seconds: float, message: str) -> threading.Event:
 
 def _check_agreement(num_processes: int | None, process_id: int | None, address: str) -> None:
     """Every process learns what every other was told; all raise the same error on mismatch."""
-    from jax.experimental import multihost_utils
-
     told = np.array([-1 if num_processes is None else num_processes,
                      jax.process_index() if process_id is None else process_id], np.int32)
     seen = np.asarray(multihost_utils.process_allgather(told))  # [process_count, 2]

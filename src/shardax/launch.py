@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -63,8 +64,6 @@ def _die_with_parent_fn():
     dies, or None off Linux. Looked up here so the child, between fork and exec, only calls."""
     if not sys.platform.startswith("linux"):
         return None
-    import ctypes
-
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):

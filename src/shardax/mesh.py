@@ -28,7 +28,28 @@ __all__ = [
     "get_global_mesh",
     "get_global_annotation_shardings",
     "mesh_axis_sizes",
+    "parse_mesh_string",
 ]
+
+
+def parse_mesh_string(spec: str) -> dict[str, int]:
+    """The one reader of mesh strings: ``"dp=2,fsdp=-1"`` -> ``{"dp": 2, "fsdp": -1}``
+    (syntax only: sizes are fitted to the devices when a mesh is built); ValueError naming the
+    bad part.
+
+    >>> parse_mesh_string("fsdp=-1, tp=2")
+    {'fsdp': -1, 'tp': 2}
+    """
+    axes: dict[str, int] = {}
+    for part in str(spec).split(","):
+        name, eq, size = (s.strip() for s in part.partition("="))
+        if not eq or not name.isidentifier() or not size.lstrip("-").isdigit():
+            raise ValueError("expected comma-separated name=size pairs such as "
+                             f"'dp=2,fsdp=-1' (one size may be -1), got {part.strip()!r}")
+        if name in axes:
+            raise ValueError(f"axis {name!r} given twice")
+        axes[name] = int(size)
+    return axes
 
 
 def _resolve_dims(axis_dims: Sequence[int], axis_names: Sequence[str], device_count: int):
@@ -150,17 +171,11 @@ class MeshShardingHelper:
         >>> MeshShardingHelper.from_string("fsdp=-1,tp=2").shape
         {'fsdp': 4, 'tp': 2}
         """
-        names, dims = [], []
-        for part in (p.strip() for p in str(spec).split(",")):
-            name, eq, size = part.partition("=")
-            name, size = name.strip(), size.strip()
-            if not eq or not name.isidentifier() or not size.lstrip("-").isdigit():
-                raise ValueError(
-                    f"cannot read mesh {spec!r}: expected comma-separated name=size pairs such as "
-                    f"'dp=1,fsdp=-1,tp=2' (one size may be -1), got {part!r}"
-                )
-            names.append(name)
-            dims.append(int(size))
+        try:
+            axes = parse_mesh_string(spec)
+        except ValueError as e:
+            raise ValueError(f"cannot read mesh {spec!r}: {e}") from None
+        names, dims = list(axes), list(axes.values())
         return cls(dims, names, **kwargs)
 
     @property

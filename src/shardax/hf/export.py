@@ -26,7 +26,9 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from shardax.hf.configs import config_to_hf
 from shardax.hf.files import write_safetensors
 from shardax.hf.mapping import TensorMap, param_maps, to_hf
 from shardax.models.configs import GPT2Config, LlamaConfig
@@ -40,8 +42,6 @@ DEFAULT_SHARD_BYTES = 2 * 1024**3
 def _host(x: jax.Array) -> np.ndarray:
     """One array on this host: a per-tensor gather (all-gather across processes if needed)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
@@ -84,7 +84,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
     d = Path(directory)
     if jax.process_index() == 0:
         d.mkdir(parents=True, exist_ok=True)
-        hf_config = {**config.to_hf_config(), "torch_dtype": out_dtype.name}
+        hf_config = {**config_to_hf(config), "torch_dtype": out_dtype.name}
         (d / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if len(files) > 1:
             weight_map = {n: f for f, names in files.items() for n in names}
@@ -143,6 +143,4 @@ def _plan(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
 
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
         multihost_utils.sync_global_devices(name)

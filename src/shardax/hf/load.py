@@ -25,9 +25,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardax import models
+from shardax._compat import make_mesh
+from shardax.hf.configs import config_from_hf
 from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
 from shardax.hf.mapping import TensorMap, param_maps, read_block
-from shardax.models.configs import GPT2Config, LlamaConfig, config_from_hf
+from shardax.models.configs import GPT2Config, LlamaConfig
 from shardax.rules import LogicalAxisRules, match_specs
 from shardax.utils import tree_path_to_string
 
@@ -61,8 +63,6 @@ def default_rules(config: LlamaConfig | GPT2Config, mesh: jax.sharding.Mesh) -> 
 
 def _as_mesh(mesh: Any) -> jax.sharding.Mesh:
     if mesh is None:
-        from shardax._compat import make_mesh
-
         return make_mesh(np.array(jax.devices()[:1]), ("dp",))
     return getattr(mesh, "mesh", mesh)
 

@@ -26,7 +26,6 @@ from shardax.models.configs import (
     GPT2Config,
     LlamaConfig,
     RopeScaling,
-    config_from_hf,
 )
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama, check_mesh
@@ -35,7 +34,7 @@ from shardax.models.presets import PRESETS
 
 __all__ = [
     "CONFIGS", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "MLP", "PRESETS", "REMAT_POLICIES",
-    "RopeScaling", "check_mesh", "config_from_hf", "constrain", "create", "cross_entropy",
+    "RopeScaling", "check_mesh", "constrain", "create", "cross_entropy",
     "current_logical_rules", "get_config", "param_count", "stack_states", "use_logical_rules",
 ]
 

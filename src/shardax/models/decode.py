@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardax.logical import use_logical_rules
 from shardax.models._annotate import constrain
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
@@ -224,8 +225,6 @@ def _padded_rows(n: int, mesh: Any, rules: Any) -> int:
 def _once(model, prompts, max_new_tokens, temperature, seed, use_cache, mesh, rules
           ) -> Generated:
     """One round of :func:`generate`: prompt plus new tokens fit ``max_seq_len``."""
-    from shardax.logical import use_logical_rules
-
     width = max(len(p) for p in prompts)
     total = width + max_new_tokens
     b = len(prompts)

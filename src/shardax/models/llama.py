@@ -38,6 +38,7 @@ from shardax.models._annotate import constrain
 from shardax.models._layers import cross_entropy, make_layers, param, remat_policy, run_layers
 from shardax.models.axes import TOKEN_AXES
 from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
+from shardax.models.llama_moe import MoE
 from shardax.models.ops import apply_rope, attend, gqa_attention, rms_norm, rope_tables
 from shardax.parallel import (
     axis_size,
@@ -263,8 +264,6 @@ class Block(nnx.Module):
     """
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
-        from shardax.models.llama_moe import MoE
-
         self.attn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
         self.attn = Attention(c, rngs)
         self.mlp_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)

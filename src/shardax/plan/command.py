@@ -15,10 +15,10 @@ from pathlib import Path
 
 import jax
 
+from shardax.devices import DeviceSpec, device_spec
 from shardax.plan.estimate import plan_config, seconds, train_command
 from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.config import PlanConfig, TrainConfig, UsageError
-from shardax.train.mfu import DeviceSpec, device_spec
 
 __all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]
 

@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 
 from shardax import models
+from shardax.devices import DeviceSpec
 from shardax.inspect import _human
-from shardax.parallel.pipeline import bubble_fraction
-from shardax.train.build import abstract, resolve, step_function
+from shardax.train.build import abstract, step_function
 from shardax.train.config import TrainConfig
-from shardax.train.mfu import DeviceSpec, flops_per_token
+from shardax.train.mfu import flops_per_token
+from shardax.train.resolve import Resolved, resolve
 
 __all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
            "work_split", "remat_factor", "seconds", "train_command"]
@@ -154,33 +155,23 @@ def remat_factor(model_config: Any, seq_len: int) -> float:
     return (head + (total - head) * factor) / total
 
 
-def work_split(run: Any) -> int:
+def work_split(run: Resolved) -> int:
     """Over how many devices one step's FLOPs are divided: the axes that split the batch,
     'cp' (the sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it.
     Axes that split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
     shape = run.mesh.shape
-    batch = run.rules.spec_for(("batch",), run.mesh.mesh)[0]
-    axes = set((batch,) if isinstance(batch, str) else batch or ())
-    axes |= {"cp", "pp"} & set(shape)
+    axes = set(run.batch_axes) | ({"cp", "pp"} & set(shape))
     mlp = run.rules.spec_for(("mlp",), run.mesh.mesh)[0]
     if mlp == "tp" or (isinstance(mlp, tuple) and "tp" in mlp):
         axes.add("tp")
     return math.prod(shape[a] for a in axes)
 
 
-def _bubble(run: Any) -> float:
-    c, pp = run.model_config, run.mesh.shape.get("pp", 1)
-    if pp == 1:
-        return 0.0
-    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
-    return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
-
-
-def compile_config(config: TrainConfig) -> Compiled:
-    """Compiles the train step of ``config`` from abstract shapes on ``jax.device_count()``
-    devices; a ``UsageError`` for a bad configuration."""
+def compile_config(run: Resolved) -> Compiled:
+    """Compiles the train step of a resolved config from abstract shapes on
+    ``jax.device_count()`` devices."""
     start = time.perf_counter()
-    run = resolve(config)
+    config = run.config
     graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
     shardings = run.mesh.match_sharding_rule(run.rules, state_shape)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -192,14 +183,14 @@ def compile_config(config: TrainConfig) -> Compiled:
                     time.perf_counter() - start)
 
 
-def estimate(config: TrainConfig, compiled: Compiled, device: DeviceSpec,
+def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
              hbm_bytes: float | None = None) -> Estimate:
     """The roofline estimate of a compiled configuration on ``device``."""
-    run = resolve(config)
+    config = run.config
     tokens = config.batch_size * config.seq_len
     flops = flops_per_token(run.model_config, config.seq_len) * tokens
     flops *= remat_factor(run.model_config, config.seq_len) / work_split(run)
-    bubble = _bubble(run)
+    bubble = run.bubble
     compute_s = flops / device.peak_flops / (1.0 - bubble)
     moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
                 for k, v in compiled.collectives.items())
@@ -215,9 +206,11 @@ def estimate(config: TrainConfig, compiled: Compiled, device: DeviceSpec,
 
 def plan_config(config: TrainConfig, device: DeviceSpec,
                 hbm_bytes: float | None = None) -> Estimate:
-    """Compile ``config`` abstractly and estimate it on ``device`` (``hbm_bytes`` defaults to
-    the device's memory)."""
-    return estimate(config, compile_config(config), device, hbm_bytes)
+    """Compile a checked ``config`` abstractly and estimate it on ``device`` (``hbm_bytes``
+    defaults to the device's memory); a ``UsageError`` for a configuration the devices cannot
+    run."""
+    run = resolve(config)
+    return estimate(run, compile_config(run), device, hbm_bytes)
 
 
 def config_from_dict(fields: dict[str, Any]) -> TrainConfig:

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 
 from shardax import models
+from shardax.devices import DeviceSpec
 from shardax.plan.estimate import (
     STEP_FIELDS,
     Compiled,
@@ -47,9 +48,9 @@ from shardax.plan.estimate import (
     estimate,
     remat_factor,
 )
-from shardax.train.build import resolve
 from shardax.train.config import TrainConfig, UsageError
-from shardax.train.mfu import DeviceSpec, flops_per_token
+from shardax.train.mfu import flops_per_token
+from shardax.train.resolve import Resolved, resolve
 
 __all__ = ["SearchResult", "candidates", "search", "analytic"]
 
@@ -233,7 +234,7 @@ def _store(cache: Path | None, key: str, compiled: Compiled) -> None:
 def _compile_worker(fields: dict[str, Any]) -> tuple[dict | None, str]:
     """Runs in a worker process: compile one configuration; ``(Compiled as dict, error)``."""
     try:
-        return dataclasses.asdict(compile_config(config_from_dict(fields))), ""
+        return dataclasses.asdict(compile_config(resolve(config_from_dict(fields)))), ""
     except Exception as e:  # a layout XLA or the model refuses is reported, not fatal
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
@@ -315,6 +316,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     cached = calibrated = 0
     scale = 1.0 / PRUNE_MARGIN  # compiled peak / formula memory, the largest seen so far
     analytic_memory: dict[int, float] = {}
+    resolved: dict[int, Resolved] = {}
 
     def take(config: TrainConfig, compiled: Compiled) -> None:
         nonlocal scale
@@ -340,7 +342,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                     calibrated += 1
                     continue
                 try:
-                    resolve(config)  # the checks `shardax train` makes
+                    resolved[id(config)] = resolve(config)  # what `shardax train` checks
                 except UsageError:
                     continue
                 analytic_memory[id(config)] = memory
@@ -366,7 +368,8 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     finally:
         if workers is not None:
             workers.stop()
-    estimates = [estimate(config, compiled, device, hbm) for config, compiled in results]
+    estimates = [estimate(resolved[id(config)], compiled, device, hbm)
+                 for config, compiled in results]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
     over = sorted((e for e in estimates if not e.fits), key=lambda e: e.compiled.peak_bytes)
     return SearchResult(

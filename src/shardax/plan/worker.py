@@ -11,11 +11,12 @@ import json
 import sys
 
 from shardax.plan.estimate import compile_config, config_from_dict
+from shardax.train.resolve import resolve
 
 if __name__ == "__main__":
     fields, out = json.loads(sys.argv[1]), sys.argv[2]
     try:
-        compiled = compile_config(config_from_dict(fields))
+        compiled = compile_config(resolve(config_from_dict(fields)))
     except Exception as e:
         print(f"shardax plan worker: {type(e).__name__}: {str(e).splitlines()[0]}",
               file=sys.stderr)

@@ -1,10 +1,14 @@
-"""Training: data, checkpoints, the train step and the ``shardax train`` loop.
+"""Training: data, checkpoints, the train step and the ``shardax`` train/generate/export commands.
 
-Modules, one job each: ``config`` (the `TrainConfig` / `GenerateConfig` dataclasses and their
-checks), ``build`` (mesh, rules, model config, optimizer and state shapes from a config),
-``loop`` (the training loop), ``stop`` (SIGTERM / Ctrl-C), ``report`` (progress,
-``metrics.jsonl``, ``loss.png``), ``generate`` (sampling from a run directory), ``step`` (the
-train step), ``checkpoint`` and ``data``.
+Modules, one job each: ``config`` (the command dataclasses and their checks), ``configfile``
+(settings from a ``--config`` file), ``resolve`` (a config -> the resolved run, once),
+``rundir`` (every path and check of a run directory), ``inputs`` (tokenizer and sharded
+batches of a run), ``build`` (train state and compiled step of a resolved run), ``step``
+(the train step and `TrainState`), ``checkpoint`` (sharded checkpoints and the train state's
+checkpoint format), ``loop`` (the training loop), ``stop`` (SIGTERM / Ctrl-C), ``report`` and
+``trackers`` (progress, ``metrics.jsonl``, ``loss.png``, TensorBoard / W&B), ``profiler``,
+``mfu`` (model FLOPs), ``generate`` and ``export``, ``data`` / ``readers`` / ``encode`` /
+``tokenizer`` (the data pipeline).
 """
 
 from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, Restored, abstract_state

@@ -32,9 +32,11 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
+from shardax import _compat
 from shardax.utils import flatten_tree
 
-__all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state", "list_steps"]
+__all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state", "flat",
+           "list_steps", "restore_state"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -316,10 +318,7 @@ class Checkpointer:
         if jax.process_index() == 0:
             log.warning("removing half-written checkpoint step %d (no commit marker)", step)
             shutil.rmtree(self.directory / str(step), ignore_errors=True)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"shardax-clear-step-{step}")
+        _compat.sync_processes(f"shardax-clear-step-{step}")
         self._manager.reload()
 
     def restore(self, step: int | None = None, target: Any = None, *, verify: bool = True,
@@ -424,3 +423,28 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ----------------------------------------------------------------------------- train states
+
+
+def flat(state: Any) -> dict[str, Any]:
+    """The checkpointed form of a train state: a flat ``{path: array}`` dict keyed by its tree
+    paths joined with dots (``params.embed.value``, ``opt_state.1.0.mu...``, ``step``),
+    independent of the pytree node classes (NNX, optax, `TrainState`) that hold the arrays.
+
+    >>> sorted(flat({"params": {"w": 1}, "step": 2}))
+    ['params.w', 'step']
+    """
+    return flatten_tree(state, sep=".")
+
+
+def restore_state(ckpt: Checkpointer, state_shape: Any, shardings: Any, **kwargs: Any
+                  ) -> tuple[Restored, Any]:
+    """Reads a checkpoint of a train state onto ``shardings``: ``(restored, state)`` with the
+    state in the structure of ``state_shape`` (any pytree whose `flat` keys are the saved
+    ones). ``kwargs`` go to `Checkpointer.restore` (step, fallback, check, on_skip)."""
+    target = abstract_state(flat(state_shape), flat(shardings))
+    restored = ckpt.restore(target=target, **kwargs)
+    leaves = [restored.state[k] for k in flat(state_shape)]
+    return restored, jax.tree_util.tree_unflatten(jax.tree.structure(state_shape), leaves)

@@ -4,7 +4,7 @@ The checkpoint is read (read-only) sharded over every device by the ``fsdp`` rul
 written with ``shardax.hf.save_params``: each safetensors file by one process, tensor by tensor
 (one per-tensor gather), so no host holds the whole model.
 
->>> export_run("runs/a", "export/a", max_shard_mb=500)  # doctest: +SKIP
+>>> export_run(check_export(ExportConfig(out="runs/a", to="export/a")))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -16,25 +16,29 @@ import numpy as np
 from flax import nnx
 
 from shardax import hf, models
-from shardax.train.config import ExportConfig, UsageError, check_export
+from shardax.train.config import ExportConfig, UsageError
 from shardax.train.generate import restore_model
+from shardax.train.rundir import RunDir, check_run
 
 __all__ = ["export_run"]
 
 
-def export_run(out: str, to: str, step: int | None = None, max_shard_mb: int = 2048,
-               dtype: str = "auto") -> list[Path]:
-    """Writes checkpoint ``step`` (default: the newest good one) of run ``out`` to ``to`` as a
-    Hugging Face directory; returns the safetensors files this process wrote."""
-    check_export(ExportConfig(out=out, to=to, step=step, max_shard_mb=max_shard_mb, dtype=dtype))
+def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path]:
+    """Writes checkpoint ``--step`` (default: the newest good one) of run ``--out`` to ``--to``
+    as a Hugging Face directory, for a checked config; returns the safetensors files this
+    process wrote. ``run_dir``: what `check_run` returned for ``--out`` (read if not given)."""
+    run_dir = run_dir or check_run(config.out, config.step)
     n = jax.device_count()
-    model_config, model, _ = restore_model(out, step, f"fsdp={n}", models.PRESETS["fsdp"])
+    model_config, model, _ = restore_model(run_dir, config.step, f"fsdp={n}",
+                                           models.PRESETS["fsdp"])
     if getattr(model_config, "n_experts", 0):
-        raise UsageError(f"--out {out}: a mixture-of-experts model has no Hugging Face form here")
+        raise UsageError(f"--out {config.out}: a mixture-of-experts model has no Hugging Face "
+                         "form here")
+    dtype = config.dtype
     out_dtype = None if dtype == "auto" else np.dtype(dtype if dtype != "bfloat16" else
                                                       jax.numpy.bfloat16)
     try:
-        return hf.save_params(model_config, nnx.state(model, nnx.Param), to,
-                              max_shard_bytes=max_shard_mb * 2**20, dtype=out_dtype)
+        return hf.save_params(model_config, nnx.state(model, nnx.Param), config.to,
+                              max_shard_bytes=config.max_shard_mb * 2**20, dtype=out_dtype)
     except OSError as e:
-        raise UsageError(f"--to {to}: cannot write it ({e.strerror or e})") from None
+        raise UsageError(f"--to {config.to}: cannot write it ({e.strerror or e})") from None

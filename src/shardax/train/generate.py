@@ -11,7 +11,6 @@ never from ``config.json``. A damaged newest checkpoint is skipped with a note o
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,64 +19,38 @@ from typing import Any
 import jax
 from flax import nnx
 
-from shardax import models
+from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
+from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
-from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, list_steps
-from shardax.train.config import (
-    GenerateConfig,
-    TrainConfig,
-    UsageError,
-    check_generate,
-    hf_dir,
-    load_run_config,
-    pipelined,
-)
+from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, restore_state
+from shardax.train.config import GenerateConfig, UsageError, check_generate, hf_dir
+from shardax.train.resolve import make_mesh, model_config, optimizer
+from shardax.train.rundir import RunDir, check_run, pipelined
 from shardax.train.tokenizer import BYTES, Tokenizer, load_tokenizer, run_tokenizer
 
-__all__ = ["check_run", "generate", "restore_model"]
-
-CHECKPOINT_DIR = "checkpoints"
+__all__ = ["generate", "restore_model", "sample"]
 
 
 def _note(message: str) -> None:
     print(f"shardax generate: {message}", file=sys.stderr, flush=True)
 
 
-def check_run(out: str, step: int | None = None) -> TrainConfig:
-    """The config of run directory ``out``, if it has a committed checkpoint (``step``, if
-    given); UsageError otherwise. Reads the file system only (no JAX backend, no writes)."""
-    config = load_run_config(out)
-    ckpt_dir = Path(out) / CHECKPOINT_DIR
-    try:
-        committed, uncommitted = list_steps(ckpt_dir)
-    except OSError as e:
-        raise UsageError(f"--out {out}: cannot read {ckpt_dir} ({e.strerror or e})") from None
-    if not committed:
-        half = f" (steps {uncommitted} were never committed)" if uncommitted else ""
-        raise UsageError(f"--out {out}: no checkpoint in {ckpt_dir}{half}; train first")
-    if step is not None and step not in committed:
-        raise UsageError(f"--step {step}: not a committed checkpoint in {ckpt_dir} "
-                         f"(committed steps: {committed})")
-    return config
-
-
-def restore_model(out: str, step: int | None = None, mesh_spec: str | None = None,
-                  rules: Any = None) -> tuple[Any, nnx.Module, Any]:
+def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | None = None,
+                  rules: Any = None) -> tuple[Any, nnx.Module, MeshShardingHelper]:
     """``(model_config, model, mesh)`` of checkpoint ``step`` (default: the newest good one) of
-    run ``out``, read-only, without the run's parallelism flags. ``mesh_spec`` defaults to
-    ``dp=<all devices>`` with the model replicated; with ``rules`` (a preset list) the
-    parameters are restored sharded by them instead."""
-    config = check_run(out, step)
-    ckpt_dir = Path(out) / CHECKPOINT_DIR
+    a checked run directory (`check_run`), read-only, without the run's parallelism flags.
+    ``mesh_spec`` defaults to ``dp=<all devices>`` with the model replicated; with ``rules``
+    (a preset list) the parameters are restored sharded by them instead."""
+    config = run_dir.saved
     # A pipelined run saved its layers stacked, which the model keeps.
-    model_config = build.model_config(config)
-    if pipelined(config.mesh):
-        model_config = dataclasses.replace(model_config, scan_layers=True)
-    mesh = MeshShardingHelper.from_string(mesh_spec or f"dp={jax.device_count()}")
-    graphdef, state_shape = build.abstract(model_config, build.make_tx(config), config.seed, mesh)
+    init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+    model = model_config(config, Policy.from_string(config.precision), init_dir,
+                         pipelined=pipelined(config.mesh))
+    mesh = make_mesh(mesh_spec or f"dp={jax.device_count()}")
+    graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh)
     if rules is None:
         shardings = jax.tree.map(
             lambda _: jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()),
@@ -89,12 +62,39 @@ def restore_model(out: str, step: int | None = None, mesh_spec: str | None = Non
         _note(f"checkpoint step {bad} is unusable, trying the one before: {why}")
 
     try:
-        with Checkpointer(ckpt_dir, read_only=True) as reader:
-            restored, state = build.restore(reader, state_shape, shardings, step=step,
-                                            fallback=step is None, on_skip=skipped)
+        with Checkpointer(run_dir.checkpoints, read_only=True) as reader:
+            _, state = restore_state(reader, state_shape, shardings, step=step,
+                                     fallback=step is None, on_skip=skipped)
     except CorruptCheckpointError as e:
-        raise UsageError(f"--out {out}: no usable checkpoint: {e}") from None
-    return model_config, nnx.merge(graphdef, state["params"], state["rest"]), mesh
+        raise UsageError(f"--out {run_dir.out}: no usable checkpoint: {e}") from None
+    return model, nnx.merge(graphdef, state.params, state.rest), mesh
+
+
+def sample(config: GenerateConfig, run_dir: RunDir | None = None,
+           stats: dict | None = None) -> list[str]:
+    """``shardax generate`` for a checked config: each prompt (``--prompt``, then
+    ``--prompts``) followed by ``--max-tokens`` sampled tokens. ``run_dir``: what `check_run`
+    returned for ``--out`` (read here if not given). ``stats``, if given, receives
+    ``tokens``, ``seconds`` and ``tokens_per_s``."""
+    prompts = [config.prompt, *config.prompts]
+    if config.source is not None:
+        directory = hf_dir(config.source, "--from")
+        mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
+        try:
+            has_tokenizer = (Path(directory) / "tokenizer.json").is_file()
+            tokenizer = load_tokenizer(directory if has_tokenizer else BYTES)
+            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]))
+        except ValueError as e:
+            raise UsageError(f"--from {config.source}: {e}") from None
+    else:
+        run_dir = run_dir or check_run(config.out, config.step)
+        try:
+            tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
+        except ValueError as e:
+            raise UsageError(f"--out {config.out}: {e}") from None
+        _, model, _ = restore_model(run_dir, config.step)
+    return _sample(model, tokenizer, prompts, config.max_tokens, config.temperature,
+                   config.seed, stats)
 
 
 def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int = 200,
@@ -105,37 +105,16 @@ def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int 
     (``'hf:DIR'``); ``temperature`` 0 takes the likeliest token. Text goes through the run's
     tokenizer (bytes, or its copy of a Hugging Face tokenizer), or the ``tokenizer.json`` of
     ``source`` (bytes when it has none). Several prompts (a list) are sampled as one batch with
-    the KV cache and give a list of texts. ``stats``, if given, receives ``tokens``, ``seconds``
-    and ``tokens_per_s``.
+    the KV cache and give a list of texts: `sample` of a `GenerateConfig`.
 
     >>> generate(None, ["def ", "class "], 32, source="hf:llama")  # doctest: +SKIP
     """
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    check_generate(GenerateConfig(out=out, source=source, prompt=prompts[0] if prompts else "",
-                                  prompts=prompts[1:], max_tokens=max_tokens,
-                                  temperature=temperature, seed=seed, step=step))
-    if source is not None:
-        from shardax import hf
-
-        directory = hf_dir(source, "--from")
-        mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
-        try:
-            has_tokenizer = (Path(directory) / "tokenizer.json").is_file()
-            tokenizer = load_tokenizer(directory if has_tokenizer else BYTES)
-            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]))
-        except ValueError as e:
-            raise UsageError(f"--from {source}: {e}") from None
-    else:
-        config = check_run(out, step)
-        try:
-            tokenizer = run_tokenizer(out, config.tokenizer)
-        except ValueError as e:
-            raise UsageError(f"--out {out}: {e}") from None
-        _, model, mesh = restore_model(out, step)
-    texts = _sample(model, tokenizer, prompts, max_tokens, temperature, seed, stats)
+    config = check_generate(GenerateConfig(
+        out=out, source=source, prompt=prompts[0] if prompts else "", prompts=prompts[1:],
+        max_tokens=max_tokens, temperature=temperature, seed=seed, step=step))
+    texts = sample(config, stats=stats)
     return texts[0] if isinstance(prompt, str) else texts
-
-
 def _sample(model: nnx.Module, tokenizer: Tokenizer, prompts: list[str], max_tokens: int,
             temperature: float, seed: int, stats: dict | None) -> list[str]:
     """Sampling with the KV cache (``shardax.models.decode``): each prompt followed by its new

@@ -8,9 +8,12 @@ reports memory, and ``val_loss`` where evaluated). A resumed run keeps the recor
 step it continues from. The plot needs matplotlib (an optional dependency);
 without it the run says so and skips it.
 
->>> log = MetricsLog("runs/a/metrics.jsonl")
+>>> import tempfile
+>>> log = MetricsLog(Path(tempfile.mkdtemp()) / "metrics.jsonl")
 >>> records = log.read(up_to=200)      # skips (and reports) lines that are not JSON
 >>> log.start(records); log.append({"step": 201, "loss": 1.3})
+>>> log.read(up_to=300)
+[{'step': 201, 'loss': 1.3}]
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from shardax.train.config import UsageError
+from shardax.train.mfu import mfu
+from shardax.train.trackers import MissingExtra, make_trackers
+
 __all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "memory_in_use", "plot"]
 
 
@@ -28,7 +37,7 @@ class Progress:
     """A rich progress bar with loss, tokens/s and step time; plain lines when not a TTY."""
 
     def __init__(self, total: int, start: int):
-        from rich.console import Console
+        from rich.console import Console  # optional: rich (extra "train")
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self.console = Console(stderr=False)
@@ -72,8 +81,6 @@ class StepClock:
     def measure(self, step: int, metrics: dict) -> dict[str, float | None]:
         """The logged numbers of ``step``: loss, gradient norm, step time, tokens/s,
         TFLOP/s per device and MFU."""
-        from shardax.train.mfu import mfu
-
         loss = float(metrics["loss"])
         now = time.perf_counter()
         dt = (now - self.last_time) / max(step - self.last_step, 1)
@@ -89,8 +96,6 @@ class StepClock:
 def memory_in_use() -> dict[str, float]:
     """GiB in use and its peak on the fullest local device, where the backend reports it
     (``Device.memory_stats()``; a CPU reports nothing, so ``{}``)."""
-    import jax
-
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
     used = [s["bytes_in_use"] for s in stats if "bytes_in_use" in s]
     peak = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
@@ -107,9 +112,6 @@ class Trackers:
     goes to TensorBoard / W&B under the run directory ``out``."""
 
     def __init__(self, log_to: str, out: Path, config: dict[str, Any]):
-        from shardax.train.config import UsageError
-        from shardax.train.trackers import MissingExtra, make_trackers
-
         try:
             self.trackers = make_trackers(log_to, out, config)
         except MissingExtra as e:  # `check` found it installed; it failed to import since
@@ -174,13 +176,13 @@ def plot(out: Path, records: list[dict]) -> Path | None:
     """Writes ``out/loss.png`` (train and validation loss against step) and returns its path;
     None, with a note on stderr, when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (extra "train"); without it, no loss.png
     except ImportError:
         print("shardax train: note: matplotlib is not installed, so no loss.png "
               "(pip install matplotlib); the numbers are in metrics.jsonl", file=sys.stderr)
         return None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib, as above
 
     fig, ax = plt.subplots(figsize=(7, 4))
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]

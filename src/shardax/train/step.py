@@ -1,22 +1,28 @@
 """The train step for an NNX language model, as pure functions of a train-state pytree.
 
-The train state is ``{"params", "rest", "opt_state", "step"}``: NNX parameters (``nnx.State``
-with their logical-name metadata, so one ``LogicalAxisRules`` shards parameters, gradients and
-optimizer moments alike), the model's other state, the optax state and the step counter.
+The train state is a `TrainState` ``(params, rest, opt_state, step)``: NNX parameters
+(``nnx.State`` with their logical-name metadata, so one ``LogicalAxisRules`` shards parameters,
+gradients and optimizer moments alike), the model's other state, the optax state and the step
+counter.
 
 The loss is the model's ``training_loss`` and follows the mesh: on a 'cp' axis the tokens,
 targets and RoPE positions are put in ``load_balance`` order once (so ring attention gives
 every device equal work, and the mean loss needs no undoing), and an MoE model's
 load-balancing loss, weighted by ``moe_aux_weight``, is added to the cross-entropy.
 
->>> graphdef, state = init_state(lambda: Llama(cfg, nnx.Rngs(0)), optax.sgd(0.1))
+>>> from shardax.models import CONFIGS
+>>> graphdef, state = init_state(lambda: Llama(CONFIGS["llama-tiny"], nnx.Rngs(0)),
+...                              optax.sgd(0.1))
+>>> batch = (jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))
 >>> state, metrics = train_step(state, batch, graphdef=graphdef, tx=optax.sgd(0.1))
+>>> int(state.step), metrics["loss"].shape
+(1, ())
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +36,23 @@ from shardax.models._layers import remat_policy
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
 
-__all__ = ["FSDP_MODES", "init_state", "train_step", "eval_loss", "make_optimizer",
+__all__ = ["FSDP_MODES", "TrainState", "init_state", "train_step", "eval_loss", "make_optimizer",
            "make_schedule"]
 
 FULL_PRECISION = Policy()
 # 'xla': FSDP from the parameter shardings, left to the partitioner; 'explicit': ZeRO-3 written
 # out (shardax.parallel.fsdp): per-layer gathers and reduce-scatters under a shard_map.
 FSDP_MODES = ("xla", "explicit")
+
+
+class TrainState(NamedTuple):
+    """The train state, a pytree; its tree paths (``params.…``, ``rest.…``, ``opt_state.…``,
+    ``step``) are the keys a checkpoint stores, as they were when the state was a dict."""
+
+    params: Any
+    rest: Any
+    opt_state: Any
+    step: Any
 
 
 def make_schedule(name: str, lr: float, steps: int, warmup: int = 0) -> optax.Schedule:
@@ -67,8 +83,7 @@ def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformatio
     """``(graphdef, state)`` of a fresh model and optimizer. Call it inside ``sjit`` (with the
     rules as ``out_shardings``) to create the state directly in its sharded layout."""
     graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
-    state = {"params": params, "rest": rest, "opt_state": tx.init(params), "step": jnp.int32(0)}
-    return graphdef, state
+    return graphdef, TrainState(params, rest, tx.init(params), jnp.int32(0))
 
 
 def _loss(params, rest, graphdef, inputs, targets, policy: Policy):
@@ -96,7 +111,7 @@ def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum,
     in float32; the other parameters (embedding, head, final norm) are gathered once."""
     if param_rules is None:
         raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
-    rest = state["rest"]
+    rest = state.rest
 
     def loss_fn(gather, params, inputs, targets):
         top = jax.tree_util.tree_map_with_path(
@@ -122,7 +137,7 @@ def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum,
                                    cast=policy.cast_to_output, stack=stack)[0]
 
     return fsdp.value_and_grad(
-        loss_fn, state["params"], param_rules.apply(state["params"]), inputs, targets,
+        loss_fn, state.params, param_rules.apply(state.params), inputs, targets,
         grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
 
 
@@ -133,7 +148,7 @@ def _key(path) -> str:
 
 
 def train_step(
-    state: dict,
+    state: TrainState,
     batch: tuple[jax.Array, jax.Array],
     *,
     graphdef: Any,
@@ -142,7 +157,7 @@ def train_step(
     grad_accum: int = 1,
     param_rules: Any = None,
     fsdp_mode: str = "xla",
-) -> tuple[dict, dict]:
+) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
@@ -157,32 +172,32 @@ def train_step(
         loss, grads = _explicit_fsdp(state, inputs, targets, graphdef, policy, grad_accum,
                                      param_rules)
     elif grad_accum == 1:
-        (loss, _), grads = grad_fn(state["params"], state["rest"], graphdef, inputs, targets,
+        (loss, _), grads = grad_fn(state.params, state.rest, graphdef, inputs, targets,
                                    policy)
     else:
         def accumulate(carry, micro):
             loss_sum, grad_sum = carry
             micro_in = with_logical_constraint(micro[0], ("batch", "length"))
             micro_tg = with_logical_constraint(micro[1], ("batch", "length"))
-            (loss, _), grads = grad_fn(state["params"], state["rest"], graphdef, micro_in,
+            (loss, _), grads = grad_fn(state.params, state.rest, graphdef, micro_in,
                                        micro_tg, policy)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             if param_rules is not None:
                 grad_sum = with_sharding_constraint(grad_sum, param_rules)
             return (loss_sum + loss, grad_sum), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
         micro = (to_microbatches(inputs, grad_accum), to_microbatches(targets, grad_accum))
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
         loss = loss / grad_accum
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    new_state = {**state, "params": params, "opt_state": opt_state, "step": state["step"] + 1}
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-def eval_loss(state: dict, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
+def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
               policy: Policy = FULL_PRECISION) -> jax.Array:
     """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss)."""
-    return _loss(state["params"], state["rest"], graphdef, *batch, policy)[1]
+    return _loss(state.params, state.rest, graphdef, *batch, policy)[1]

@@ -14,11 +14,12 @@ signal and all processes stop after the same step. A first SIGINT is turned into
 reach that handler.
 
 >>> with StopRequests() as stop:
-...     for step in range(start, steps):
-...         state = train_step(state)
-...         if stop.reached(step + 1):
-...             save(step + 1)
+...     for step in range(3):
+...         pass                          # one train step
+...         if stop.reached(step + 1):    # SIGTERM / Ctrl-C arrived: save, then stop
 ...             raise Stopped(step + 1, stop.signum)
+>>> Stopped(7, 15).exit_code
+143
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import sys
 import threading
 
 import jax
+from jax.experimental import multihost_utils
+
+from shardax import _compat
 
 __all__ = ["StopRequests", "Stopped"]
 
@@ -48,11 +52,7 @@ class Stopped(Exception):
 
 def _preemption_service() -> bool:
     """Whether JAX's preemption sync service runs (multi-process jobs)."""
-    if jax.process_count() == 1:
-        return False
-    from jax._src import distributed
-
-    return getattr(distributed.global_state, "preemption_sync_manager", None) is not None
+    return jax.process_count() > 1 and _compat.preemption_service_running()
 
 
 class StopRequests:
@@ -97,8 +97,6 @@ class StopRequests:
         """Whether to stop after ``step``: all processes must call it after every step and
         get the same answer."""
         if self._shared:
-            from jax.experimental import multihost_utils
-
             if multihost_utils.reached_preemption_sync_point(step):
                 self.signum = self.signum or signal.SIGTERM
                 return True

@@ -14,6 +14,7 @@ optional dependencies: a missing one is a ``MissingExtra`` error naming the extr
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -49,8 +50,6 @@ def _numbers(scalars: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _require(module: str, extra: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:

@@ -1,0 +1,79 @@
+"""Settings from a ``--config`` file (YAML, TOML or JSON) or a dict, as a config dataclass.
+
+Values are coerced to the dataclass's field types (`shardax.train.config.coerce`); an unknown
+key or a wrongly typed value is a `UsageError` naming the file and the flag.
+
+>>> from shardax.train.config import TrainConfig
+>>> from_dict(TrainConfig, {"steps": 10, "batch_size": 8}).batch_size
+8
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from shardax.train.config import UsageError, coerce, hints
+
+__all__ = ["from_dict", "load_file"]
+
+
+def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
+    """A ``cls`` (`TrainConfig` or `GenerateConfig`) from a dict such as a parsed config
+    file; unknown keys and wrongly typed values are a UsageError prefixed with ``where``.
+
+    >>> from shardax.train.config import GenerateConfig
+    >>> from_dict(GenerateConfig, {"out": "runs/a", "max_tokens": 8}).max_tokens
+    8
+    """
+    if not isinstance(values, dict):
+        raise UsageError(f"{where}expected a mapping of settings, got {type(values).__name__}")
+    types = hints(cls)
+    unknown = [k for k in values if k not in types]
+    if unknown:
+        raise UsageError(f"{where}unknown settings {unknown}; known: {sorted(types)}")
+    return cls(**{k: coerce(k, types[k], v, where) for k, v in values.items()})
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """The settings in a ``--config`` file (``.yaml``/``.yml``, ``.toml`` or ``.json``): a
+    flat mapping of field names to values; errors are a UsageError naming the file."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    where = f"--config {path}"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{where}: cannot read it ({_os_reason(e)})") from None
+    try:
+        if suffix in (".yaml", ".yml"):
+            try:
+                import yaml  # optional: PyYAML (extra "train")
+            except ImportError:
+                raise UsageError(f"{where}: reading YAML needs PyYAML (pip install pyyaml), "
+                                 "or write the file as .toml or .json") from None
+            values = yaml.safe_load(text)
+            values = {} if values is None else values
+        elif suffix == ".toml":
+            try:
+                import tomllib  # optional: the standard library's from Python 3.11
+            except ImportError:  # Python 3.10
+                import tomli as tomllib
+            values = tomllib.loads(text)
+        elif suffix == ".json":
+            values = json.loads(text)
+        else:
+            raise UsageError(f"{where}: unknown file type {suffix!r}; use .yaml, .toml or .json")
+    except UsageError:
+        raise
+    except Exception as e:  # each parser has its own error class
+        reason = " ".join(str(e).split())
+        raise UsageError(f"{where}: cannot parse it: {reason}") from None
+    if not isinstance(values, dict):
+        raise UsageError(f"{where}: expected a mapping of settings such as 'steps: 100'")
+    return {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in values.items()}
+
+
+def _os_reason(e: BaseException) -> str:
+    return getattr(e, "strerror", None) or str(e)

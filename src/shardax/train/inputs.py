@@ -1,0 +1,121 @@
+"""The training inputs of a resolved run: its tokenizer and its sharded train/val batches.
+
+`prepare_inputs` loads ``--tokenizer`` (resuming: the run's copy), checks that the model's
+vocabulary holds it, tokenizes ``--data`` (into the token cache, once), and splits the batches
+so that each process reads only the rows its devices hold; bad input is a `UsageError` naming
+the flag or file. `Inputs.batch` and `Inputs.val_batches` give global arrays sharded like the
+train step's batch.
+
+>>> inputs = prepare_inputs(run, run_dir)                  # doctest: +SKIP
+>>> inputs.batch(0)[0].shape                              # doctest: +SKIP
+(16, 128)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from shardax import models
+from shardax.distributed import batch_part
+from shardax.train import data as data_lib
+from shardax.train.config import TrainConfig, UsageError
+from shardax.train.resolve import Resolved
+from shardax.train.rundir import RunDir
+from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
+
+__all__ = ["Inputs", "prepare_inputs"]
+
+#: validation batches per evaluation (fewer if the validation split is short)
+VAL_BATCHES = 4
+
+
+@dataclass
+class Inputs:
+    """A run's tokenizer and data: ``train`` and ``val`` hold this process's rows."""
+
+    tokenizer: Tokenizer
+    train: data_lib.TokenBatches
+    val: list
+    sharding: jax.sharding.NamedSharding
+    rows: int
+
+    def global_batch(self, local: tuple) -> tuple[jax.Array, ...]:
+        """This process's rows of a batch -> one global array per field, ``rows`` rows,
+        sharded like the train step's batch."""
+        return tuple(jax.make_array_from_process_local_data(
+            self.sharding, x, (self.rows, *x.shape[1:])) for x in local)
+
+    def batch(self, step: int) -> tuple[jax.Array, ...]:
+        """The global ``(inputs, targets)`` batch of ``step`` (0-based)."""
+        return self.global_batch(self.train.batch(step))
+
+    def val_batches(self) -> list[tuple[jax.Array, ...]]:
+        """The global validation batches."""
+        return [self.global_batch(b) for b in self.val]
+
+
+def _tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokenizer:
+    """``--tokenizer`` (resuming: the run's copy of it, if any), checked to fit the model: the
+    model's vocabulary (its preset's ``vocab_size``) must hold every id of the tokenizer."""
+    try:
+        tokenizer = (run_tokenizer(run_dir.out, config.tokenizer) if config.resume
+                     else load_tokenizer(config.tokenizer))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if model_vocab < tokenizer.vocab_size:
+        if config.init_from is not None:
+            raise UsageError(
+                f"--init-from {config.init_from} has a vocabulary of {model_vocab} tokens, fewer "
+                f"than the {tokenizer.vocab_size} of --tokenizer {config.tokenizer}; pass the "
+                "model's own tokenizer (--tokenizer with its directory)")
+        fits = sorted(name for name, c in models.CONFIGS.items()
+                      if c.vocab_size >= tokenizer.vocab_size)
+        raise UsageError(
+            f"--model {config.model} has a vocabulary of {model_vocab} tokens, fewer than the "
+            f"{tokenizer.vocab_size} of --tokenizer {config.tokenizer}; choose a model whose "
+            f"vocabulary holds it ({', '.join(fits) or 'none of the presets does'})")
+    return tokenizer
+
+
+def _load_tokens(config: TrainConfig, tokenizer: Tokenizer) -> tuple[Any, Any]:
+    """The (train, val) token streams of ``--data``, tokenized ahead of training (into the
+    token cache, once) and checked to hold a window and a validation batch."""
+    log = print if jax.process_index() == 0 else None
+    try:
+        train, val = data_lib.load_splits(config.data, tokenizer, config.text_field,
+                                          config.token_dtype, log=log)
+        data_lib.check_splits(len(train), len(val), config.seq_len, config.batch_size,
+                              data=config.data)
+    except (OSError, ValueError) as e:
+        if isinstance(e, OSError) and e.strerror:  # name the file (or the flag's paths)
+            raise UsageError(f"--data {e.filename or ' '.join(config.data)}: "
+                             f"{e.strerror}") from None
+        raise UsageError(str(e)) from None  # DataError: already names --data and the file
+    return train, val
+
+
+def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
+    """The tokenizer and batches of a resolved run (nothing is written but the token cache)."""
+    config, mesh = run.config, run.mesh
+    tokenizer = _tokenizer(config, run_dir, run.model_config.vocab_size)
+    train_tokens, val_tokens = _load_tokens(config, tokenizer)
+    sharding = jax.sharding.NamedSharding(
+        mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))
+    try:
+        # Each process reads only the rows its devices hold (all of them if a model axis spans
+        # the processes); with one process that is the whole batch.
+        part, parts = batch_part(sharding, (config.batch_size, config.seq_len))
+        batches = data_lib.TokenBatches(
+            train_tokens, config.seq_len, config.batch_size, seed=config.seed,
+            process_index=part, process_count=parts, vocab_size=tokenizer.vocab_size)
+        num_val = min(VAL_BATCHES, data_lib.count_batches(len(val_tokens), config.seq_len,
+                                                          config.batch_size))
+        val = data_lib.val_batches(
+            val_tokens, config.seq_len, config.batch_size, num_batches=num_val,
+            process_index=part, process_count=parts)
+    except ValueError as e:
+        raise UsageError(f"data: {e}") from None
+    return Inputs(tokenizer, batches, val, sharding, config.batch_size)

@@ -1,0 +1,219 @@
+"""Resolves a checked `TrainConfig` into the run it describes on this machine, once.
+
+`resolve` computes, in one place and in one pass, everything the commands derive from a
+config: the mesh, the precision policy, the model config (precision, remat, parallelism flags
+applied), the rule list fitted to the mesh, the optimizer and its learning-rate schedule, the
+FSDP mode, and the batch split and pipeline bubble. ``shardax train``, ``shardax plan`` and
+``shardax generate``/``export`` take the `Resolved` run it returns and never re-read the
+config's strings. The config must already have passed `shardax.train.config.check` (the CLI
+checks it before JAX starts); what only the devices can tell (mesh sizes, divisibility) is a
+`UsageError` here.
+
+>>> from shardax.train.config import check
+>>> run = resolve(check(TrainConfig(mesh="fsdp=4,tp=2", batch_size=8)))
+>>> run.mesh.shape, run.batch_split, run.fsdp_mode
+({'fsdp': 4, 'tp': 2}, 4, 'explicit')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+
+from shardax import hf, models
+from shardax.mesh import MeshShardingHelper
+from shardax.parallel.pipeline import bubble_fraction
+from shardax.precision import Policy
+from shardax.rules import LogicalAxisRules
+from shardax.train.config import TrainConfig, UsageError, flag, hf_dir
+from shardax.train.step import make_optimizer, make_schedule
+
+__all__ = ["Resolved", "fsdp_mode", "make_mesh", "model_config", "optimizer", "resolve"]
+
+
+def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
+    """The mesh of a mesh string over this machine's devices (UsageError if the sizes do not
+    fit them)."""
+    try:
+        return MeshShardingHelper.from_string(spec)
+    except ValueError as e:
+        raise UsageError(f"{flag_name} {spec!r}: {e}") from None
+
+
+def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optax optimizer of ``--optimizer``, ``--lr`` and ``--steps`` (warm-up: the first
+    twentieth of the steps) and the learning rate it applies at each step."""
+    warmup = config.steps // 20
+    return (make_optimizer(config.optimizer, config.lr, config.steps, warmup=warmup),
+            make_schedule(config.optimizer, config.lr, config.steps, warmup=warmup))
+
+
+def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
+                 pipelined: bool = False) -> Any:
+    """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
+    the precision ``policy``, ``--remat`` and ``--seq-len`` applied (no parallelism flags);
+    layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in checkpoints too)."""
+    scan = config.scan_layers or pipelined
+    if init_dir is not None:
+        try:
+            c = hf.load_config(init_dir, remat=config.remat, dtype=policy.compute,
+                               param_dtype=policy.params)
+        except ValueError as e:
+            raise UsageError(f"--init-from {config.init_from}: {e}") from None
+        c = dataclasses.replace(c, scan_layers=c.scan_layers or scan)
+        if config.seq_len > c.max_seq_len:
+            raise UsageError(f"--seq-len {config.seq_len} exceeds the model's "
+                             f"max_position_embeddings {c.max_seq_len} ({config.init_from})")
+        return c
+    preset = models.CONFIGS[config.model]
+    return models.get_config(
+        config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
+        max_seq_len=max(config.seq_len, preset.max_seq_len),
+        scan_layers=scan or preset.scan_layers)
+
+
+def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
+    """The model config with the parallelism flags applied and the rule list fitted to the
+    mesh and model (``models.presets.resolve``); ValueError on a mismatch."""
+    pp = mesh_shape.get("pp", 1)
+    if pp == 1 and (config.microbatches > 1 or config.virtual_stages > 1):
+        raise ValueError("--microbatches and --virtual-stages need a 'pp' mesh axis of size > 1 "
+                         f"(mesh {mesh_shape}); use --grad-accum to split the batch without one")
+    if pp == 1 and config.pp_schedule != "gpipe":
+        raise ValueError(f"--pp-schedule {config.pp_schedule} needs a 'pp' mesh axis of size > 1 "
+                         f"(mesh {mesh_shape})")
+    asked = {"tp_mode": config.tp_mode != "none", "sequence_parallel": config.sequence_parallel}
+    if not isinstance(model_config, models.LlamaConfig):
+        used = [flag(k) for k, v in asked.items() if v] + [a for a in ("pp", "cp", "ep")
+                                                            if mesh_shape.get(a, 1) > 1]
+        if used:
+            raise ValueError(f"--model {config.model} does not support {used}; use a llama model")
+        return model_config, models.PRESETS[config.rules]
+    tp_mode = config.tp_mode
+    if config.sequence_parallel and tp_mode == "none":
+        tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
+    model_config = dataclasses.replace(
+        model_config, tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
+        scan_layers=model_config.scan_layers or pp > 1, pp_schedule=config.pp_schedule,
+        pp_microbatches=config.microbatches or pp, pp_virtual_stages=config.virtual_stages)
+    models.check_mesh(model_config, mesh_shape, batch_size=config.batch_size,
+                      seq_len=config.seq_len)
+    rules = models.presets.resolve(
+        models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
+        kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
+    return model_config, rules
+
+
+def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any) -> str:
+    """The FSDP mode a run uses, ``'explicit'`` or ``'xla'`` (``--fsdp-mode auto``: explicit
+    where it applies); UsageError (one line naming the combination) when explicit is asked for
+    where it cannot run."""
+    blockers = []
+    if mesh_shape.get("fsdp", 1) == 1:
+        blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
+    if not isinstance(model_config, models.LlamaConfig) or model_config.n_experts:
+        blockers.append(f"--model {config.model} (needs a dense llama model)")
+    else:
+        if model_config.tp_mode != "none":
+            blockers.append(f"--tp-mode {model_config.tp_mode}"
+                            + (" / --sequence-parallel" if model_config.sp else "")
+                            + " (explicit TP blocks cannot nest in the FSDP shard_map under "
+                            "JAX 0.10; --tp-mode none shards 'tp' by --rules)")
+        for axis, what in (("pp", "pipeline"), ("cp", "ring attention"), ("ep", "experts")):
+            if mesh_shape.get(axis, 1) > 1:
+                blockers.append(f"a '{axis}' mesh axis ({what} runs its own shard_map)")
+    if config.fsdp_mode == "explicit" and blockers:
+        raise UsageError(f"--fsdp-mode explicit does not run with {blockers[0]}; "
+                         "use --fsdp-mode xla")
+    return "xla" if config.fsdp_mode == "xla" or blockers else "explicit"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A config resolved on this machine: what the commands build, plan and train from."""
+
+    config: TrainConfig
+    mesh: MeshShardingHelper
+    rules: LogicalAxisRules
+    model_config: Any
+    policy: Policy
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    fsdp_mode: str
+    #: the mesh axes the 'batch' rule splits the rows over, and over how many devices
+    batch_axes: tuple[str, ...]
+    batch_split: int
+    #: pipeline microbatches per step (1 without a 'pp' axis)
+    microbatches: int
+    #: the idle fraction of a step under the pipeline schedule (0 without a 'pp' axis)
+    bubble: float
+    #: the Hugging Face model directory of ``--init-from hf:DIR`` (None without it)
+    init_dir: Path | None = None
+
+    def fsdp_summary(self) -> str:
+        """One line for the train plan: which FSDP mode is active."""
+        if self.fsdp_mode == "explicit":
+            return ("fsdp: explicit (ZeRO-3: each layer gathered in the compute dtype right "
+                    "before use, its gradient reduce-scattered in float32"
+                    + (", once per step over the microbatches" if self.config.grad_accum > 1
+                       else "") + ")")
+        return ("fsdp: xla (the partitioner, from the shardings; --fsdp-mode "
+                f"{self.config.fsdp_mode})")
+
+    def pipeline_summary(self) -> str:
+        """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
+        c = self.model_config
+        virtual = (f", {c.pp_virtual_stages} virtual stages" if c.pp_schedule == "circular"
+                   else "")
+        return (f"pipeline: {c.pp_schedule} over {self.mesh.shape['pp']} stages, "
+                f"{c.pp_microbatches} microbatches{virtual}, bubble {self.bubble:.1%} of each "
+                "step")
+
+
+def _bubble(mesh_shape: dict[str, int], model_config: Any) -> float:
+    pp = mesh_shape.get("pp", 1)
+    if pp == 1:
+        return 0.0
+    c = model_config
+    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
+    return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
+
+
+def resolve(config: TrainConfig) -> Resolved:
+    """The run a checked config asks for on this machine's devices: mesh, rules, model config,
+    precision, optimizer and schedule, FSDP mode, batch split and bubble, checked against each
+    other (no data, no run directory: what ``shardax train`` and ``shardax plan`` share); what
+    does not fit the devices is a UsageError."""
+    mesh = make_mesh(config.mesh)
+    policy = Policy.from_string(config.precision)
+    init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+    try:
+        model, rule_list = _parallelism(config, mesh.shape,
+                                        model_config(config, policy, init_dir))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    mode = fsdp_mode(config, mesh.shape, model)  # UsageError if it cannot run
+    rules = LogicalAxisRules(rule_list)
+    spec = rules.spec_for(("batch",), mesh.mesh)[0]
+    batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    batch_split = math.prod(mesh.shape[a] for a in batch_axes)
+    micro = getattr(model, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
+    if config.batch_size % (batch_split * config.grad_accum * micro):
+        raise UsageError(
+            f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
+            f"{batch_split} (mesh {mesh.shape}) times --grad-accum {config.grad_accum}"
+            + (f" times --microbatches {micro}" if micro > 1 else ""))
+    if config.batch_size % jax.process_count():
+        raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
+                         f"count {jax.process_count()}")
+    tx, schedule = optimizer(config)
+    return Resolved(
+        config=config, mesh=mesh, rules=rules, model_config=model, policy=policy, tx=tx,
+        schedule=schedule, fsdp_mode=mode, batch_axes=batch_axes, batch_split=batch_split,
+        microbatches=micro, bubble=_bubble(mesh.shape, model), init_dir=init_dir)
