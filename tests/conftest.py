@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-
 # Shared meshes: one `MeshShardingHelper` per layout for the whole session (per xdist worker).
 # Tests that are about constructing a helper build their own.
 
