@@ -10,7 +10,7 @@ it unboxes a parameter under a mesh) read *Flax's* rule context. Every shardax c
 one rule list decides parameters and activations, as ``with_logical_constraint`` does for NNX.
 ``logical_axis_rules(rules)`` is the same thing by hand, for code traced outside ``sjit``.
 
->>> from shardax import MeshShardingHelper
+>>> from shardax import LogicalAxisRules, MeshShardingHelper
 >>> mesh = MeshShardingHelper([-1, 2], ["fsdp", "tp"]).mesh  # no 'dp' axis
 >>> rules = LogicalAxisRules([("batch", ("dp", "fsdp")), ("embed", "fsdp"), ("mlp", "tp")])
 >>> axis_rules(rules, mesh)
