@@ -156,6 +156,15 @@ def _unblocks(x: jax.Array, s: int) -> jax.Array:
     return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])[:, :s]
 
 
+def _varying(x: jax.Array, *refs: jax.Array) -> jax.Array:
+    """``x`` typed as varying over every manual mesh axis one of ``refs`` varies over: loop
+    carries inside ``shard_map`` must have the type their updates get. (``full_like`` keeps
+    its argument's varying axes and reads no values; outside ``shard_map`` this adds zeros.)"""
+    for r in refs:
+        x = x + jnp.full_like(r, 0, dtype=x.dtype, shape=())
+    return x
+
+
 def _block_sizes(spec: Spec, sq: int, sk: int) -> tuple[int, int]:
     return min(spec.block_q, sq), min(spec.block_k, sk)
 
@@ -185,7 +194,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: 
             mask = allowed(qpi, kpj, qsi, ksj, spec.causal, spec.window)
 
             def update(state):
-                m, l, acc = state
+                m, denom, acc = state
                 s, _ = _scores(qi, kj, spec)
                 visible = mask[:, None, None]
                 s = jnp.where(visible, s, _NEG)
@@ -194,17 +203,18 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: 
                 corr = jnp.exp(m - m_new)
                 pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(vj.dtype), vj,
                                 preferred_element_type=jnp.float32)
-                return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+                return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
 
             return jax.lax.cond(jnp.any(mask), update, lambda st: st, state), None
 
         init = (jnp.full((b, kvh, g, bq), _NEG, jnp.float32),
                 jnp.zeros((b, kvh, g, bq), jnp.float32),
                 jnp.zeros((b, kvh, g, bq, d), jnp.float32))
-        (m, l, acc), _ = jax.lax.scan(kv_step, init, (kb, vb, kpb, ksb))
-        seen = l > 0
-        out = acc / jnp.where(seen, l, 1.0)[..., None]
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), _NEG)
+        init = tuple(_varying(x, qi, qpi, qsi, kb, vb, kpb, ksb) for x in init)
+        (m, denom, acc), _ = jax.lax.scan(kv_step, init, (kb, vb, kpb, ksb))
+        seen = denom > 0
+        out = acc / jnp.where(seen, denom, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), _NEG)
         # [b, kvh, g, bq, ...] -> [b, bq, kvh * g, ...]
         out = jnp.moveaxis(out, 3, 1).reshape(b, bq, h, d)
         return out, jnp.moveaxis(lse, 3, 1).reshape(b, bq, h)
@@ -263,12 +273,14 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array, lse: jax
 
             return jax.lax.cond(jnp.any(mask), grads, lambda c: c, (dk, dv, dq)), None
 
-        zeros = jnp.zeros(kj.shape, f32)
+        zeros = _varying(jnp.zeros(kj.shape, f32), kj, vj, kpj, ksj, qb, dob, lseb, deltab, qpb,
+                         qsb)
         (dk, dv, dq), _ = jax.lax.scan(
             q_step, (zeros, zeros, dq), (jnp.arange(nq), qb, dob, lseb, deltab, qpb, qsb))
         return dq, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros(qb.shape, f32), (kb, vb, kpb, ksb))
+    dq = _varying(jnp.zeros(qb.shape, f32), qb, dob, lseb, deltab, qpb, qsb, kb, vb, kpb, ksb)
+    dq, (dk, dv) = jax.lax.scan(kv_block, dq, (kb, vb, kpb, ksb))
     return _ungroup(_unblocks(dq, sq)), _unblocks(dk, sk), _unblocks(dv, sk)
 
 
