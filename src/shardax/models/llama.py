@@ -35,10 +35,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import cross_entropy, make_layers, param, remat_policy, run_layers
+from shardax.models._layers import make_layers, param, remat_policy, run_layers
+from shardax.models.attention import attention
 from shardax.models.axes import TOKEN_AXES
 from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
-from shardax.models.ops import apply_rope, attend, gqa_attention, rms_norm, rope_tables
+from shardax.models.loss import chunked_cross_entropy
+from shardax.models.ops import apply_rope, gqa_attention, rms_norm, rope_tables
+from shardax.models.remat import checkpoint_name
 from shardax.parallel import (
     axis_size,
     column_parallel,
@@ -47,8 +50,8 @@ from shardax.parallel import (
     to_stage_layout,
 )
 
-__all__ = ["CONFIGS", "PP_SCHEDULES", "TP_MODES", "Llama", "LlamaConfig", "apply_rope", "attend",
-           "check_mesh", "gqa_attention", "param_count", "rms_norm", "rope_tables"]
+__all__ = ["CONFIGS", "PP_SCHEDULES", "TP_MODES", "Llama", "LlamaConfig", "apply_rope",
+           "attention", "check_mesh", "gqa_attention", "param_count", "rms_norm", "rope_tables"]
 
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros
@@ -178,8 +181,19 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = constrain(attend(q, k, v, load_balanced), ("batch", "length", "heads", "head_dim"))
-        return self.out(out)
+        out = self.attend(q, k, v, load_balanced)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return checkpoint_name(self.out(out), "attn_proj")
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False,
+               **masks: Any) -> jax.Array:
+        """Attention of roped q, k and v under the config (implementation, sliding window);
+        ``masks``: more keyword arguments of ``shardax.models.attention.attention``."""
+        c = self.config
+        q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = attention(q, k, v, window=c.sliding_window, implementation=c.attention,
+                        load_balanced=load_balanced, **masks)
+        return checkpoint_name(out, "attn_out")
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
@@ -221,7 +235,7 @@ class Attention(nnx.Module):
             q = q + jnp.repeat(self.bq[...].astype(dt), rq, axis=0)
             k = k + jnp.repeat(self.bk[...].astype(dt), rk, axis=0)
             v = v + jnp.repeat(self.bv[...].astype(dt), rk, axis=0)
-        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced)
+        out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced)
         wo = jnp.repeat(self.wo[...].astype(dt), rq, axis=0)
         if rq > 1:
             wo = wo / rq
@@ -249,11 +263,13 @@ class SwiGLU(nnx.Module):
             kw = _tp_kwargs(c)
             h = column_parallel(x, w.reshape(c.dim, 2 * c.mlp_dim), **kw)
             h = h.reshape(*h.shape[:-1], c.mlp_dim, 2)
-            return row_parallel(jax.nn.silu(h[..., 0]) * h[..., 1], self.w_down[...].astype(dt),
-                                **kw)
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
-        h = constrain(h, ("batch", "length", "mlp"))
-        return h @ self.w_down[...].astype(dt)
+            h = checkpoint_name(jax.nn.silu(h[..., 0]) * h[..., 1], "mlp_hidden")
+            return checkpoint_name(row_parallel(h, self.w_down[...].astype(dt), **kw), "mlp_out")
+        gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_gate")
+        up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_up")
+        h = constrain(checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden"),
+                      ("batch", "length", "mlp"))
+        return checkpoint_name(h @ self.w_down[...].astype(dt), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -400,7 +416,10 @@ class Llama(nnx.Module):
                               loss_has_aux=True)
 
     def _cross_entropy(self, x, targets, *head, cast, gather=True):
-        return cross_entropy(cast(self._head(x, *head)), targets, gather=gather)
+        """Mean token cross-entropy from the final hidden states, in sequence chunks (never
+        the whole [b, s, vocab] logits; see ``shardax.models.loss``)."""
+        return chunked_cross_entropy(lambda h: cast(self._head(h, *head)), x, targets,
+                                     gather=gather)
 
     def _aux_loss(self, out):
         """The load-balancing loss from the pipeline's outputs (summed over layers per row)."""
