@@ -76,9 +76,10 @@ class Attention(nnx.Module):
         self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
         self.implementation = c.attention
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q, k, v = self.qkv(x)
-        out = constrain(self.attend(q, k, v), ("batch", "length", "heads", "head_dim"))
+        out = constrain(self.attend(q, k, v, segment_ids=segment_ids),
+                        ("batch", "length", "heads", "head_dim"))
         return checkpoint_name(self.out(out), "attn_proj")
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, **masks: Any) -> jax.Array:
@@ -131,8 +132,8 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
         self.mlp = MLPBlock(c, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = constrain(x + self.attn(self.ln_1(x)), ("batch", "length", "embed"))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        x = constrain(x + self.attn(self.ln_1(x), segment_ids), ("batch", "length", "embed"))
         return constrain(x + self.mlp(self.ln_2(x)), ("batch", "length", "embed"))
 
 
@@ -151,13 +152,16 @@ class GPT2(nnx.Module):
         self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, c.scan_layers)
         self.ln_f = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits ``[b, s, vocab]`` (float32); ``positions`` [b, s] index the learned position
-        table (default ``0 .. s-1``)."""
-        return self._head(self._hidden(tokens, positions))
+        table (default ``0 .. s-1``); ``segment_ids`` [b, s] (ints >= 0): packed documents,
+        attention stays within a segment."""
+        return self._head(self._hidden(tokens, positions, segment_ids))
 
     def training_loss(self, tokens: jax.Array, targets: jax.Array,
-                      positions: jax.Array | None = None, *, load_balanced: bool = False,
+                      positions: jax.Array | None = None, *,
+                      segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
                       ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``, both the mean token cross-entropy of ``targets``
@@ -171,16 +175,18 @@ class GPT2(nnx.Module):
         if load_balanced:
             raise ValueError("GPT-2 has no context parallelism: use a mesh without a 'cp' axis "
                              "(or a llama model)")
-        x = self._hidden(tokens, positions)
+        x = self._hidden(tokens, positions, segment_ids)
         # In sequence chunks: the whole [b, s, vocab] logits never exist (models.loss).
         ce = chunked_cross_entropy(lambda h: cast(self._head(h)), x, targets)
         return ce, ce
 
-    def _hidden(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
+    def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
+                segment_ids: jax.Array | None = None) -> jax.Array:
         """The final hidden states [b, s, dim] (before the final norm)."""
         c = self.config
         x = self._embed(tokens, positions)
-        return run_layers(self.layers, x, lambda layer, h: layer(h), c.scan_layers, c.remat)
+        return run_layers(self.layers, x, lambda layer, h: layer(h, segment_ids),
+                          c.scan_layers, c.remat)
 
     def _embed(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
         c = self.config
