@@ -12,7 +12,7 @@ Implementations (``implementation=``):
   temporaries grow linearly with the sequence on every backend, CPU included;
 * ``'einsum'``: the whole score matrix at once; the reference the tests compare with;
 * ``'auto'``: cudnn where it applies, else blockwise when the key length is at least
-  ``BLOCKWISE_MIN_LEN`` (2048), else xla.
+  ``BLOCKWISE_MIN_LEN`` (1024), else xla.
 
 On a mesh with a 'cp' axis larger than 1, every implementation runs as ring attention
 (``shardax.parallel.ring_attention``), whose ring steps use the blockwise kernel: context
@@ -39,8 +39,9 @@ __all__ = ["BLOCKWISE_MIN_LEN", "IMPLEMENTATIONS", "Spec", "attention", "flash_a
 
 IMPLEMENTATIONS = ("auto", "cudnn", "xla", "blockwise", "einsum")
 # 'auto' picks blockwise from this key length on: below it the xla path's [s, s] scores are
-# small and it is faster on CPU; above it they dominate the memory of a training step.
-BLOCKWISE_MIN_LEN = 2048
+# small and its single fused program has less loop overhead; from 1024 keys on blockwise was
+# as fast on CPU (benchmarks/attention.py) at a fraction of the temporaries.
+BLOCKWISE_MIN_LEN = 1024
 _CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 
 Segments = jax.Array | tuple[jax.Array, jax.Array] | None
