@@ -308,12 +308,17 @@ def test_model_loss_is_chunked_and_exact_on_a_tp_mesh(monkeypatch):
 # ------------------------------------------------------------------ memory, remat
 
 
-def test_llama_blockwise_temporaries_grow_linearly():
-    """Forward + backward of a llama-small-shaped model (2 layers, untied head): from seq 512
-    to 4096 (x8) the temporaries grow at most 10x with blockwise attention and the chunked
-    loss (linear is 8x; the einsum's scores alone would be 64x)."""
+@pytest.mark.parametrize("stack", [dict(), dict(scan_layers=True, remat="full")],
+                         ids=["list", "scan_remat"])
+def test_llama_blockwise_temporaries_grow_linearly(stack):
+    """Forward + backward of a llama-small-shaped model (2 layers): from seq 512 to 4096 (x8)
+    the temporaries grow at most 10x with blockwise attention and the chunked loss (linear is
+    8x; the einsum's scores alone would be 64x). Scanned layers too: there JAX's partial
+    evaluation would hoist every block's mask out of the layer loop (40x) without the
+    kernel's optimization barrier."""
     def temp(s, impl):
-        cfg = models.get_config("llama-small", n_layers=2, max_seq_len=s, attention=impl)
+        cfg = models.get_config("llama-small", n_layers=2, max_seq_len=s, attention=impl,
+                                **stack)
         graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
                                      nnx.Param)
         tokens = jax.ShapeDtypeStruct((1, s + 1), jnp.int32)

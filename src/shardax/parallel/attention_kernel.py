@@ -165,6 +165,15 @@ def _varying(x: jax.Array, *refs: jax.Array) -> jax.Array:
     return x
 
 
+def _tie(q: jax.Array, *masks: jax.Array) -> tuple[jax.Array, ...]:
+    """``q`` and the mask inputs through one optimization barrier, so the masks depend on q.
+
+    Without it, inside a scan over layers JAX's partial evaluation sees the per-block masks
+    depend only on loop-invariant values (positions, segment ids) and hoists them out of the
+    layer loop, materialising every block's mask at once: [s, s] memory again."""
+    return jax.lax.optimization_barrier((q, *masks))
+
+
 def _block_sizes(spec: Spec, sq: int, sk: int) -> tuple[int, int]:
     return min(spec.block_q, sq), min(spec.block_k, sk)
 
@@ -180,6 +189,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, kv_pos: 
     b, sq, h, d = q.shape
     kvh = k.shape[2]
     bq, bk = _block_sizes(spec, sq, k.shape[1])
+    q, q_pos, kv_pos, q_seg, kv_seg = _tie(q, q_pos, kv_pos, q_seg, kv_seg)
     qb = _blocks(_group(q, kvh), bq, 0)
     qpb, qsb = _blocks(q_pos, bq, 0), _blocks(q_seg, bq, PAD_SEGMENT - 1)
     kb, vb = _blocks(k, bk, 0), _blocks(v, bk, 0)
@@ -237,6 +247,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array, lse: jax
     sk, kvh = k.shape[1], k.shape[2]
     bq, bk = _block_sizes(spec, sq, sk)
     f32 = jnp.float32
+    q, q_pos, kv_pos, q_seg, kv_seg = _tie(q, q_pos, kv_pos, q_seg, kv_seg)
     qb = _blocks(_group(q, kvh), bq, 0)
     dob = _blocks(_group(dout, kvh), bq, 0)
     # [b, sq, h] -> blocks of [b, kvh, g, bq]
