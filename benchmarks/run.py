@@ -7,8 +7,9 @@ Sections: memory + communication (``memory_comm.py``), collective dtypes (the sa
 with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
 (``compile_depth.py``), peers (``peers.py``, with scalax pip-installed into
 ``benchmarks/.peers``), the FSDP modes against ZeRO-3 (``fsdp.py``), the data pipeline's host
-memory (``data_memory.py``), Hugging Face import + KV-cache generation (``hf.py``) and the
-planner's ranking vs measured step times (``planner.py``). The llama-8b planner searches
+memory (``data_memory.py``), Hugging Face import + KV-cache generation (``hf.py``), the
+planner's ranking vs measured step times (``planner.py``) and attention's temporaries against
+sequence length and step time per implementation (``attention.py``). The llama-8b planner searches
 (``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A section
 that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
@@ -32,7 +33,7 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
 SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp",
-            "data_memory", "hf", "planner")
+            "data_memory", "hf", "planner", "attention")
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0}  # seconds, over --timeout
@@ -148,6 +149,7 @@ def main() -> None:
 
 
 def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -> str:
+    import attention
     import compile_depth
     import data_memory
     import fsdp
@@ -191,6 +193,11 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     for name in ("planner", "planner_8b"):
         if name in outcomes and not ok(name):
             parts.append(_failed(f"10. Planner ({name})", outcomes[name]))
+    if ok("attention"):
+        parts.append(attention.render(ok("attention")))
+        summary += attention.summary(ok("attention"))
+    elif "attention" in outcomes:
+        parts.append(_failed("11. Attention", outcomes["attention"]))
 
     head = [
         "# Benchmark results",

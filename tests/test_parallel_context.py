@@ -172,10 +172,11 @@ def test_memory_per_device_scales_with_cp():
 
 def test_backward_memory_is_per_block():
     """The custom VJP rotates K/V again instead of storing every received block, so forward +
-    backward temporaries depend on s/cp only: the same at cp=2, seq 256 and cp=8, seq 1024
-    (plain autodiff through the ring, storing every block, needed 1.5x at cp=8; now within 1%)."""
+    backward temporaries depend on s/cp only: the same at cp=4, seq 512 and cp=8, seq 1024
+    (plain autodiff through the ring, storing every block, needed 1.5x at cp=8; now within 1%).
+    cp=2 has no ring loop at all (its carries need no buffers), so it is not compared."""
     temp = {}
-    for n in (2, 8):
+    for n in (4, 8):
         mesh = _mesh((n,), ("cp",), devices=jax.devices()[:n])
         sh = NamedSharding(mesh, P(None, "cp"))
         args = [jax.ShapeDtypeStruct((1, 128 * n, x, 16), jnp.float32, sharding=sh)
@@ -184,7 +185,7 @@ def test_backward_memory_is_per_block():
         with jax.set_mesh(mesh):
             fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
             temp[n] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    assert temp[8] <= 1.03 * temp[2], temp
+    assert temp[8] <= 1.03 * temp[4], temp
 
 
 def test_errors():

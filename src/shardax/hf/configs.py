@@ -87,15 +87,13 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
             raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' is")
     max_len = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if (mt == "mistral" or hf.get("use_sliding_window")) else None
-    if window:  # attention within the window everywhere: cap sequences at the window
-        max_len = min(max_len, window)
     fields = dict(
         vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, mlp_dim=hf["intermediate_size"],
         max_seq_len=max_len, rope_theta=float(theta),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
-        qkv_bias=mt == "qwen2",
+        qkv_bias=mt == "qwen2", sliding_window=int(window) if window else None,
     )
     return LlamaConfig(**{**fields, **overrides})
 
@@ -117,6 +115,12 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
     }
     if not qwen:
         out.update(attention_bias=False, mlp_bias=False, head_dim=c.head_dim)
+    if c.sliding_window is not None:
+        if qwen:
+            out.update(use_sliding_window=True, sliding_window=c.sliding_window)
+        else:
+            out.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                       sliding_window=c.sliding_window)
     return out
 
 

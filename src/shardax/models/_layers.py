@@ -10,7 +10,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax.models.configs import REMAT_POLICIES
+from shardax.models.remat import remat_policy
+
+__all__ = ["LAYERS", "cross_entropy", "make_layers", "param", "remat_policy", "run_layers",
+           "stack_states", "token_nll"]
 
 LAYERS = "layers"
 
@@ -35,20 +38,6 @@ def param(
         raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
     init = nnx.with_partitioning(init, tuple(names), eager_sharding=False)
     return nnx.Param(init(key, tuple(shape), dtype))
-
-
-def remat_policy(name: str) -> Callable[..., bool] | None:
-    """The ``jax.checkpoint`` policy for a remat name (``'none'`` gives ``None``: no remat)."""
-    policies = jax.checkpoint_policies
-    if name == "none":
-        return None
-    if name == "full":
-        return policies.nothing_saveable
-    if name == "save_dots":
-        return policies.dots_with_no_batch_dims_saveable
-    if name == "offload":
-        return policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-    raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {name!r}")
 
 
 def make_layers(
@@ -131,6 +120,22 @@ def cross_entropy(
         raise ValueError(
             f"logits {logits.shape} and targets {targets.shape} disagree on leading dims"
         )
+    nll = token_nll(logits, targets, gather=gather)
+    if mask is None:
+        return nll.mean()
+    if mask.shape != targets.shape:
+        raise ValueError(f"mask {mask.shape} must match targets {targets.shape}")
+    mask = mask.astype(jnp.float32)
+    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def token_nll(logits: jax.Array, targets: jax.Array, *, gather: bool = True) -> jax.Array:
+    """Per-token negative log-likelihood in float32 (``gather``: see :func:`cross_entropy`).
+
+    Example::
+
+        nll = token_nll(logits, targets)   # [b, s]
+    """
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     targets = targets.astype(jnp.int32)
@@ -139,10 +144,4 @@ def cross_entropy(
     else:
         vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
         picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
-    nll = logz - picked
-    if mask is None:
-        return nll.mean()
-    if mask.shape != targets.shape:
-        raise ValueError(f"mask {mask.shape} must match targets {targets.shape}")
-    mask = mask.astype(jnp.float32)
-    return (nll * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return logz - picked

@@ -13,12 +13,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from shardax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from shardax.models.ops import RopeScaling
+from shardax.models.remat import REMAT_POLICIES, check_remat
 
-__all__ = ["CONFIGS", "PP_SCHEDULES", "REMAT_POLICIES", "TP_MODES", "GPT2Config", "LlamaConfig",
-           "RopeScaling"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "CONFIGS", "PP_SCHEDULES", "REMAT_POLICIES", "TP_MODES",
+           "GPT2Config", "LlamaConfig", "RopeScaling"]
 
-REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 TP_MODES = ("none", "sync", "async", "async_bidi")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 
@@ -37,7 +38,11 @@ class LlamaConfig:
     ``scan_layers``). ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with
     ``mlp_dim`` hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
 
-    ``rope_scaling`` is Llama-3's frequency scaling, ``qkv_bias`` adds q/k/v biases (Qwen2).
+    ``rope_scaling`` is Llama-3's frequency scaling, ``qkv_bias`` adds q/k/v biases (Qwen2),
+    ``sliding_window`` limits attention to that many positions back (Mistral).
+    ``attention`` picks the implementation (``shardax.models.attention``: 'auto', 'cudnn',
+    'xla', 'blockwise', 'einsum'); ``remat`` also takes 'dots', 'names:q,k,v' and
+    'offload:q,k' (``shardax.models.remat``).
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
     """
 
@@ -53,6 +58,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
+    sliding_window: int | None = None
+    attention: str = "auto"
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
     scan_layers: bool = False
@@ -76,8 +83,10 @@ class LlamaConfig:
             )
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        check_remat(self.remat)
+        _check_attention(self.attention)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
         if self.sequence_parallel and self.tp_mode == "none":
@@ -105,6 +114,11 @@ class LlamaConfig:
     def sp(self) -> bool:
         """Sequence-parallel activations: asked for, or implied by an async TP mode."""
         return self.sequence_parallel or self.tp_mode.startswith("async")
+
+
+def _check_attention(name: str) -> None:
+    if name not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {name!r}")
 
 
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
@@ -154,12 +168,13 @@ class GPT2Config:
     dtype: Any = jnp.float32
     scan_layers: bool = False
     remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        check_remat(self.remat)
+        _check_attention(self.attention)
 
     @property
     def head_dim(self) -> int:

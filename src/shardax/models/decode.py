@@ -34,7 +34,7 @@ from shardax.logical import use_logical_rules
 from shardax.models._annotate import constrain
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
-from shardax.models.ops import apply_rope, gqa_attention
+from shardax.models.ops import apply_rope
 
 __all__ = ["Generated", "KVCache", "forward", "generate", "init_cache"]
 
@@ -88,10 +88,10 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
         raise ValueError("KV-cache decoding of a mixture-of-experts Llama is not supported")
     b, s = tokens.shape
     length = cache.k.shape[2]
+    # Masks by cache slot: causal over slots, keys before a row's first token are padding.
     slots = index + jnp.arange(s)
     keys = jnp.arange(length)
-    mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :]
-                                                             >= start[:, None, None])
+    masks = dict(q_positions=slots, kv_positions=keys, kv_mask=keys[None, :] >= start[:, None])
     llama = isinstance(model, Llama)
     if llama:
         x, cos, sin = model._embed(tokens, positions)
@@ -107,7 +107,8 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
         vc = jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v.dtype), (0, index, 0, 0))
         ks.append(kc)
         vs.append(vc)
-        out = constrain(gqa_attention(q, kc, vc, mask), ("batch", "length", "heads", "head_dim"))
+        out = constrain(layer.attn.attend(q, kc, vc, **masks),
+                        ("batch", "length", "heads", "head_dim"))
         x = constrain(x + layer.attn.out(out), ("batch", "length", "embed"))
         if llama:
             y = layer.mlp(layer.mlp_norm(x))

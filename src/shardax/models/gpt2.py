@@ -18,9 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import cross_entropy, make_layers, param, run_layers
+from shardax.models._layers import make_layers, param, run_layers
+from shardax.models.attention import attention
 from shardax.models.configs import GPT2_CONFIGS, GPT2Config
-from shardax.models.ops import gqa_attention, layer_norm
+from shardax.models.loss import chunked_cross_entropy
+from shardax.models.ops import layer_norm
+from shardax.models.remat import checkpoint_name
 
 __all__ = ["CONFIGS", "GPT2", "GPT2Config", "param_count"]
 
@@ -71,11 +74,20 @@ class Attention(nnx.Module):
         self.wo = param(rngs.params(), _normal(out_std), (c.n_heads, c.head_dim, c.dim),
                         ("heads", "head_dim", "embed"), pd)
         self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
+        self.implementation = c.attention
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
         q, k, v = self.qkv(x)
-        out = constrain(gqa_attention(q, k, v), ("batch", "length", "heads", "head_dim"))
-        return self.out(out)
+        out = constrain(self.attend(q, k, v, segment_ids=segment_ids),
+                        ("batch", "length", "heads", "head_dim"))
+        return checkpoint_name(self.out(out), "attn_proj")
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, **masks: Any) -> jax.Array:
+        """Attention under the config's implementation; ``masks``: more keyword arguments of
+        ``shardax.models.attention.attention``."""
+        q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = attention(q, k, v, implementation=self.implementation, **masks)
+        return checkpoint_name(out, "attn_out")
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k, v [b, s, heads, d]."""
@@ -107,9 +119,10 @@ class MLPBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        h = jax.nn.gelu(x @ self.w_fc[...].astype(dt) + self.b_fc[...].astype(dt))
-        h = constrain(h, ("batch", "length", "mlp"))
-        return h @ self.w_proj[...].astype(dt) + self.b_proj[...].astype(dt)
+        up = checkpoint_name(x @ self.w_fc[...].astype(dt) + self.b_fc[...].astype(dt), "mlp_up")
+        h = constrain(checkpoint_name(jax.nn.gelu(up), "mlp_hidden"), ("batch", "length", "mlp"))
+        return checkpoint_name(h @ self.w_proj[...].astype(dt) + self.b_proj[...].astype(dt),
+                               "mlp_out")
 
 
 class Block(nnx.Module):
@@ -119,8 +132,8 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
         self.mlp = MLPBlock(c, rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = constrain(x + self.attn(self.ln_1(x)), ("batch", "length", "embed"))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+        x = constrain(x + self.attn(self.ln_1(x), segment_ids), ("batch", "length", "embed"))
         return constrain(x + self.mlp(self.ln_2(x)), ("batch", "length", "embed"))
 
 
@@ -139,16 +152,16 @@ class GPT2(nnx.Module):
         self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, c.scan_layers)
         self.ln_f = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         """Logits ``[b, s, vocab]`` (float32); ``positions`` [b, s] index the learned position
-        table (default ``0 .. s-1``)."""
-        c = self.config
-        x = self._embed(tokens, positions)
-        x = run_layers(self.layers, x, lambda layer, h: layer(h), c.scan_layers, c.remat)
-        return self._head(x)
+        table (default ``0 .. s-1``); ``segment_ids`` [b, s] (ints >= 0): packed documents,
+        attention stays within a segment."""
+        return self._head(self._hidden(tokens, positions, segment_ids))
 
     def training_loss(self, tokens: jax.Array, targets: jax.Array,
-                      positions: jax.Array | None = None, *, load_balanced: bool = False,
+                      positions: jax.Array | None = None, *,
+                      segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
                       ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``, both the mean token cross-entropy of ``targets``
@@ -162,8 +175,18 @@ class GPT2(nnx.Module):
         if load_balanced:
             raise ValueError("GPT-2 has no context parallelism: use a mesh without a 'cp' axis "
                              "(or a llama model)")
-        ce = cross_entropy(cast(self(tokens, positions)), targets)
+        x = self._hidden(tokens, positions, segment_ids)
+        # In sequence chunks: the whole [b, s, vocab] logits never exist (models.loss).
+        ce = chunked_cross_entropy(lambda h: cast(self._head(h)), x, targets)
         return ce, ce
+
+    def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
+                segment_ids: jax.Array | None = None) -> jax.Array:
+        """The final hidden states [b, s, dim] (before the final norm)."""
+        c = self.config
+        x = self._embed(tokens, positions)
+        return run_layers(self.layers, x, lambda layer, h: layer(h, segment_ids),
+                          c.scan_layers, c.remat)
 
     def _embed(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
         c = self.config

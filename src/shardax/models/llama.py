@@ -35,11 +35,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._annotate import constrain
-from shardax.models._layers import cross_entropy, make_layers, param, remat_policy, run_layers
+from shardax.models._layers import make_layers, param, remat_policy, run_layers
+from shardax.models.attention import attention
 from shardax.models.axes import TOKEN_AXES
 from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
 from shardax.models.llama_moe import MoE
-from shardax.models.ops import apply_rope, attend, gqa_attention, rms_norm, rope_tables
+from shardax.models.loss import chunked_cross_entropy
+from shardax.models.ops import apply_rope, gqa_attention, rms_norm, rope_tables
+from shardax.models.remat import checkpoint_name
 from shardax.parallel import (
     axis_size,
     column_parallel,
@@ -48,8 +51,8 @@ from shardax.parallel import (
     to_stage_layout,
 )
 
-__all__ = ["CONFIGS", "PP_SCHEDULES", "TP_MODES", "Llama", "LlamaConfig", "apply_rope", "attend",
-           "check_mesh", "gqa_attention", "param_count", "rms_norm", "rope_tables"]
+__all__ = ["CONFIGS", "PP_SCHEDULES", "TP_MODES", "Llama", "LlamaConfig", "apply_rope",
+           "attention", "check_mesh", "gqa_attention", "param_count", "rms_norm", "rope_tables"]
 
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros
@@ -172,15 +175,27 @@ class Attention(nnx.Module):
                             pd)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 load_balanced: bool = False) -> jax.Array:
+                 load_balanced: bool = False, segment_ids: jax.Array | None = None
+                 ) -> jax.Array:
         if self.config.tp_mode != "none":
-            return self._tensor_parallel(x, cos, sin, load_balanced)
+            return self._tensor_parallel(x, cos, sin, load_balanced, segment_ids)
         q, k, v = self.qkv(x)
         q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = constrain(attend(q, k, v, load_balanced), ("batch", "length", "heads", "head_dim"))
-        return self.out(out)
+        out = self.attend(q, k, v, load_balanced, segment_ids=segment_ids)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return checkpoint_name(self.out(out), "attn_proj")
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False,
+               **masks: Any) -> jax.Array:
+        """Attention of roped q, k and v under the config (implementation, sliding window);
+        ``masks``: more keyword arguments of ``shardax.models.attention.attention``."""
+        c = self.config
+        q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        out = attention(q, k, v, window=c.sliding_window, implementation=c.attention,
+                        load_balanced=load_balanced, **masks)
+        return checkpoint_name(out, "attn_out")
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
@@ -197,7 +212,7 @@ class Attention(nnx.Module):
             out.append(y)
         return tuple(out)
 
-    def _tensor_parallel(self, x, cos, sin, load_balanced):
+    def _tensor_parallel(self, x, cos, sin, load_balanced, segment_ids):
         """Megatron attention: one fused column-parallel QKV matmul (each 'tp' slice holds the
         q, k and v of its heads), local attention, one row-parallel output matmul. Heads fewer
         than 'tp' are repeated so that every device holds whole heads; the output weight is
@@ -222,7 +237,8 @@ class Attention(nnx.Module):
             q = q + jnp.repeat(self.bq[...].astype(dt), rq, axis=0)
             k = k + jnp.repeat(self.bk[...].astype(dt), rk, axis=0)
             v = v + jnp.repeat(self.bv[...].astype(dt), rk, axis=0)
-        out = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced)
+        out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced,
+                          segment_ids=segment_ids)
         wo = jnp.repeat(self.wo[...].astype(dt), rq, axis=0)
         if rq > 1:
             wo = wo / rq
@@ -250,11 +266,13 @@ class SwiGLU(nnx.Module):
             kw = _tp_kwargs(c)
             h = column_parallel(x, w.reshape(c.dim, 2 * c.mlp_dim), **kw)
             h = h.reshape(*h.shape[:-1], c.mlp_dim, 2)
-            return row_parallel(jax.nn.silu(h[..., 0]) * h[..., 1], self.w_down[...].astype(dt),
-                                **kw)
-        h = jax.nn.silu(x @ self.w_gate[...].astype(dt)) * (x @ self.w_up[...].astype(dt))
-        h = constrain(h, ("batch", "length", "mlp"))
-        return h @ self.w_down[...].astype(dt)
+            h = checkpoint_name(jax.nn.silu(h[..., 0]) * h[..., 1], "mlp_hidden")
+            return checkpoint_name(row_parallel(h, self.w_down[...].astype(dt), **kw), "mlp_out")
+        gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_gate")
+        up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_up")
+        h = constrain(checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden"),
+                      ("batch", "length", "mlp"))
+        return checkpoint_name(h @ self.w_down[...].astype(dt), "mlp_out")
 
 
 class Block(nnx.Module):
@@ -270,8 +288,9 @@ class Block(nnx.Module):
         self.mlp = MoE(c, rngs) if c.n_experts else SwiGLU(c, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 load_balanced: bool = False) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, load_balanced)
+                 load_balanced: bool = False, segment_ids: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+        x = x + self.attn(self.attn_norm(x), cos, sin, load_balanced, segment_ids)
         x = constrain(x, ("batch", "length", "embed"))
         y = self.mlp(self.mlp_norm(x))
         y, aux = y if isinstance(y, tuple) else (y, jnp.zeros((), jnp.float32))
@@ -298,23 +317,26 @@ class Llama(nnx.Module):
                                  ("embed", "vocab"), c.param_dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-                 load_balanced: bool = False, return_aux: bool = False):
+                 segment_ids: jax.Array | None = None, load_balanced: bool = False,
+                 return_aux: bool = False):
         """Logits ``[b, s, vocab]`` (float32); with ``return_aux``, ``(logits, aux)`` where
         ``aux`` is the MoE load-balancing loss averaged over layers (0 for a dense model).
 
-        ``load_balanced``: ``tokens`` and ``positions`` are in ``load_balance(., cp)`` order
-        (then the logits are too); only meaningful on a mesh with a 'cp' axis.
+        ``segment_ids`` [b, s] (ints >= 0): packed documents; a token attends only within
+        its segment. ``load_balanced``: ``tokens``, ``positions`` and ``segment_ids`` are in
+        ``load_balance(., cp)`` order (then the logits are too); only meaningful on a mesh
+        with a 'cp' axis.
         """
         x, cos, sin = self._embed(tokens, positions)
         if axis_size("pp") > 1:
-            x, aux = self._pipeline(x, cos, sin, load_balanced)
+            x, aux = self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids)
         else:
-            x, aux = self._layers(x, cos, sin, load_balanced)
+            x, aux = self._layers(x, cos, sin, load_balanced, segment_ids=segment_ids)
         logits = self._head(x, *self._head_params())
         return (logits, aux) if return_aux else logits
 
     def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None,
-             *, load_balanced: bool = False,
+             *, segment_ids: jax.Array | None = None, load_balanced: bool = False,
              cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
              stack: Callable | None = None,
              ) -> tuple[jax.Array, jax.Array]:
@@ -341,7 +363,7 @@ class Llama(nnx.Module):
             raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
                              "pipeline")
         if axis_size("pp") <= 1:
-            x, aux = self._layers(x, cos, sin, load_balanced, stack)
+            x, aux = self._layers(x, cos, sin, load_balanced, stack, segment_ids)
             return self._cross_entropy(x, targets, *self._head_params(), cast=cast), aux
 
         def ce(out, targets, *head):
@@ -354,7 +376,7 @@ class Llama(nnx.Module):
                     "of one scalar: use training_loss (cross-entropy + moe_aux_weight x aux) for "
                     "a mixture-of-experts model"
                 )
-            loss = self._pipeline(x, cos, sin, load_balanced, loss_fn=ce,
+            loss = self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids, loss_fn=ce,
                                   loss_batch_args=(targets,), loss_args=self._head_params())
             return loss, jnp.zeros((), jnp.float32)
 
@@ -362,12 +384,14 @@ class Llama(nnx.Module):
             aux = self._aux_loss(out) if c.n_experts else jnp.float32(0)
             return jnp.stack([ce(out, targets, *head), aux])
 
-        both = self._pipeline(x, cos, sin, load_balanced, loss_fn=stage_loss,
+        both = self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids,
+                              loss_fn=stage_loss,
                               loss_batch_args=(targets,), loss_args=self._head_params())
         return both[0], both[1]
 
     def training_loss(self, tokens: jax.Array, targets: jax.Array,
-                      positions: jax.Array | None = None, *, load_balanced: bool = False,
+                      positions: jax.Array | None = None, *,
+                      segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
                       stack: Callable | None = None,
                       ) -> tuple[jax.Array, jax.Array]:
@@ -385,8 +409,8 @@ class Llama(nnx.Module):
         """
         c = self.config
         if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"):
-            ce, aux = self.loss(tokens, targets, positions, load_balanced=load_balanced,
-                                cast=cast, stack=stack)
+            ce, aux = self.loss(tokens, targets, positions, segment_ids=segment_ids,
+                                load_balanced=load_balanced, cast=cast, stack=stack)
             return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
 
         def objective(out, targets, *head):
@@ -394,12 +418,16 @@ class Llama(nnx.Module):
             return ce + c.moe_aux_weight * self._aux_loss(out), ce
 
         x, cos, sin = self._embed(tokens, positions)
-        return self._pipeline(x, cos, sin, load_balanced, loss_fn=objective,
+        return self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids,
+                              loss_fn=objective,
                               loss_batch_args=(targets,), loss_args=self._head_params(),
                               loss_has_aux=True)
 
     def _cross_entropy(self, x, targets, *head, cast, gather=True):
-        return cross_entropy(cast(self._head(x, *head)), targets, gather=gather)
+        """Mean token cross-entropy from the final hidden states, in sequence chunks (never
+        the whole [b, s, vocab] logits; see ``shardax.models.loss``)."""
+        return chunked_cross_entropy(lambda h: cast(self._head(h, *head)), x, targets,
+                                     gather=gather)
 
     def _aux_loss(self, out):
         """The load-balancing loss from the pipeline's outputs (summed over layers per row)."""
@@ -421,7 +449,7 @@ class Llama(nnx.Module):
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
         return x, cos, sin
 
-    def _layers(self, x, cos, sin, load_balanced, stack=None):
+    def _layers(self, x, cos, sin, load_balanced, stack=None, segment_ids=None):
         """The decoder stack without a pipeline (through ``stack`` when given); returns
         ``(x, aux)``."""
         c = self.config
@@ -432,18 +460,19 @@ class Llama(nnx.Module):
             graphdef = nnx.graphdef(self.layers if c.scan_layers else self.layers[0])
 
             def layer_fn(state, h):
-                return nnx.merge(graphdef, state)(h, cos, sin, load_balanced)[0]
+                return nnx.merge(graphdef, state)(h, cos, sin, load_balanced, segment_ids)[0]
 
             return stack(layer_fn, x), jnp.zeros((), jnp.float32)
         if c.n_experts:
             def call(layer, h):
-                y, a = layer(h[0], cos, sin, load_balanced)
+                y, a = layer(h[0], cos, sin, load_balanced, segment_ids)
                 return y, h[1] + a
 
             x, aux = run_layers(self.layers, (x, jnp.zeros((), jnp.float32)), call,
                                 c.scan_layers, c.remat)
             return x, aux / c.n_layers
-        x = run_layers(self.layers, x, lambda layer, h: layer(h, cos, sin, load_balanced)[0],
+        x = run_layers(self.layers, x,
+                       lambda layer, h: layer(h, cos, sin, load_balanced, segment_ids)[0],
                        c.scan_layers, c.remat)
         return x, jnp.zeros((), jnp.float32)
 
@@ -462,7 +491,7 @@ class Llama(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_batch_args=(),
-                  loss_args=(), loss_has_aux=False):
+                  loss_args=(), loss_has_aux=False, segment_ids=None):
         """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
         stage), or with ``loss_fn`` what ``pipeline(loss_fn=...)`` returns, computed on the
         output stage alone. Without ``loss_fn`` (logits only) '1f1b' runs as 'gpipe', the same
@@ -480,13 +509,22 @@ class Llama(nnx.Module):
         graphdef, state = nnx.split(self.layers)
         state = to_stage_layout(state, axis_size("pp"), v)
 
+        # The segment ids travel with each microbatch, last in the carried tuple.
+        segs = segment_ids is not None
+
         def layer_fn(params, h):
-            y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced)
-            return (y, h[1], h[2], h[3] + aux) if c.n_experts else (y, h[1], h[2])
+            y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced,
+                                                 h[-1] if segs else None)
+            rest = h[3:]
+            if c.n_experts:
+                rest = (rest[0] + aux, *rest[1:])
+            return (y, h[1], h[2], *rest)
 
         h = (x, cos, sin)
         if c.n_experts:
             h += (jnp.zeros(x.shape[:1], jnp.float32),)
+        if segs:
+            h += (segment_ids,)
         schedule = c.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
         # Every schedule stores each layer's input and recomputes the layer in the backward
         # pass (what remat='full' asks for). A policy that saves more (save_dots, offload)

@@ -1,6 +1,6 @@
 """Numerical building blocks shared by the Llama and GPT-2 models: norms, rotary position
-embeddings (with ``rope_theta`` and Llama-3 ``rope_scaling``) and causal grouped-query
-attention (plain, masked for a KV cache, or ring attention over a 'cp' mesh axis).
+embeddings (with ``rope_theta`` and Llama-3 ``rope_scaling``) and the einsum attention with a
+dense mask (the models attend through ``shardax.models.attention``).
 
 Example::
 
@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.models.axes import CONTEXT_AXIS
-from shardax.parallel import axis_size, ring_attention
+from shardax.parallel import attention_kernel as kernel
 
-__all__ = ["RopeScaling", "apply_rope", "attend", "gqa_attention", "layer_norm", "rms_norm",
+__all__ = ["RopeScaling", "apply_rope", "gqa_attention", "layer_norm", "rms_norm",
            "rope_frequencies", "rope_tables"]
 
 
@@ -115,37 +114,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                   mask: jax.Array | None = None) -> jax.Array:
-    """Causal grouped-query attention without materialising repeated K/V heads.
+    """Causal grouped-query attention as one einsum (the whole score matrix): the reference
+    ``shardax.models.attention``'s ``'einsum'`` implementation is.
 
     ``q``: [b, s, heads, d]; ``k``, ``v``: [b, t, kv_heads, d]; query head ``i`` reads kv head
     ``i // (heads // kv_heads)``. ``mask`` ([b, s, t] bool, true = may attend) replaces the
-    causal ``tril`` (a KV cache passes positions-based masks). Scores and softmax are in
-    float32. Returns [b, s, heads, d].
+    causal ``tril``. Scores and softmax are in float32; rows that see no key give zeros.
+    Returns [b, s, heads, d].
 
     Example::
 
         out = gqa_attention(q, k, v)
     """
-    b, s, h, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, s, kv, h // kv, d)
-    scores = jnp.einsum("bskgd,btkd->bkgst", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(d))
     if mask is None:
-        mask = jnp.tril(jnp.ones((s, k.shape[1]), dtype=bool))
-    else:
-        mask = mask[:, None, None]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)
-    return out.reshape(b, s, h, d)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, load_balanced: bool = False) -> jax.Array:
-    """Causal GQA attention; ring attention over 'cp' when the mesh has a 'cp' axis > 1.
-
-    ``load_balanced``: q, k, v are in ``shardax.parallel.load_balance`` order (cp only).
-    """
-    if axis_size(CONTEXT_AXIS) > 1:
-        return ring_attention(q, k, v, causal=True, load_balanced=load_balanced)
-    return gqa_attention(q, k, v)
+        mask = kernel.allowed(*kernel.default_mask_inputs(q, k), True, None)
+    return kernel.reference(q, k, v, mask, kernel.Spec())

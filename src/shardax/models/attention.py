@@ -1,0 +1,182 @@
+"""One attention function for every model and path: causal, sliding window, segment ids
+(packed documents), GQA/MQA, soft-capping and decode padding, with several implementations.
+
+Implementations (``implementation=``):
+
+* ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')``, NVIDIA GPUs only
+  (float16/bfloat16, head_dim a multiple of 8 up to 128; causal and window masks only);
+* ``'xla'``: ``jax.nn.dot_product_attention(implementation='xla')`` with the mask built from
+  positions and segment ids (it has no soft-capping: with ``softcap`` it runs ``'einsum'``);
+* ``'blockwise'``: pure JAX, flash-style (``shardax.parallel.attention_kernel``): a loop over
+  key/value blocks with an online softmax and a backward that recomputes per block, so
+  temporaries grow linearly with the sequence on every backend, CPU included;
+* ``'einsum'``: the whole score matrix at once; the reference the tests compare with;
+* ``'auto'``: cudnn where it applies, else blockwise when the key length is at least
+  ``BLOCKWISE_MIN_LEN`` (1024), else xla.
+
+On a mesh with a 'cp' axis larger than 1, every implementation runs as ring attention
+(``shardax.parallel.ring_attention``), whose ring steps use the blockwise kernel: context
+parallelism gets the same masks. Softmax statistics are float32; the result has q's dtype.
+
+Example::
+
+    out = attention(q, k, v)                                  # causal
+    out = attention(q, k, v, window=4096, segment_ids=segs)   # Mistral-style, packed rows
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from shardax.models.axes import CONTEXT_AXIS
+from shardax.parallel import attention_kernel as kernel
+from shardax.parallel import axis_size, ring_attention
+from shardax.parallel.attention_kernel import Spec, flash_attention
+
+__all__ = ["BLOCKWISE_MIN_LEN", "IMPLEMENTATIONS", "Spec", "attention", "flash_attention",
+           "resolve_implementation"]
+
+IMPLEMENTATIONS = ("auto", "cudnn", "xla", "blockwise", "einsum")
+# 'auto' picks blockwise from this key length on: below it the xla path's [s, s] scores are
+# small and its single fused program has less loop overhead; from 1024 keys on blockwise was
+# as fast on CPU (benchmarks/attention.py) at a fraction of the temporaries.
+BLOCKWISE_MIN_LEN = 1024
+_CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+
+Segments = jax.Array | tuple[jax.Array, jax.Array] | None
+
+
+def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float | None
+                  ) -> str | None:
+    """Why cuDNN cannot run this call (None when it can)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu" or "nvidia" not in device.device_kind.lower():
+        return "it needs an NVIDIA GPU"
+    if q.dtype not in _CUDNN_DTYPES:
+        return f"it needs float16 or bfloat16 inputs, got {q.dtype}"
+    d = q.shape[-1]
+    if d % 8 or d > 128:
+        return f"it needs head_dim a multiple of 8 up to 128, got {d}"
+    if custom_mask:
+        return "segment ids, explicit positions and key masks need a dense mask"
+    if softcap is not None:
+        return "it has no soft-capping"
+    if q.shape[1] != k.shape[1]:
+        return "it needs equal query and key lengths here"
+    return None
+
+
+def resolve_implementation(implementation: str, q: jax.Array, k: jax.Array, *,
+                           custom_mask: bool = False, softcap: float | None = None) -> str:
+    """The implementation ``implementation`` means for these inputs (``'auto'`` resolved).
+
+    Example::
+
+        resolve_implementation('auto', q, k)   # 'blockwise' on CPU at 8k tokens
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if implementation == "cudnn":
+        reason = _cudnn_reason(q, k, custom_mask, softcap)
+        if reason:
+            raise ValueError(f"attention implementation 'cudnn' cannot run q{tuple(q.shape)} "
+                             f"{q.dtype}: {reason}; use 'auto', 'blockwise' or 'xla'")
+        return "cudnn"
+    if implementation != "auto":
+        return implementation
+    if _cudnn_reason(q, k, custom_mask, softcap) is None:
+        return "cudnn"
+    return "blockwise" if k.shape[1] >= BLOCKWISE_MIN_LEN else "xla"
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    segment_ids: Segments = None,
+    q_positions: jax.Array | None = None,
+    kv_positions: jax.Array | None = None,
+    kv_mask: jax.Array | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    implementation: str = "auto",
+    load_balanced: bool = False,
+    block_size: int = 512,
+) -> jax.Array:
+    """Softmax attention of q [b, sq, heads, d] over k, v [b, sk, kv_heads, d] (kv_heads
+    dividing heads: GQA/MQA). Returns [b, sq, heads, d] in q's dtype.
+
+    Masks: key ``j`` is visible to query ``i`` when (``causal``) ``kv_pos[j] <= q_pos[i]``,
+    (``window``) ``q_pos[i] - kv_pos[j] < window``, (``segment_ids``: [b, s] ints, or a
+    ``(q_segments, kv_segments)`` pair) both are in the same segment, and (``kv_mask``: [b, sk]
+    bool, false = padding) the key is not padding; segment ids are ints >= 0.
+    ``q_positions`` / ``kv_positions`` ([b, s] or [s]) are sequence indices (a KV cache's
+    slots), default ``0 ..``; they are not RoPE positions. A query that sees no key gets
+    zeros. ``softcap``: scores become ``softcap * tanh(s / softcap)`` after the ``scale``
+    (default ``1/sqrt(d)``).
+
+    ``load_balanced``: on a 'cp' mesh, the sequence is in ``load_balance`` order.
+    ``block_size``: the blockwise kernel's query and key block.
+
+    Example::
+
+        out = attention(q, k, v, segment_ids=segs, implementation='blockwise')
+    """
+    kernel.check_qkv(q, k, v)
+    sq, sk = q.shape[1], k.shape[1]
+    explicit = q_positions is not None or kv_positions is not None
+    if causal and sq != sk and not explicit:
+        raise ValueError(f"causal attention of q{tuple(q.shape)} over k{tuple(k.shape)} needs "
+                         "q_positions and kv_positions (the keys' and queries' sequence indices)")
+    if axis_size(CONTEXT_AXIS) > 1:
+        if kv_mask is not None:
+            raise ValueError("a kv_mask (decode padding) cannot run as ring attention over "
+                             "'cp'; decode without a 'cp' axis")
+        return ring_attention(q, k, v, causal=causal, load_balanced=load_balanced,
+                              window=window, segment_ids=segment_ids, q_positions=q_positions,
+                              kv_positions=kv_positions, softcap=softcap, scale=scale,
+                              block_size=block_size)
+    custom = explicit or segment_ids is not None or kv_mask is not None
+    impl = resolve_implementation(implementation, q, k, custom_mask=custom, softcap=softcap)
+    spec = Spec(causal=causal, window=window, softcap=softcap, scale=scale,
+                block_q=block_size, block_k=block_size)
+    if impl == "cudnn":
+        local = None if window is None else (window - 1, 0 if causal else window - 1)
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            local_window_size=local, implementation="cudnn")
+    q_pos, kv_pos, q_seg, kv_seg = _mask_inputs(q, k, q_positions, kv_positions, segment_ids,
+                                                kv_mask)
+    if impl == "blockwise":
+        return flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+    mask = kernel.allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window)
+    if impl == "einsum" or softcap is not None:
+        return kernel.reference(q, k, v, mask, spec)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                       implementation="xla")
+    # Rows that see no key: zeros, as the other implementations give (xla averages them).
+    seen = jnp.any(mask, axis=-1)[:, :, None, None]
+    return jnp.where(seen, out, jnp.zeros((), out.dtype))
+
+
+def _mask_inputs(q, k, q_positions, kv_positions, segment_ids, kv_mask):
+    """``(q_pos, kv_pos, q_seg, kv_seg)`` [b, s] int32; padding keys get segment -1."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    q_pos, kv_pos, q_seg, kv_seg = kernel.default_mask_inputs(q, k)
+    if q_positions is not None:
+        q_pos = jnp.broadcast_to(jnp.asarray(q_positions, jnp.int32), (b, sq))
+    if kv_positions is not None:
+        kv_pos = jnp.broadcast_to(jnp.asarray(kv_positions, jnp.int32), (b, sk))
+    elif q_positions is not None and sq == sk:
+        kv_pos = q_pos
+    if segment_ids is not None:
+        qs, ks = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+        q_seg = jnp.broadcast_to(jnp.asarray(qs, jnp.int32), (b, sq))
+        kv_seg = jnp.broadcast_to(jnp.asarray(ks, jnp.int32), (b, sk))
+    if kv_mask is not None:
+        kv_seg = jnp.where(jnp.broadcast_to(kv_mask, (b, sk)), kv_seg, kernel.PAD_SEGMENT)
+    return q_pos, kv_pos, q_seg, kv_seg
