@@ -49,6 +49,27 @@ from flax import nnx
 from shardax import models
 from shardax.train.step import init_state, train_step
 
+
+def dense(din: int, dout: int, names: tuple, rngs: nnx.Rngs) -> nnx.Linear:
+    """An ``nnx.Linear`` as the Flax sharding guide writes it: logical names, eager sharding
+    left at its default (on)."""
+    init = nnx.initializers.lecun_normal()
+    return nnx.Linear(din, dout, kernel_init=nnx.with_partitioning(init, names),
+                      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:]),
+                      rngs=rngs)
+
+
+class GuideMLP(nnx.Module):
+    """The Flax NNX sharding guide's two-layer MLP (32 -> 64 -> 32)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.up = dense(32, 64, ("embed", "mlp"), rngs)
+        self.down = dense(64, 32, ("mlp", "embed"), rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
 SGD_RTOL = 1e-4  # float32 reassociation (~1e-7 per add) through a few steps: 1000x margin
 ADAM_RTOL = 1e-3  # the same, plus a few noise-level elements stepping up to lr apart
 

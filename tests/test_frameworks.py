@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _reference import GuideMLP
 from flax import nnx
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
@@ -52,21 +53,6 @@ def assert_close(actual, expected):
 # ---------------------------------------------------------------------------------- Flax NNX
 
 
-def dense(din, dout, names, rngs):
-    """As the Flax guide writes it: logical names, eager sharding left at its default (on)."""
-    init = nnx.initializers.lecun_normal()
-    return nnx.Linear(din, dout, kernel_init=nnx.with_partitioning(init, names),
-                      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:]),
-                      rngs=rngs)
-
-
-class GuideMLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = dense(32, 64, ("embed", "mlp"), rngs)
-        self.down = dense(64, 32, ("mlp", "embed"), rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x)))
 
 
 def nnx_step(model, optimizer, x, y):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _reference import GuideMLP
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -23,20 +24,6 @@ Y = np.random.RandomState(1).normal(size=(16, 32)).astype(np.float32)
 STEPS = 5
 
 
-def dense(din, dout, names, rngs):
-    init = nnx.initializers.lecun_normal()
-    return nnx.Linear(din, dout, kernel_init=nnx.with_partitioning(init, names),
-                      bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:]),
-                      rngs=rngs)
-
-
-class MLP(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.up = dense(32, 64, ("embed", "mlp"), rngs)
-        self.down = dense(64, 32, ("mlp", "embed"), rngs)
-
-    def __call__(self, x):
-        return self.down(jax.nn.gelu(self.up(x)))
 
 
 def loss_fn(model, batch):
@@ -58,7 +45,7 @@ def train_step_with_loss(model, optimizer, batch):
 
 
 def create():
-    model = MLP(nnx.Rngs(0))
+    model = GuideMLP(nnx.Rngs(0))
     return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
 
 
