@@ -91,6 +91,8 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_examples.py::test_example_runs_and_trains",
     ("docs/models_and_rules.md", "def create():"):
         "tests/test_examples.py::test_example_runs_and_trains",
+    ("docs/models_and_rules.md", "def train_step(model, optimizer, x, y):"):
+        "tests/test_nnx_inplace.py::test_in_place_step_returning_the_loss",
     ("docs/models_and_rules.md", "def init_fn(key, x):"):
         "tests/test_examples.py::test_example_runs_and_trains",
     ("docs/models_and_rules.md", "from shardax.frameworks.linen import logical_axis_rules"):
