@@ -32,13 +32,14 @@ def _config(tmp_path, **overrides) -> TrainConfig:
 
 
 def _reference_losses(model: str, tmp_path) -> list[float]:
-    """SGD losses of ``model`` trained on one device with no mesh: the plain program."""
+    """SGD losses of ``model`` trained on one device with no mesh: the plain program (packed
+    documents, as ``--pack documents``, the default, trains)."""
     prepared = prepare(TrainConfig(**{**TINY, "model": model, "mesh": "dp=-1",
                                       "out": str(tmp_path / "ref")}))
     run = prepared.run
     batches = [prepared.inputs.train.batch(i) for i in range(STEPS)]
     return train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
-                            policy=run.policy).losses
+                            policy=run.policy, end_id=prepared.inputs.tokenizer.eos_id).losses
 
 
 @pytest.fixture(scope="module")
