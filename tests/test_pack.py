@@ -8,6 +8,8 @@ The gradients come out of the train step through an optimizer that keeps them as
 """
 
 import dataclasses
+import json
+import shutil
 from functools import partial
 
 import jax
@@ -24,6 +26,7 @@ from shardax.models._layers import token_nll
 from shardax.rules import LogicalAxisRules
 from shardax.train.loop import TrainConfig, train
 from shardax.train.packing import documents, loss_weights
+from shardax.train.rundir import load_run_config
 from shardax.train.step import eval_loss, train_step
 
 END = 0  # the byte tokenizer's end-of-text id
@@ -149,9 +152,8 @@ def test_concat_is_the_unpacked_step(reference):
 
 
 def test_concat_and_documents_runs(tmp_path):
-    """``--pack concat`` trains the rows as one stream: its losses equal a run that never
-    heard of packing (a config.json without ``pack`` loads as concat) and differ from
-    ``--pack documents`` on data whose windows cross documents."""
+    """On data whose windows cross documents, ``--pack documents`` and ``--pack concat``
+    train differently (the flag reaches the step)."""
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(f'{{"text": "document {i} says {"ab" * (i % 7)}"}}\n'
                             for i in range(400)))
@@ -162,8 +164,6 @@ def test_concat_and_documents_runs(tmp_path):
 
 
 def test_documents_resume_is_bit_identical(tmp_path):
-    import shutil
-
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(f'{{"text": "document {i} says {"xy" * (i % 5)}"}}\n'
                             for i in range(400)))
@@ -175,3 +175,13 @@ def test_documents_resume_is_bit_identical(tmp_path):
     want = {r["step"]: (r["loss"], r["grad_norm"]) for r in straight if "loss" in r}
     got = {r["step"]: (r["loss"], r["grad_norm"]) for r in resumed if "loss" in r}
     assert got == want
+
+
+def test_a_run_from_before_pack_loads_as_concat(tmp_path):
+    """A config.json written before ``--pack`` and ``--attention`` existed still loads; its
+    rows were one stream, and stay so."""
+    old = TrainConfig(remat="save_dots").to_json()
+    del old["pack"], old["attention"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    saved = load_run_config(tmp_path)
+    assert (saved.pack, saved.attention, saved.remat) == ("concat", "auto", "save_dots")
