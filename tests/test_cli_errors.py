@@ -139,6 +139,8 @@ CASES = [
     ("remat no names", ["train", "--remat", "offload:"], ["--remat", "offload:"]),
     ("attention unknown", ["train", "--attention", "flash"], ["--attention", "flash"]),
     ("pack unknown", ["train", "--pack", "rows"], ["--pack", "rows"]),
+    ("generate attention unknown", ["generate", "--out", "{step3_run}", "--attention", "flash"],
+     ["--attention", "flash"]),
     ("plan remat unknown", ["plan", "--remat", "half"], ["--remat", "half"]),
     ("generate without --out", ["generate"], ["--out"]),
     ("precision float64", ["train", "--precision", "float64"], ["--precision", "float64"]),

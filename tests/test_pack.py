@@ -24,6 +24,7 @@ from shardax import models
 from shardax.mesh import MeshShardingHelper
 from shardax.models._layers import token_nll
 from shardax.rules import LogicalAxisRules
+from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, train
 from shardax.train.packing import documents, loss_weights
 from shardax.train.rundir import load_run_config
@@ -175,6 +176,10 @@ def test_documents_resume_is_bit_identical(tmp_path):
     want = {r["step"]: (r["loss"], r["grad_norm"]) for r in straight if "loss" in r}
     got = {r["step"]: (r["loss"], r["grad_norm"]) for r in resumed if "loss" in r}
     assert got == want
+    # The run samples alike with any attention implementation (greedy, same tokens).
+    texts = {impl: generate(str(tmp_path / "b"), "document 3", 6, temperature=0,
+                            attention=impl) for impl in ("einsum", "blockwise", None)}
+    assert len(set(texts.values())) == 1, texts
 
 
 def test_a_run_from_before_pack_loads_as_concat(tmp_path):

@@ -181,6 +181,9 @@ class GenerateConfig:
     """sampling seed, in [0, 2**32)"""
     step: int | None = None
     """checkpoint step to sample from (default: the newest good one)"""
+    attention: Literal["auto", "cudnn", "xla", "blockwise", "einsum"] | None = None
+    """attention implementation while sampling (default: the run's --attention; auto with
+    --from)"""
 
 
 @dataclass
