@@ -152,7 +152,7 @@ def test_concat_is_the_unpacked_step(reference):
     assert float(metrics["loss"]) == float(jax.jit(plain)(state.params))
 
 
-def test_concat_and_documents_runs(tmp_path):
+def test_concat_and_documents_runs(tmp_path, capsys):
     """On data whose windows cross documents, ``--pack documents`` and ``--pack concat``
     train differently (the flag reaches the step)."""
     data = tmp_path / "docs.jsonl"
@@ -162,6 +162,10 @@ def test_concat_and_documents_runs(tmp_path):
     concat = train(TrainConfig(out=str(tmp_path / "c"), pack="concat", **common))
     packed = train(TrainConfig(out=str(tmp_path / "d"), pack="documents", **common))
     assert [r["loss"] for r in concat] != [r["loss"] for r in packed]
+    # The banner names the attention that runs (auto resolved: xla at 32 tokens on CPU).
+    banner = capsys.readouterr().out
+    assert "attention: xla (--attention auto); pack: concat" in banner
+    assert "attention: xla (--attention auto); pack: documents" in banner
 
 
 def test_documents_resume_is_bit_identical(tmp_path):
