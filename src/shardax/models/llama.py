@@ -525,18 +525,19 @@ class Llama(nnx.Module):
 
         def layer_fn(params, h):
             y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced,
-                                                 h[-1] if segs else None)
+                                                 h[-1].astype(jnp.int32) if segs else None)
             rest = h[3:]
             if c.n_experts:
                 rest = (rest[0] + aux, *rest[1:])
             return (y, h[1], h[2], *rest)
 
+        schedule = c.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
         h = (x, cos, sin)
         if c.n_experts:
             h += (jnp.zeros(x.shape[:1], jnp.float32),)
         if segs:
-            h += (segment_ids,)
-        schedule = c.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
+            # 1f1b carries floating-point activations only (ids < 2**24 are exact in float32).
+            h += (segment_ids.astype(jnp.float32) if schedule == "1f1b" else segment_ids,)
         # Every schedule stores each layer's input and recomputes the layer in the backward
         # pass (what remat='full' asks for). A policy that saves more (save_dots, offload)
         # applies on top; under 1f1b it can only save within one layer's recomputation.
