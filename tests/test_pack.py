@@ -194,3 +194,22 @@ def test_a_run_from_before_pack_loads_as_concat(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(old))
     saved = load_run_config(tmp_path)
     assert (saved.pack, saved.attention, saved.remat) == ("concat", "auto", "save_dots")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_packed_pipeline_loss_equals_per_document(reference, schedule):
+    """Under a 'pp' pipeline (2 microbatches) the segment ids travel with each microbatch and
+    the loss weights keep the mean over the whole batch: the per-document loss."""
+    _, _, rows, loss, _ = reference
+    config = dataclasses.replace(CONFIG, scan_layers=True, pp_schedule=schedule,
+                                 pp_microbatches=2)
+    mesh = MeshShardingHelper.from_string("pp=2,fsdp=4")
+    rules = LogicalAxisRules(models.presets.resolve(
+        models.PRESETS["fsdp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
+    graphdef, state = init_train_state(config, _KEEP_GRADS)  # the same numbers, stacked
+    step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=END,
+                             param_rules=rules),
+                     in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
+                     out_shardings=(rules, None))
+    _, metrics = step(state, (jnp.asarray(rows[:, :-1]), jnp.asarray(rows[:, 1:])))
+    np.testing.assert_allclose(float(metrics["loss"]), loss, rtol=RTOL)
