@@ -32,13 +32,14 @@ def _config(tmp_path, **overrides) -> TrainConfig:
 
 
 def _reference_losses(model: str, tmp_path) -> list[float]:
-    """SGD losses of ``model`` trained on one device with no mesh: the plain program."""
+    """SGD losses of ``model`` trained on one device with no mesh: the plain program (packed
+    documents, as ``--pack documents``, the default, trains)."""
     prepared = prepare(TrainConfig(**{**TINY, "model": model, "mesh": "dp=-1",
                                       "out": str(tmp_path / "ref")}))
     run = prepared.run
     batches = [prepared.inputs.train.batch(i) for i in range(STEPS)]
     return train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
-                            policy=run.policy).losses
+                            policy=run.policy, end_id=prepared.inputs.tokenizer.eos_id).losses
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +174,12 @@ def test_async_tensor_parallel_matches_one_device(dense_reference, tmp_path, mon
     _close(losses, dense_reference)
     # Collective matmul: per layer 4 rings (QKV and MLP-in all-gather, out and MLP-out
     # reduce-scatter) of tp - 1 = 7 hops of a [b, s/tp, dim] = [8, 4, 64] chunk, forward and
-    # backward: 4 layers x 4 x 7 x 2 = 224.
-    assert _count(_ops(plan, "collective-permute")) == 224
+    # backward: 4 layers x 4 x 7 x 2 = 224; plus, packing documents (--pack documents) on a
+    # sequence split over 'tp', one hop of the end-of-text flags (pred) to the next device: a
+    # document starts after an end-of-text that may sit on the previous device.
+    permutes = _ops(plan, "collective-permute")
+    assert _count(permutes) == 224 + 1
+    assert [op.dtype for op in permutes if op.dtype == "pred"] == ["pred"]
     assert _count(_ops(plan, "collective-permute", (8, 4, 64))) == 224
     # No all-gather of the activations inside the layers (the one full [b, s, dim] gather is
     # the final norm's output going into the vocabulary-parallel head, as in Megatron-SP).

@@ -163,9 +163,11 @@ class GPT2(nnx.Module):
                       positions: jax.Array | None = None, *,
                       segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+                      loss_weights: jax.Array | None = None,
                       ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``, both the mean token cross-entropy of ``targets``
-        under ``cast(logits)``: the interface every shardax language model shares (see
+        under ``cast(logits)`` (each times its ``loss_weights`` [b, s], if given; see
+        ``Llama.loss``): the interface every shardax language model shares (see
         ``Llama.training_loss``). GPT-2 has no context parallelism (``load_balanced``).
 
         Example::
@@ -177,7 +179,8 @@ class GPT2(nnx.Module):
                              "(or a llama model)")
         x = self._hidden(tokens, positions, segment_ids)
         # In sequence chunks: the whole [b, s, vocab] logits never exist (models.loss).
-        ce = chunked_cross_entropy(lambda h: cast(self._head(h)), x, targets)
+        ce = chunked_cross_entropy(lambda h: cast(self._head(h)), x, targets,
+                                   weights=loss_weights)
         return ce, ce
 
     def _hidden(self, tokens: jax.Array, positions: jax.Array | None,

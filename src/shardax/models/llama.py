@@ -338,10 +338,13 @@ class Llama(nnx.Module):
     def loss(self, tokens: jax.Array, targets: jax.Array, positions: jax.Array | None = None,
              *, segment_ids: jax.Array | None = None, load_balanced: bool = False,
              cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
-             stack: Callable | None = None,
+             stack: Callable | None = None, loss_weights: jax.Array | None = None,
              ) -> tuple[jax.Array, jax.Array]:
         """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
         ``cast(logits)``, and the MoE load-balancing loss (0 for a dense model).
+        ``loss_weights`` [b, s]: each token's cross-entropy is multiplied by its weight before
+        the mean (``shardax.models.loss.chunked_cross_entropy``; packed documents weigh out
+        the targets that start the next document: ``shardax.train.packing``).
 
         On a 'pp' mesh the final norm, head and cross-entropy run on the pipeline's output
         stage only (``pipeline(loss_fn=...)``): the outputs never leave it and just the two
@@ -364,10 +367,14 @@ class Llama(nnx.Module):
                              "pipeline")
         if axis_size("pp") <= 1:
             x, aux = self._layers(x, cos, sin, load_balanced, stack, segment_ids)
-            return self._cross_entropy(x, targets, *self._head_params(), cast=cast), aux
+            return self._cross_entropy(x, targets, *self._head_params(), cast=cast,
+                                       weights=loss_weights), aux
+        labels = _labels(targets, loss_weights)
 
-        def ce(out, targets, *head):
-            return self._cross_entropy(out[0], targets, *head, cast=cast, gather=False)
+        def ce(out, labels, *head):
+            targets, weights = _unlabel(labels)
+            return self._cross_entropy(out[0], targets, *head, cast=cast, gather=False,
+                                       weights=weights)
 
         if c.pp_schedule == "1f1b":  # it differentiates one scalar per microbatch
             if c.n_experts:
@@ -377,23 +384,23 @@ class Llama(nnx.Module):
                     "a mixture-of-experts model"
                 )
             loss = self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids, loss_fn=ce,
-                                  loss_batch_args=(targets,), loss_args=self._head_params())
+                                  loss_batch_args=(labels,), loss_args=self._head_params())
             return loss, jnp.zeros((), jnp.float32)
 
-        def stage_loss(out, targets, *head):
+        def stage_loss(out, labels, *head):
             aux = self._aux_loss(out) if c.n_experts else jnp.float32(0)
-            return jnp.stack([ce(out, targets, *head), aux])
+            return jnp.stack([ce(out, labels, *head), aux])
 
         both = self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids,
                               loss_fn=stage_loss,
-                              loss_batch_args=(targets,), loss_args=self._head_params())
+                              loss_batch_args=(labels,), loss_args=self._head_params())
         return both[0], both[1]
 
     def training_loss(self, tokens: jax.Array, targets: jax.Array,
                       positions: jax.Array | None = None, *,
                       segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
-                      stack: Callable | None = None,
+                      stack: Callable | None = None, loss_weights: jax.Array | None = None,
                       ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
         ``moe_aux_weight`` times the MoE load-balancing loss (the cross-entropy alone for a
@@ -410,24 +417,28 @@ class Llama(nnx.Module):
         c = self.config
         if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"):
             ce, aux = self.loss(tokens, targets, positions, segment_ids=segment_ids,
-                                load_balanced=load_balanced, cast=cast, stack=stack)
+                                load_balanced=load_balanced, cast=cast, stack=stack,
+                                loss_weights=loss_weights)
             return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
 
-        def objective(out, targets, *head):
-            ce = self._cross_entropy(out[0], targets, *head, cast=cast, gather=False)
+        def objective(out, labels, *head):
+            targets, weights = _unlabel(labels)
+            ce = self._cross_entropy(out[0], targets, *head, cast=cast, gather=False,
+                                     weights=weights)
             return ce + c.moe_aux_weight * self._aux_loss(out), ce
 
         x, cos, sin = self._embed(tokens, positions)
         return self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids,
                               loss_fn=objective,
-                              loss_batch_args=(targets,), loss_args=self._head_params(),
+                              loss_batch_args=(_labels(targets, loss_weights),),
+                              loss_args=self._head_params(),
                               loss_has_aux=True)
 
-    def _cross_entropy(self, x, targets, *head, cast, gather=True):
-        """Mean token cross-entropy from the final hidden states, in sequence chunks (never
-        the whole [b, s, vocab] logits; see ``shardax.models.loss``)."""
+    def _cross_entropy(self, x, targets, *head, cast, gather=True, weights=None):
+        """Mean token cross-entropy from the final hidden states (times ``weights``), in
+        sequence chunks (never the whole [b, s, vocab] logits; see ``shardax.models.loss``)."""
         return chunked_cross_entropy(lambda h: cast(self._head(h, *head)), x, targets,
-                                     gather=gather)
+                                     weights=weights, gather=gather)
 
     def _aux_loss(self, out):
         """The load-balancing loss from the pipeline's outputs (summed over layers per row)."""
@@ -514,18 +525,19 @@ class Llama(nnx.Module):
 
         def layer_fn(params, h):
             y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced,
-                                                 h[-1] if segs else None)
+                                                 h[-1].astype(jnp.int32) if segs else None)
             rest = h[3:]
             if c.n_experts:
                 rest = (rest[0] + aux, *rest[1:])
             return (y, h[1], h[2], *rest)
 
+        schedule = c.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
         h = (x, cos, sin)
         if c.n_experts:
             h += (jnp.zeros(x.shape[:1], jnp.float32),)
         if segs:
-            h += (segment_ids,)
-        schedule = c.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
+            # 1f1b carries floating-point activations only (ids < 2**24 are exact in float32).
+            h += (segment_ids.astype(jnp.float32) if schedule == "1f1b" else segment_ids,)
         # Every schedule stores each layer's input and recomputes the layer in the backward
         # pass (what remat='full' asks for). A policy that saves more (save_dots, offload)
         # applies on top; under 1f1b it can only save within one layer's recomputation.
@@ -541,3 +553,14 @@ class Llama(nnx.Module):
             return out
         aux = self._aux_loss(out) if c.n_experts else jnp.zeros((), jnp.float32)
         return out[0], aux
+
+
+def _labels(targets: jax.Array, weights: jax.Array | None) -> Any:
+    """What a pipeline stage's loss takes per row: the targets, with the loss weights if
+    any."""
+    return targets if weights is None else (targets, weights)
+
+
+def _unlabel(labels: Any) -> tuple:
+    """``(targets, weights)`` of `_labels`' result (weights None without them)."""
+    return labels if isinstance(labels, tuple) else (labels, None)

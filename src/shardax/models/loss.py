@@ -45,6 +45,7 @@ def chunked_cross_entropy(
     targets: jax.Array,
     mask: jax.Array | None = None,
     *,
+    weights: jax.Array | None = None,
     gather: bool = True,
     chunk_len: int | None = None,
 ) -> jax.Array:
@@ -52,6 +53,11 @@ def chunked_cross_entropy(
     ``logits_fn`` maps [b, c, ...] to [b, c, vocab] logits), over positions where ``mask``
     is true, computed ``chunk_len`` positions at a time (default: chunks of at most
     ``MAX_CHUNK_LOGITS`` logits). One chunk gives exactly ``cross_entropy``.
+
+    ``weights`` [b, s] (instead of a mask): the plain mean over all positions of each token's
+    cross-entropy times its weight. Weights ``mask * (tokens / unmasked tokens)`` of a whole
+    batch give its masked mean however the batch is split into equal parts whose means are
+    averaged (data shards, microbatches): `shardax.train.packing.loss_weights`.
 
     The chunks are strided (chunk ``i`` holds positions ``i, i + n, ...``): a sequence axis
     sharded over the mesh splits each chunk the same way, so no chunk needs resharding.
@@ -61,6 +67,8 @@ def chunked_cross_entropy(
         loss = chunked_cross_entropy(head, x, targets, chunk_len=512)
     """
     b, s = targets.shape
+    if mask is not None and weights is not None:
+        raise ValueError("give a mask or weights, not both")
     if x.shape[:2] != (b, s):
         raise ValueError(f"hidden states {x.shape} and targets {targets.shape} disagree on "
                          "[batch, seq]")
@@ -68,7 +76,14 @@ def chunked_cross_entropy(
         vocab = jax.eval_shape(logits_fn, x[:, :1]).shape[-1]
         chunk_len = max(1, MAX_CHUNK_LOGITS // max(b * vocab, 1))
     n = num_chunks(s, chunk_len)
-    if n == 1:
+    if weights is not None:
+        if weights.shape != targets.shape:
+            raise ValueError(f"weights {weights.shape} must match targets {targets.shape}")
+        weights = weights.astype(jnp.float32)
+        if n == 1:
+            return jnp.mean(token_nll(logits_fn(x), targets, gather=gather) * weights)
+        mask = weights
+    elif n == 1:
         return cross_entropy(logits_fn(x), targets, mask, gather=gather)
     if mask is None:
         mask = jnp.ones((b, s), jnp.float32)
@@ -85,4 +100,4 @@ def chunked_cross_entropy(
 
     mask = mask.astype(jnp.float32)
     total = jax.lax.map(chunk, (strided(x), strided(targets), strided(mask))).sum()
-    return total / jnp.maximum(mask.sum(), 1.0)
+    return total / (b * s if weights is not None else jnp.maximum(mask.sum(), 1.0))

@@ -286,8 +286,11 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array, lse: jax
 
         zeros = _varying(jnp.zeros(kj.shape, f32), kj, vj, kpj, ksj, qb, dob, lseb, deltab, qpb,
                          qsb)
+        # The block index varies like dq: under vmap (a pipeline's stages) the cond becomes a
+        # select, and its scatter into dq must not mix varying and invariant indices.
+        index = _varying(jnp.arange(nq), dq)
         (dk, dv, dq), _ = jax.lax.scan(
-            q_step, (zeros, zeros, dq), (jnp.arange(nq), qb, dob, lseb, deltab, qpb, qsb))
+            q_step, (zeros, zeros, dq), (index, qb, dob, lseb, deltab, qpb, qsb))
         return dq, (dk, dv)
 
     dq = _varying(jnp.zeros(qb.shape, f32), qb, dob, lseb, deltab, qpb, qsb, kb, vb, kpb, ksb)

@@ -42,9 +42,11 @@ __all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
                "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
-               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode")
-# Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs.
-_REMAT_FACTOR = {"none": 1.0, "save_dots": 1.0, "offload": 1.0, "full": 8 / 6}
+               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack")
+# Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
+# 'names:'/'offload:' policy keeps only some activations: counted as recomputing all (an
+# upper bound).
+_REMAT_FACTOR = {"none": 1.0, "dots": 1.0, "save_dots": 1.0, "offload": 1.0, "full": 8 / 6}
 
 
 @dataclass
@@ -149,7 +151,7 @@ def train_command(config: dict[str, Any]) -> str:
 def remat_factor(model_config: Any, seq_len: int) -> float:
     """Executed FLOPs / model FLOPs under the model's remat policy (layers only: the output
     head is not rematerialised)."""
-    factor = _REMAT_FACTOR[model_config.remat]
+    factor = _REMAT_FACTOR.get(model_config.remat, _REMAT_FACTOR["full"])
     total = flops_per_token(model_config, seq_len)
     head = 6.0 * model_config.vocab_size * model_config.dim
     return (head + (total - head) * factor) / total
@@ -177,7 +179,7 @@ def compile_config(run: Resolved) -> Compiled:
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state_shape, shardings)
     batch = (jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32),) * 2
-    plan = step_function(run, graphdef).plan(state, batch)
+    plan = step_function(run, graphdef, end_id=0).plan(state, batch)  # any id: same program
     collectives = {k: {"count": v.count, "bytes": v.bytes} for k, v in plan.collectives.items()}
     return Compiled(plan.memory, collectives, jax.device_count(), dict(run.mesh.shape),
                     time.perf_counter() - start)

@@ -202,7 +202,7 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
     per_layer = {
         "none": tokens * (30 * h + 5 * c.n_heads * config.seq_len / cp) * act / 2 / tp,
         "save_dots": tokens * (4 * h + 3 * c.mlp_dim) * act / tp,
-    }.get(config.remat, tokens * h * act)
+    }.get("save_dots" if config.remat == "dots" else config.remat, tokens * h * act)
     logits = 2 * tokens * c.vocab_size * 4 / tp
     return per_layer * c.n_layers / pp * in_flight + logits
 

@@ -30,13 +30,16 @@ from shardax.train.step import TrainState, init_state, train_step
 __all__ = ["abstract", "create", "create_from_hf", "step_function"]
 
 
-def step_function(run: Resolved, graphdef: Any):
+def step_function(run: Resolved, graphdef: Any, end_id: int | None = None):
     """The sharded train step of a resolved config (a ``ShardedFunction``: call it with
-    ``(state, batch)``, or ``.plan()`` it); the state is donated."""
+    ``(state, batch)``, or ``.plan()`` it); the state is donated. ``end_id``: the tokenizer's
+    end-of-text id, which separates packed documents under ``--pack documents`` (ignored
+    under ``--pack concat``; planning may pass any id)."""
     rules, mesh = run.rules, run.mesh
     return mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
-                grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode),
+                grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode,
+                end_id=end_id if run.config.pack == "documents" else None),
         in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
         out_shardings=(rules, None),
         donate_argnums=0,

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 
 from shardax import models
 from shardax.mesh import parse_mesh_string
+from shardax.models.remat import check_remat
 from shardax.precision import Policy
 from shardax.train.profiler import parse_profile_steps
 from shardax.train.trackers import MissingExtra, check_installed, parse_log_to
@@ -86,8 +87,19 @@ class TrainConfig:
     """peak learning rate (adamw: linear warm-up, cosine decay to a tenth)"""
     precision: str = "float32"
     """float32, bfloat16, float16 or params=float32,compute=bfloat16,output=float32"""
-    remat: Literal["none", "full", "save_dots", "offload"] = "none"
-    """activation rematerialisation of each layer"""
+    remat: str = "none"
+    """activation rematerialisation of each layer: none, full (recompute all), dots (save the
+    matmul outputs; alias save_dots), offload (those to host memory), names:q,k,v (save just
+    these named activations), offload:q,k (these to host memory); names are in
+    shardax.models.remat.CHECKPOINT_NAMES"""
+    attention: Literal["auto", "cudnn", "xla", "blockwise", "einsum"] = "auto"
+    """attention implementation: auto (cudnn on NVIDIA GPUs, else blockwise from 1024 tokens,
+    else xla), cudnn, xla (jax.nn.dot_product_attention), blockwise (flash-style, memory
+    linear in the sequence), einsum (the whole score matrix; the reference)"""
+    pack: Literal["documents", "concat"] = "documents"
+    """how documents share a sequence: documents (each token attends only within its document,
+    RoPE positions restart at each document, no loss across a boundary), concat (one stream,
+    as if it were one document)"""
     scan_layers: bool = False
     """stack the layers on a 'layers' axis and run them with nnx.scan (faster compiles; a 'pp'
     axis implies it)"""
@@ -169,6 +181,9 @@ class GenerateConfig:
     """sampling seed, in [0, 2**32)"""
     step: int | None = None
     """checkpoint step to sample from (default: the newest good one)"""
+    attention: Literal["auto", "cudnn", "xla", "blockwise", "einsum"] | None = None
+    """attention implementation while sampling (default: the run's --attention; auto with
+    --from)"""
 
 
 @dataclass
@@ -345,6 +360,10 @@ def check(config: TrainConfig) -> TrainConfig:
            f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
     _usage(config.rules in models.PRESETS,
            f"unknown --rules {config.rules!r}; known presets: {sorted(models.PRESETS)}")
+    try:
+        check_remat(config.remat)
+    except ValueError as e:
+        raise UsageError(f"--remat: {e}") from None
     # Last, the checks that other modules make: the mesh string, the precision policy, the
     # profiler's steps and the trackers' packages.
     parse_mesh(config.mesh)

@@ -11,6 +11,7 @@ never from ``config.json``. A damaged newest checkpoint is skipped with a note o
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,12 +40,16 @@ def _note(message: str) -> None:
 
 
 def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | None = None,
-                  rules: Any = None) -> tuple[Any, nnx.Module, MeshShardingHelper]:
+                  rules: Any = None, attention: str | None = None
+                  ) -> tuple[Any, nnx.Module, MeshShardingHelper]:
     """``(model_config, model, mesh)`` of checkpoint ``step`` (default: the newest good one) of
     a checked run directory (`check_run`), read-only, without the run's parallelism flags.
     ``mesh_spec`` defaults to ``dp=<all devices>`` with the model replicated; with ``rules``
-    (a preset list) the parameters are restored sharded by them instead."""
+    (a preset list) the parameters are restored sharded by them instead. ``attention``
+    replaces the run's ``--attention``."""
     config = run_dir.saved
+    if attention is not None:
+        config = dataclasses.replace(config, attention=attention)
     # A pipelined run saved its layers stacked, which the model keeps.
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
     model = model_config(config, Policy.from_string(config.precision), init_dir,
@@ -83,7 +88,8 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
         try:
             has_tokenizer = (Path(directory) / "tokenizer.json").is_file()
             tokenizer = load_tokenizer(directory if has_tokenizer else BYTES)
-            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]))
+            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
+                                  attention=config.attention or "auto")
         except ValueError as e:
             raise UsageError(f"--from {config.source}: {e}") from None
     else:
@@ -92,19 +98,21 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
             tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
         except ValueError as e:
             raise UsageError(f"--out {config.out}: {e}") from None
-        _, model, _ = restore_model(run_dir, config.step)
+        _, model, _ = restore_model(run_dir, config.step, attention=config.attention)
     return _sample(model, tokenizer, prompts, config.max_tokens, config.temperature,
                    config.seed, stats)
 
 
 def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int = 200,
              temperature: float = 0.8, seed: int = 0, step: int | None = None, *,
-             source: str | None = None, stats: dict | None = None) -> str | list[str]:
+             source: str | None = None, stats: dict | None = None,
+             attention: str | None = None) -> str | list[str]:
     """The ``prompt`` followed by ``max_tokens`` tokens sampled from the newest good checkpoint
     in run directory ``out`` (or checkpoint ``step``), or from the Hugging Face model ``source``
     (``'hf:DIR'``); ``temperature`` 0 takes the likeliest token. Text goes through the run's
     tokenizer (bytes, or its copy of a Hugging Face tokenizer), or the ``tokenizer.json`` of
-    ``source`` (bytes when it has none). Several prompts (a list) are sampled as one batch with
+    ``source`` (bytes when it has none). ``attention``: the implementation to sample with
+    (default: the run's). Several prompts (a list) are sampled as one batch with
     the KV cache and give a list of texts: `sample` of a `GenerateConfig`.
 
     >>> generate(None, ["def ", "class "], 32, source="hf:llama")  # doctest: +SKIP
@@ -112,7 +120,8 @@ def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int 
     prompts = [prompt] if isinstance(prompt, str) else list(prompt)
     config = check_generate(GenerateConfig(
         out=out, source=source, prompt=prompts[0] if prompts else "", prompts=prompts[1:],
-        max_tokens=max_tokens, temperature=temperature, seed=seed, step=step))
+        max_tokens=max_tokens, temperature=temperature, seed=seed, step=step,
+        attention=attention))
     texts = sample(config, stats=stats)
     return texts[0] if isinstance(prompt, str) else texts
 def _sample(model: nnx.Module, tokenizer: Tokenizer, prompts: list[str], max_tokens: int,

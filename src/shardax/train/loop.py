@@ -149,6 +149,7 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
     print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "
           f"{jax.device_count()} devices, mesh {run.mesh.shape}, rules {config.rules!r}, "
           f"precision {run.policy}")
+    print(run.attention_summary())
     if run.mesh.shape.get("fsdp", 1) > 1:
         print(run.fsdp_summary())
     if run.mesh.shape.get("pp", 1) > 1:
@@ -232,8 +233,9 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     if is_main:
         metrics_log.start(records)
 
-    step_fn = build.step_function(run, graphdef)
-    evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy),
+    end_id = inputs.tokenizer.eos_id if config.pack == "documents" else None
+    step_fn = build.step_function(run, graphdef, end_id)
+    evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy, end_id=end_id),
                          in_shardings=(rules, inputs.sharding.spec))
     first = inputs.batch(start)
     plan = step_fn.plan(state, first)

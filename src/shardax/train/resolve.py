@@ -28,6 +28,7 @@ import optax
 
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
+from shardax.models.attention import resolve_implementation
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
@@ -57,13 +58,14 @@ def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
                  pipelined: bool = False) -> Any:
     """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
-    the precision ``policy``, ``--remat`` and ``--seq-len`` applied (no parallelism flags);
-    layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in checkpoints too)."""
+    the precision ``policy``, ``--remat``, ``--attention`` and ``--seq-len`` applied (no
+    parallelism flags); layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in
+    checkpoints too)."""
     scan = config.scan_layers or pipelined
     if init_dir is not None:
         try:
-            c = hf.load_config(init_dir, remat=config.remat, dtype=policy.compute,
-                               param_dtype=policy.params)
+            c = hf.load_config(init_dir, remat=config.remat, attention=config.attention,
+                               dtype=policy.compute, param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
         c = dataclasses.replace(c, scan_layers=c.scan_layers or scan)
@@ -73,7 +75,8 @@ def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = No
         return c
     preset = models.CONFIGS[config.model]
     return models.get_config(
-        config.model, remat=config.remat, dtype=policy.compute, param_dtype=policy.params,
+        config.model, remat=config.remat, attention=config.attention, dtype=policy.compute,
+        param_dtype=policy.params,
         max_seq_len=max(config.seq_len, preset.max_seq_len),
         scan_layers=scan or preset.scan_layers)
 
@@ -165,6 +168,21 @@ class Resolved:
                        else "") + ")")
         return ("fsdp: xla (the partitioner, from the shardings; --fsdp-mode "
                 f"{self.config.fsdp_mode})")
+
+    def attention_summary(self) -> str:
+        """One line for the train banner: the attention implementation that runs (``auto``
+        resolved for this backend, dtype and sequence length) and how documents are packed."""
+        c, config = self.model_config, self.config
+        q = jax.ShapeDtypeStruct((1, config.seq_len, c.n_heads, c.dim // c.n_heads), c.dtype)
+        packed = config.pack == "documents"
+        impl = resolve_implementation(c.attention, q, q, custom_mask=packed)
+        if self.mesh.shape.get("cp", 1) > 1:
+            impl = f"ring attention over 'cp' (blockwise steps; --attention {c.attention})"
+        elif impl != c.attention:
+            impl += f" (--attention {c.attention})"
+        pack = ("documents (attention and RoPE positions restart at each end-of-text, no loss "
+                "across it)" if packed else "concat (one stream)")
+        return f"attention: {impl}; pack: {pack}"
 
     def pipeline_summary(self) -> str:
         """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""

@@ -108,6 +108,9 @@ def load_run_config(out: str | Path, flag_name: str = "--out") -> TrainConfig:
     except json.JSONDecodeError as e:
         raise UsageError(f"{path} is not valid JSON ({e}); restore it from a copy, or copy "
                          "'config' from a checkpoint's extra/metadata") from None
+    if isinstance(values, dict):
+        # A run from before --pack trained its rows as one stream: it keeps doing so.
+        values.setdefault("pack", "concat")
     return from_dict(TrainConfig, values, where=f"{path}: ")
 
 

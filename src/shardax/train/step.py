@@ -35,6 +35,7 @@ from shardax.models import Llama
 from shardax.models._layers import remat_policy
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
+from shardax.train import packing
 
 __all__ = ["FSDP_MODES", "TrainState", "init_state", "train_step", "eval_loss", "make_optimizer",
            "make_schedule"]
@@ -86,26 +87,36 @@ def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformatio
     return graphdef, TrainState(params, rest, tx.init(params), jnp.int32(0))
 
 
-def _loss(params, rest, graphdef, inputs, targets, policy: Policy):
+def _loss(params, rest, graphdef, inputs, targets, policy: Policy, weights=None,
+          end_id: int | None = None):
     """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss. Every
     shardax language model has ``training_loss`` (``shardax.models``)."""
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    inputs, targets, positions, balanced = _with_positions(inputs, targets)
-    return model.training_loss(inputs, targets, positions, load_balanced=balanced,
-                               cast=policy.cast_to_output)
+    inputs, targets, kwargs = _with_positions(inputs, targets, weights, end_id)
+    return model.training_loss(inputs, targets, cast=policy.cast_to_output, **kwargs)
 
 
-def _with_positions(inputs, targets) -> tuple:
-    """``(inputs, targets, positions, load_balanced)``: with a 'cp' axis, in ring attention's
-    load-balanced order."""
+def _with_positions(inputs, targets, weights=None, end_id: int | None = None) -> tuple:
+    """``(inputs, targets, kwargs)``, ``kwargs`` the rest of ``training_loss``'s arguments:
+    RoPE ``positions`` and ``load_balanced``, and with packed documents (``end_id``: the
+    end-of-text id) ``segment_ids`` and ``loss_weights`` (``weights``, else those of these
+    rows alone); with a 'cp' axis, all in ring attention's load-balanced order."""
     cp = axis_size("cp")
-    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+    if end_id is None:
+        positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+        docs = {}
+    else:
+        segment_ids, positions, mask = packing.documents(inputs, end_id)
+        docs = {"segment_ids": segment_ids,
+                "loss_weights": packing.loss_weights(mask) if weights is None else weights}
     if cp > 1:
         inputs, targets, positions = (load_balance(a, cp) for a in (inputs, targets, positions))
-    return inputs, targets, positions, cp > 1
+        docs = {k: load_balance(a, cp) for k, a in docs.items()}
+    return inputs, targets, {"positions": positions, "load_balanced": cp > 1, **docs}
 
 
-def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum, param_rules):
+def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rules,
+                   end_id: int | None):
     """``(loss, grads)`` under explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked
     layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
     in float32; the other parameters (embedding, head, final norm) are gathered once."""
@@ -113,7 +124,7 @@ def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum,
         raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
     rest = state.rest
 
-    def loss_fn(gather, params, inputs, targets):
+    def loss_fn(gather, params, inputs, targets, *weights):
         top = jax.tree_util.tree_map_with_path(
             lambda path, leaf: gather.local(leaf) if _key(path) == "layers" else gather(leaf),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
@@ -132,12 +143,12 @@ def _explicit_fsdp(state, inputs, targets, graphdef, policy: Policy, grad_accum,
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
                                     x, policy=policy_)
 
-        inputs, targets, positions, balanced = _with_positions(inputs, targets)
-        return model.training_loss(inputs, targets, positions, load_balanced=balanced,
-                                   cast=policy.cast_to_output, stack=stack)[0]
+        inputs, targets, kwargs = _with_positions(inputs, targets, *weights, end_id=end_id)
+        return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
+                                   **kwargs)[0]
 
     return fsdp.value_and_grad(
-        loss_fn, state.params, param_rules.apply(state.params), inputs, targets,
+        loss_fn, state.params, param_rules.apply(state.params), *batch,
         grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
 
 
@@ -157,37 +168,44 @@ def train_step(
     grad_accum: int = 1,
     param_rules: Any = None,
     fsdp_mode: str = "xla",
+    end_id: int | None = None,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
     (a dense llama; ``param_rules`` give the parameters' sharding; gradients
-    of the microbatches are summed full-size in float32 and reduce-scattered once)."""
+    of the microbatches are summed full-size in float32 and reduce-scattered once).
+
+    ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
+    token id; attention and RoPE positions restart after it and the loss is the mean over the
+    batch's targets that do not start a new document (``shardax.train.packing``). None: the
+    rows are one stream."""
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
     inputs, targets = batch
+    if end_id is not None:  # weights of the whole batch: any split of it averages to its mean
+        batch = (inputs, targets, packing.loss_weights(packing.documents(inputs, end_id)[2]))
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     if fsdp_mode == "explicit":
-        loss, grads = _explicit_fsdp(state, inputs, targets, graphdef, policy, grad_accum,
-                                     param_rules)
+        loss, grads = _explicit_fsdp(state, batch, graphdef, policy, grad_accum, param_rules,
+                                     end_id)
     elif grad_accum == 1:
-        (loss, _), grads = grad_fn(state.params, state.rest, graphdef, inputs, targets,
-                                   policy)
+        (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *batch[:2], policy,
+                                   *batch[2:], end_id=end_id)
     else:
         def accumulate(carry, micro):
             loss_sum, grad_sum = carry
-            micro_in = with_logical_constraint(micro[0], ("batch", "length"))
-            micro_tg = with_logical_constraint(micro[1], ("batch", "length"))
-            (loss, _), grads = grad_fn(state.params, state.rest, graphdef, micro_in,
-                                       micro_tg, policy)
+            micro = [with_logical_constraint(a, ("batch", "length")) for a in micro]
+            (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *micro[:2],
+                                       policy, *micro[2:], end_id=end_id)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             if param_rules is not None:
                 grad_sum = with_sharding_constraint(grad_sum, param_rules)
             return (loss_sum + loss, grad_sum), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        micro = (to_microbatches(inputs, grad_accum), to_microbatches(targets, grad_accum))
+        micro = tuple(to_microbatches(a, grad_accum) for a in batch)
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
         loss = loss / grad_accum
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
@@ -198,6 +216,7 @@ def train_step(
 
 
 def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
-              policy: Policy = FULL_PRECISION) -> jax.Array:
-    """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss)."""
-    return _loss(state.params, state.rest, graphdef, *batch, policy)[1]
+              policy: Policy = FULL_PRECISION, end_id: int | None = None) -> jax.Array:
+    """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss);
+    ``end_id`` as for `train_step`."""
+    return _loss(state.params, state.rest, graphdef, *batch, policy, end_id=end_id)[1]
