@@ -44,7 +44,7 @@ PROFILE_DIR = "profile"
 #: ``steps`` may grow).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
                    "lr", "grad_accum", "precision", "tokenizer", "text_field", "token_dtype",
-                   "scan_layers")
+                   "scan_layers", "pack")
 
 
 @dataclass
