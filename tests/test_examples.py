@@ -24,6 +24,15 @@ EXAMPLES = {
     "nnx_sharded_init.py": ["-> P(None, 'model')", "bit-identical to the single-device init: True"],
     "equinox_fsdp.py": ["params/layers/1/weight", "('fsdp', None)"],
 }
+# examples with their own output (no fixed step count): example -> text the output must contain
+SELF_CHECKING = {
+    "quickstart.py": ["step  29  loss"],
+    "pipeline_classifier.py": ["60 steps in"],
+    "ring_attention.py": ["collective-permute in HLO: True, all-gather: False"],
+    "moe_expert_parallel.py": ["300 steps in", "all-to-all"],
+    "tensor_parallel_async.py": [
+        "all modes agree with each other and with the single-device result"],
+}
 LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.]+)", re.MULTILINE)
 
 
@@ -46,3 +55,14 @@ def test_example_runs_and_trains(name):
     losses = [(int(s), float(v)) for s, v in LOSS.findall(out)]
     assert [s for s, _ in losses][0] == 0 and losses[-1][0] == STEPS - 1, out
     assert losses[-1][1] < losses[0][1], f"{name}: loss did not fall: {losses}"
+
+
+@pytest.mark.parametrize("name", sorted(SELF_CHECKING))
+def test_example_runs_and_prints_its_check(name):
+    out = run_example(name)
+    for needle in SELF_CHECKING[name]:
+        assert needle in out, f"{needle!r} not in the output of {name}:\n{out}"
+
+
+def test_every_example_is_run():
+    assert {p.name for p in (ROOT / "examples").glob("*.py")} == {*EXAMPLES, *SELF_CHECKING}
