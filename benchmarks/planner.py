@@ -78,7 +78,7 @@ def measure_step(config: TrainConfig) -> float:
     graphdef, _ = abstract(run.model_config, run.tx, config.seed, run.mesh)
     state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed)[1],
                           out_shardings=run.rules)()
-    step = step_function(run, graphdef)
+    step = step_function(run, graphdef, end_id=0)  # any id: the program the planner compiled
     key = jax.random.key(0)
     tokens = jax.random.randint(key, (config.batch_size, config.seq_len + 1), 0, 32000)
     batch = (tokens[:, :-1], tokens[:, 1:])

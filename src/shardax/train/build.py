@@ -8,7 +8,7 @@ reads the config's strings or the training data.
 >>> from shardax.train.resolve import resolve
 >>> run = resolve(check(TrainConfig(batch_size=8)))
 >>> graphdef, state_shape = abstract(run.model_config, run.tx, run.config.seed, run.mesh)
->>> step = step_function(run, graphdef)      # call it with (state, batch), or .plan() it
+>>> step = step_function(run, graphdef, end_id=0)  # call it with (state, batch), or .plan() it
 >>> int(state_shape.step.size)
 1
 """
@@ -30,11 +30,14 @@ from shardax.train.step import TrainState, init_state, train_step
 __all__ = ["abstract", "create", "create_from_hf", "step_function"]
 
 
-def step_function(run: Resolved, graphdef: Any, end_id: int | None = None):
+def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
     """The sharded train step of a resolved config (a ``ShardedFunction``: call it with
     ``(state, batch)``, or ``.plan()`` it); the state is donated. ``end_id``: the tokenizer's
-    end-of-text id, which separates packed documents under ``--pack documents`` (ignored
-    under ``--pack concat``; planning may pass any id)."""
+    end-of-text id, which separates packed documents under ``--pack documents`` (required
+    there; ignored under ``--pack concat``; planning may pass any id: same program)."""
+    if run.config.pack == "documents" and end_id is None:
+        raise ValueError("step_function: --pack documents needs the tokenizer's end-of-text "
+                         "id (end_id)")
     rules, mesh = run.rules, run.mesh
     return mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,

@@ -234,7 +234,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
         metrics_log.start(records)
 
     end_id = inputs.tokenizer.eos_id if config.pack == "documents" else None
-    step_fn = build.step_function(run, graphdef, end_id)
+    step_fn = build.step_function(run, graphdef, end_id=end_id)
     evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy, end_id=end_id),
                          in_shardings=(rules, inputs.sharding.spec))
     first = inputs.batch(start)
