@@ -20,11 +20,13 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from shardax.filecheck import open_regular, read_regular
 
 __all__ = ["ReadLog", "SafetensorsFile", "dtype_code", "write_safetensors"]
 
@@ -35,6 +37,10 @@ _DTYPES = {
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
+INDEX_NAME = "model.safetensors.index.json"
+# The safetensors package's own limit on a header; and one on config.json / index JSON files.
+MAX_HEADER_BYTES = 100_000_000
+MAX_JSON_BYTES = 64 * 2**20
 
 
 def dtype_code(dtype: object) -> str:
@@ -63,16 +69,30 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike, log: ReadLog | None = None):
         self.path = Path(path)
         self.log = log
-        with open(self.path, "rb") as f:
-            raw = f.read(8)
+        fd = open_regular(self.path)  # never a FIFO or device: see shardax.filecheck
+        try:
+            size = os.fstat(fd).st_size
+            raw = os.pread(fd, 8, 0)
             if len(raw) != 8:
                 raise ValueError(f"{self.path}: not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", raw)
-            try:
-                header = json.loads(f.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ValueError(f"{self.path}: damaged safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+            if n > min(MAX_HEADER_BYTES, size - 8):  # checked before anything is allocated
+                raise ValueError(f"{self.path}: damaged safetensors header: its length field "
+                                 f"says {n} bytes, the file holds {size} bytes (at most "
+                                 f"{MAX_HEADER_BYTES} are allowed)")
+            text = os.pread(fd, n, 8)
+        finally:
+            os.close(fd)
+        try:
+            header = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"{self.path}: damaged safetensors header ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{self.path}: damaged safetensors header (a JSON "
+                             f"{type(header).__name__}, expected an object)")
+        metadata = header.pop("__metadata__", None) or {}
+        self.metadata = metadata if isinstance(metadata, dict) else {}
+        _check_header(self.path, header, size - 8 - n)
         self.tensors: dict[str, dict] = header
         self._data_start = 8 + n
 
@@ -108,8 +128,8 @@ class SafetensorsFile:
                 a, b = ranges[k - 1]
                 run_len = (b - a) * math.prod(shape[k:])
                 runs = [(idx, a) for idx in itertools.product(*(range(*r) for r in ranges[:k - 1]))]
-            with open(self.path, "rb") as f:
-                fd = f.fileno()
+            fd = open_regular(self.path)
+            try:
                 for i, (idx, start) in enumerate(runs):
                     offset = base + sum(j * s for j, s in zip(idx, strides)) + (
                         start * strides[k - 1] if k else 0)
@@ -117,6 +137,8 @@ class SafetensorsFile:
                     if len(data) != run_len * dtype.itemsize:
                         raise ValueError(f"{self.path}: truncated data for tensor {name!r}")
                     flat[i * run_len:(i + 1) * run_len] = np.frombuffer(data, dtype)
+            finally:
+                os.close(fd)
         if self.log is not None:
             self.log.reads.append((self.path.name, name, tuple(ranges), out.nbytes))
         return out
@@ -151,19 +173,107 @@ def write_safetensors(path: str | os.PathLike, specs: Mapping[str, tuple[object,
 def tensor_index(directory: str | os.PathLike, log: ReadLog | None = None,
                  ) -> dict[str, SafetensorsFile]:
     """``{tensor name: file}`` over a model directory's ``*.safetensors`` (through
-    ``model.safetensors.index.json`` when present)."""
+    ``model.safetensors.index.json`` when present), every header checked (`SafetensorsFile`).
+
+    Raises ``ValueError`` naming the file for a damaged index, a file outside the directory
+    (an absolute or ``..`` path, or a symlink leaving it: only the Hugging Face hub cache's
+    snapshot -> blob links may), a file that is not a regular one, or a tensor held twice."""
     d = Path(directory)
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {f: SafetensorsFile(d / f, log) for f in sorted(set(weight_map.values()))}
+    index = d / INDEX_NAME
+    if index.exists() or index.is_symlink():
+        weight_map = _weight_map(_inside(d, INDEX_NAME, None))
+        files = {f: SafetensorsFile(_inside(d, f, index), log)
+                 for f in sorted(set(weight_map.values()))}
+        for name, f in weight_map.items():
+            if name not in files[f].tensors:
+                raise ValueError(f"{index}: weight_map puts tensor {name!r} in {f}, whose header "
+                                 "does not hold it")
         return {name: files[f] for name, f in weight_map.items()}
-    paths: Iterable[Path] = sorted(d.glob("*.safetensors"))
     out: dict[str, SafetensorsFile] = {}
-    for p in paths:
-        f = SafetensorsFile(p, log)
-        out.update({name: f for name in f.tensors})
+    for p in sorted(d.glob("*.safetensors")):
+        f = SafetensorsFile(_inside(d, p.name, None), log)
+        for name in f.tensors:
+            if name in out:
+                raise ValueError(f"{d}: tensor {name!r} is in both {out[name].path.name} and "
+                                 f"{p.name} (a stale file of an earlier export?)")
+            out[name] = f
     if not out:
         raise ValueError(f"{d}: no *.safetensors files (PyTorch .bin checkpoints are not read; "
                          "convert them with transformers' save_pretrained(safe_serialization)")
     return out
+
+
+def _check_header(path: Path, header: dict, data_bytes: int) -> None:
+    """Every tensor entry well formed, its byte span that of its dtype and shape, inside the
+    file's ``data_bytes``, and overlapping no other tensor's (as the safetensors package
+    requires), so that no read goes past the file or takes one tensor's bytes for another."""
+    spans = []
+    for name, entry in header.items():
+        where = f"{path}: damaged safetensors header: tensor {name!r}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} is a JSON {type(entry).__name__}, expected an object")
+        code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(code, str) or code not in _DTYPES:
+            raise ValueError(f"{where} has unsupported dtype {code!r} (known: {list(_DTYPES)})")
+        if not isinstance(shape, list) or not all(_count(n) for n in shape):
+            raise ValueError(f"{where} has shape {shape!r}, expected a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_count, offsets))
+                and offsets[0] <= offsets[1]):
+            raise ValueError(f"{where} has data_offsets {offsets!r}, expected [begin, end]")
+        want = _DTYPES[code].itemsize * math.prod(shape)
+        begin, end = offsets
+        if end - begin != want:
+            raise ValueError(f"{where}: {code}{shape} takes {want} bytes but its data_offsets "
+                             f"{offsets} span {end - begin} (the dtype or shape disagrees with "
+                             "the data)")
+        if end > data_bytes:
+            raise ValueError(f"{where}: data_offsets {offsets} end past the data in the file "
+                             f"({data_bytes} bytes; the file is truncated or the header lies)")
+        if want:
+            spans.append((begin, end, name))
+    spans.sort()
+    for (_, end0, name0), (begin1, _, name1) in zip(spans, spans[1:]):
+        if begin1 < end0:
+            raise ValueError(f"{path}: damaged safetensors header: tensors {name0!r} and "
+                             f"{name1!r} overlap (bytes {begin1}..{end0})")
+
+
+def _count(n: object) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _inside(d: Path, name: object, index: Path | None) -> Path:
+    """``d / name``, refused unless it stays in ``d`` (a symlink may lead only from a hub cache
+    snapshot to its blobs: ``models--org--name/snapshots/REV/f -> ../../blobs/SHA``)."""
+    where = f"{index}: weight_map names {name!r}, which" if index else f"{d / str(name)}"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where} is not a file name")
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"{where} is outside the model directory {d}")
+    path = d / rel
+    root, real = d.resolve(), path.resolve()
+    hub_blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if not (real.is_relative_to(root) or (hub_blobs and real.parent == hub_blobs)):
+        raise ValueError(f"{where} is a symlink to {real}, outside the model directory {d}")
+    return path
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a ``model.safetensors.index.json``, checked to be
+    ``{tensor: file name}``."""
+    raw = read_regular(index, limit=MAX_JSON_BYTES)
+    try:
+        value = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{index}: not valid JSON ({e})") from None
+    weight_map = value.get("weight_map") if isinstance(value, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        got = ("no 'weight_map'" if weight_map is None else
+               f"'weight_map' is a JSON {type(weight_map).__name__}" if weight_map != {} else
+               "'weight_map' is empty")
+        raise ValueError(f"{index}: {got}; expected {{tensor name: file name}}")
+    for name, f in weight_map.items():
+        if not isinstance(f, str):
+            raise ValueError(f"{index}: weight_map[{name!r}] is {f!r}, expected a file name")
+    return weight_map

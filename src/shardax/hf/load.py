@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardax import models
 from shardax._compat import make_mesh
+from shardax.hf.checks import check_tensors, read_config_json
 from shardax.hf.configs import config_from_hf
 from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
 from shardax.hf.mapping import TensorMap, param_maps, read_block
@@ -37,20 +37,23 @@ __all__ = ["default_rules", "load_config", "load_model", "load_params"]
 
 
 def load_config(directory: str | os.PathLike, **overrides: Any) -> LlamaConfig | GPT2Config:
-    """The shardax config of the model in ``directory`` (its ``config.json``).
+    """The shardax config of the model in ``directory`` (its ``config.json``), checked against
+    the tensors its safetensors headers hold (`shardax.hf.checks`) before anything is built.
 
     Example::
 
         cfg = load_config('Llama-3.2-1B', scan_layers=True)
     """
-    path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    hf = read_config_json(directory)  # sizes, types and the file itself checked
     try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return config_from_hf(hf, **overrides)
+        config = config_from_hf(hf, **overrides)
+    except KeyError as e:
+        raise ValueError(f"{Path(directory) / 'config.json'}: missing key {e}") from None
+    except (TypeError, ArithmeticError) as e:
+        raise ValueError(f"{Path(directory) / 'config.json'}: a value of the wrong type or "
+                         f"size ({e})") from None
+    check_tensors(config, tensor_index(directory), directory)
+    return config
 
 
 def default_rules(config: LlamaConfig | GPT2Config, mesh: jax.sharding.Mesh) -> LogicalAxisRules:

@@ -11,12 +11,19 @@ key or a wrongly typed value is a `UsageError` naming the file and the flag.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+from shardax.filecheck import read_regular
 from shardax.train.config import UsageError, coerce, hints
 
 __all__ = ["from_dict", "load_file"]
+
+# A settings file is a flat mapping of a few dozen keys: anything larger is not one.
+MAX_CONFIG_BYTES = 2**20
+# YAML 1.2 core schema floats without a dot (1e-3, 5E+4): YAML 1.1 reads these as strings.
+_YAML12_FLOAT = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)$")
 
 
 def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
@@ -42,10 +49,13 @@ def load_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     suffix = path.suffix.lower()
     where = f"--config {path}"
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{where}: cannot read it ({_os_reason(e)})") from None
+    try:  # a regular file of bounded size: never hang on a FIFO, never read without limit
+        text = read_regular(path, limit=MAX_CONFIG_BYTES).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{where}: cannot read it (not UTF-8 text: {e.reason} at byte "
+                         f"{e.start})") from None
+    except ValueError as e:
+        raise UsageError(f"--config {e}") from None
     try:
         if suffix in (".yaml", ".yml"):
             try:
@@ -53,7 +63,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
             except ImportError:
                 raise UsageError(f"{where}: reading YAML needs PyYAML (pip install pyyaml), "
                                  "or write the file as .toml or .json") from None
-            values = yaml.safe_load(text)
+            values = yaml.load(text, Loader=_yaml_loader(yaml, where))  # a SafeLoader
             values = {} if values is None else values
         elif suffix == ".toml":
             try:
@@ -75,5 +85,19 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return {k.replace("-", "_") if isinstance(k, str) else k: v for k, v in values.items()}
 
 
-def _os_reason(e: BaseException) -> str:
-    return getattr(e, "strerror", None) or str(e)
+def _yaml_loader(yaml: Any, where: str) -> type:
+    """PyYAML's ``SafeLoader`` that refuses aliases (``*name``: a settings file needs none, and
+    nested aliases expand exponentially, the "billion laughs" bomb) and reads numbers by YAML
+    1.2's rules, so that ``lr: 1e-3`` is the float 0.001 rather than YAML 1.1's string."""
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent, index):
+            if self.check_event(yaml.AliasEvent):
+                mark = self.peek_event().start_mark
+                raise UsageError(f"{where}: YAML aliases (*name) are not allowed in a config "
+                                 f"file (line {mark.line + 1}); write the value out")
+            return super().compose_node(parent, index)
+
+    # After SafeLoader's own int and float resolvers, which still win where they match.
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+    return Loader

@@ -1,0 +1,122 @@
+"""A Hugging Face model directory checked before anything is built from it: ``config.json``'s
+values, and the tensors its safetensors headers hold against those the config implies.
+
+Everything here reads only ``config.json`` and the headers (`shardax.hf.files` checks each
+header's offsets against its file), so a directory whose config claims 10**7 layers or a
+10**9-token vocabulary over a small file is refused before any array is shaped or allocated.
+Errors are one-line ``ValueError``\\ s naming the file and the key or tensor.
+
+Example::
+
+    hf = read_config_json('llama')                     # a dict, sizes checked
+    check_tensors(config_from_hf(hf), tensor_index('llama'), 'llama')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardax.filecheck import read_regular
+from shardax.hf.files import MAX_JSON_BYTES, SafetensorsFile
+from shardax.hf.mapping import param_maps
+
+__all__ = ["check_tensors", "read_config_json"]
+
+# config.json keys that must be positive integers where present (null allowed for the second).
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+          "intermediate_size", "n_embd", "n_layer", "n_head")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "n_inner",
+                   "n_positions", "sliding_window")
+# The layer number in a tensor name: 'model.layers.3.mlp...' (Llama family), 'transformer.h.3.'.
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h)\.(\d+)\.")
+# Buffers some checkpoints hold that are not weights (transformers ignores them on load too):
+# old Llama rotary inverse frequencies, GPT-2's causal-mask buffers.
+_BUFFERS = re.compile(r"(?:^|\.)rotary_emb\.inv_freq$|\.attn\.(?:bias|masked_bias)$")
+
+
+def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of a model directory as a dict: a regular file of bounded size,
+    UTF-8 JSON holding an object whose size keys (``hidden_size``, ``num_attention_heads``,
+    ...) are positive integers.
+
+    Example::
+
+        read_config_json('llama')['hidden_size']     # 2048
+    """
+    path = Path(directory) / "config.json"
+    if not (path.exists() or path.is_symlink()):
+        raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    raw = read_regular(path, limit=MAX_JSON_BYTES)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                         f"{e.start})") from None
+    try:
+        hf = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: a JSON {type(hf).__name__}, expected an object such as "
+                         '{"model_type": "llama", ...}')
+    for key in (*_SIZES, *_OPTIONAL_SIZES):
+        value = hf.get(key)
+        if key in hf and not (value is None and key in _OPTIONAL_SIZES) and not (
+                isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{path}: {key}={value!r} must be a positive integer")
+    return hf
+
+
+def check_tensors(config: Any, index: Mapping[str, SafetensorsFile],
+                  directory: str | os.PathLike) -> None:
+    """Raises ``ValueError`` unless the checkpoint ``index`` (`tensor_index`) holds exactly the
+    tensors ``config`` implies, with their shapes: a missing tensor and an unexpected one
+    (e.g. a fifth layer when ``config.json`` says 4) are named. Unexpected tensors are an
+    error, not a warning: they mean ``config.json`` and the weights disagree, so the model
+    built would not be the one in the directory. Layer counts are compared first, from the
+    tensor names, so a config claiming millions of layers costs nothing."""
+    n_layers = config.n_layers
+    layers: dict[int, str] = {}
+    for name in index:
+        if m := _LAYER.match(name):
+            layers.setdefault(int(m.group(1)), name)
+    extra = sorted(i for i in layers if i >= n_layers)
+    if extra:
+        raise ValueError(f"{directory}: unexpected tensor {layers[extra[0]]!r}: config.json "
+                         f"says {n_layers} layers, the weights hold "
+                         f"{len(layers)} (layers {extra[0]}..{extra[-1]} would be dropped)")
+    if len(layers) < n_layers:
+        gap = next(i for i in range(len(layers) + 1) if i not in layers)
+        probe = param_maps(dataclasses.replace(config, n_layers=gap + 1))  # bounded, as above
+        name = next(one.name for m in probe.values() for one in (m if isinstance(m, list) else [m])
+                    if (hit := _LAYER.match(one.name)) and int(hit.group(1)) == gap)
+        raise ValueError(f"{directory}: Hugging Face tensor {name!r} is missing from the "
+                         f"checkpoint: config.json says {n_layers} layers, the weights hold "
+                         f"{len(layers)}")
+    maps = param_maps(config)  # now bounded by the number of tensors in the headers
+    expected = {one.name: one for m in maps.values() for one in (m if isinstance(m, list) else [m])}
+    missing = [name for name in expected if name not in index]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{directory}: Hugging Face tensor {missing[0]!r}{more} is missing from "
+                         "the checkpoint")
+    tied = getattr(config, "tie_embeddings", True)
+    unexpected = [name for name in index if name not in expected and not _BUFFERS.search(name)
+                  and not (tied and name == "lm_head.weight")]
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ValueError(f"{directory}: unexpected tensor {unexpected[0]!r}{more} in "
+                         f"{index[unexpected[0]].path.name}: config.json implies no such "
+                         "weight (is it the config of these weights?)")
+    for name, m in expected.items():
+        shape = index[name].shape(name)
+        if shape != m.hf_shape:
+            raise ValueError(f"{directory}: Hugging Face tensor {name!r} in "
+                             f"{index[name].path.name} has shape {shape}, config.json implies "
+                             f"{m.hf_shape}")
