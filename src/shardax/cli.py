@@ -420,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         message = str(e)
     except Exception as e:
         from shardax.train.config import UsageError
+        from shardax.train.readers import DataError  # also mid-run: a token file gone bad
 
-        if isinstance(e, UsageError):
+        if isinstance(e, UsageError | DataError):
             message = str(e)
         elif isinstance(e, OSError) and e.strerror:  # a file system error: name the file
             message = f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from shardax.hf.configs import config_to_hf
-from shardax.hf.files import write_safetensors
+from shardax.hf.files import INDEX_NAME, write_safetensors
 from shardax.hf.mapping import TensorMap, param_maps, to_hf
 from shardax.models.configs import GPT2Config, LlamaConfig
 from shardax.utils import tree_path_to_string
@@ -37,6 +38,8 @@ from shardax.utils import tree_path_to_string
 __all__ = ["save_model", "save_params"]
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
+# The weights files an export writes (see `_plan`).
+_WEIGHTS = re.compile(r"model(?:-\d{5}-of-\d{5})?\.safetensors")
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -84,13 +87,14 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
     d = Path(directory)
     if jax.process_index() == 0:
         d.mkdir(parents=True, exist_ok=True)
+        _remove_stale(d, set(files))
         hf_config = {**config_to_hf(config), "torch_dtype": out_dtype.name}
         (d / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if len(files) > 1:
             weight_map = {n: f for f, names in files.items() for n in names}
             total = sum(out_dtype.itemsize * math.prod(s) for _, s in specs.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (d / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     _sync("shardax-hf-export-dir")
     written = []
     for k, (fname, names) in enumerate(files.items()):
@@ -139,6 +143,15 @@ def _plan(specs: Mapping[str, tuple[np.dtype, tuple[int, ...]]],
         return {"model.safetensors": groups[0]}
     total = len(groups)
     return {f"model-{k + 1:05d}-of-{total:05d}.safetensors": g for k, g in enumerate(groups)}
+
+
+def _remove_stale(d: Path, keep: set[str]) -> None:
+    """Removes the weights of an earlier export to ``d`` that this one does not overwrite (its
+    other shards, its index): left in place they would be loaded with, or instead of, the new
+    ones. Only files named as exports name them are touched."""
+    for p in d.iterdir():
+        if p.name not in keep and (p.name == INDEX_NAME or _WEIGHTS.fullmatch(p.name)):
+            p.unlink()
 
 
 def _sync(name: str) -> None:
