@@ -346,7 +346,7 @@ def truncated_run(tmp_path_factory):
     data, run = root / "tokens.u16", root / "run"
     _clean_tokens(1 << 19).tofile(data)
     proc = subprocess.Popen([sys.executable, "-m", "shardax.cli", "train", *TINY,
-                             "--ckpt-every", 2, "--data", str(data), "--out", str(run)],
+                             "--ckpt-every", "2", "--data", str(data), "--out", str(run)],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + TIMEOUT_S

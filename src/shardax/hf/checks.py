@@ -4,7 +4,7 @@ values, and the tensors its safetensors headers hold against those the config im
 Everything here reads only ``config.json`` and the headers (`shardax.hf.files` checks each
 header's offsets against its file), so a directory whose config claims 10**7 layers or a
 10**9-token vocabulary over a small file is refused before any array is shaped or allocated.
-Errors are one-line ``ValueError``\\ s naming the file and the key or tensor.
+Errors are one-line ValueErrors naming the file and the key or tensor.
 
 Example::
 
@@ -18,13 +18,13 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from shardax.filecheck import read_regular
 from shardax.hf.files import MAX_JSON_BYTES, SafetensorsFile
-from shardax.hf.mapping import param_maps
+from shardax.hf.mapping import TensorMap, param_maps
 
 __all__ = ["check_tensors", "read_config_json"]
 
@@ -94,13 +94,13 @@ def check_tensors(config: Any, index: Mapping[str, SafetensorsFile],
     if len(layers) < n_layers:
         gap = next(i for i in range(len(layers) + 1) if i not in layers)
         probe = param_maps(dataclasses.replace(config, n_layers=gap + 1))  # bounded, as above
-        name = next(one.name for m in probe.values() for one in (m if isinstance(m, list) else [m])
+        name = next(one.name for one in _leaves(probe)
                     if (hit := _LAYER.match(one.name)) and int(hit.group(1)) == gap)
         raise ValueError(f"{directory}: Hugging Face tensor {name!r} is missing from the "
                          f"checkpoint: config.json says {n_layers} layers, the weights hold "
                          f"{len(layers)}")
     maps = param_maps(config)  # now bounded by the number of tensors in the headers
-    expected = {one.name: one for m in maps.values() for one in (m if isinstance(m, list) else [m])}
+    expected = {one.name: one for one in _leaves(maps)}
     missing = [name for name in expected if name not in index]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -120,3 +120,12 @@ def check_tensors(config: Any, index: Mapping[str, SafetensorsFile],
             raise ValueError(f"{directory}: Hugging Face tensor {name!r} in "
                              f"{index[name].path.name} has shape {shape}, config.json implies "
                              f"{m.hf_shape}")
+
+
+def _leaves(maps: Any) -> Iterator[TensorMap]:
+    """The TensorMaps of `param_maps`, whose values are maps or (nested) lists of them."""
+    for m in maps.values() if isinstance(maps, Mapping) else maps:
+        if isinstance(m, TensorMap):
+            yield m
+        else:
+            yield from _leaves(m)
