@@ -179,6 +179,11 @@ def config_not_utf8(d):
     (d / "config.json").write_bytes(b'{"model_type": "llama\xff\xfe"}')
 
 
+def config_fifo(d):
+    (d / "config.json").unlink()
+    os.mkfifo(d / "config.json")
+
+
 def config_array(d):
     (d / "config.json").write_text("[1, 2, 3]")
 
@@ -220,6 +225,7 @@ HF_CASES = [
     (vocab_1e9, "model.embed_tokens.weight", "data_offsets [0, 128000000000]",
      "end past the data in the file"),
     (config_not_utf8, "{d}/config.json: not UTF-8 text"),
+    (config_fifo, "{d}/config.json: is a FIFO, expected a regular file"),
     (config_array, "{d}/config.json: a JSON list, expected an object"),
     (config_no_hidden_size, "{d}/config.json: missing key 'hidden_size'"),
     (config_string_hidden_size, "{d}/config.json: hidden_size='32' must be a positive integer"),
@@ -287,18 +293,21 @@ BOMB = "\n".join([f'{chr(97)}: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lo
 
 def test_config_files_alias_bomb_fifo_and_yaml_1_2_numbers(tmp_path):
     """A billion-laughs YAML (9**11 strings once expanded) is refused at its first alias; a
-    FIFO as --config is refused at once instead of waiting for a writer; ``lr: 1e-3`` is a
-    float (YAML 1.2), where YAML 1.1 (PyYAML's default) reads a string."""
+    FIFO as --config is refused at once instead of waiting for a writer, a 2 MiB file unread;
+    ``lr: 1e-3`` is a float (YAML 1.2), where YAML 1.1 (PyYAML's default) reads a string."""
     bomb, fifo, numbers = tmp_path / "bomb.yaml", tmp_path / "fifo.yaml", tmp_path / "lr.yaml"
+    huge = tmp_path / "huge.json"
     bomb.write_text(BOMB)
     os.mkfifo(fifo)
     numbers.write_text("lr: 1e-3\nsteps: 3\nbatch_size: 8\n")
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    huge.write_text('{"steps": 3, "x": "' + "x" * 2**21 + '"}')
+    with ThreadPoolExecutor(max_workers=4) as pool:
         procs = [pool.submit(shardax, "train", "--config", p, "--print-config", timeout=120)
-                 for p in (bomb, fifo, numbers)]
-        bombed, fifoed, printed = (f.result() for f in procs)
+                 for p in (bomb, fifo, numbers, huge)]
+        bombed, fifoed, printed, too_big = (f.result() for f in procs)
     one_line_error(bombed, "train", f"--config {bomb}: ", "YAML aliases", "line 2")
     one_line_error(fifoed, "train", f"--config {fifo}: is a FIFO, expected a regular file")
+    one_line_error(too_big, "train", f"--config {huge}: ", "more than the 1048576 bytes")
     assert printed.returncode == 0, printed.stderr[-3000:]
     config = json.loads(printed.stdout)
     assert config["lr"] == 0.001 and isinstance(config["lr"], float) and config["steps"] == 3

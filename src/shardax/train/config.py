@@ -388,7 +388,7 @@ def hf_dir(spec: str, name: str) -> Path:
     _usage(spec.startswith("hf:") and len(spec) > 3,
            f"{name} {spec!r}: expected hf:DIR, a Hugging Face model directory")
     path = Path(spec[3:])
-    _usage((path / "config.json").is_file(),
+    _usage((path / "config.json").exists(),  # a FIFO or such is refused when it is read
            f"{name} {spec!r}: {path} has no config.json; not a Hugging Face model directory")
     return path
 
