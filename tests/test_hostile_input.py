@@ -184,6 +184,13 @@ def config_fifo(d):
     os.mkfifo(d / "config.json")
 
 
+def config_symlink_out(d):
+    outside = d.parent / f"{d.name}-config.json"
+    shutil.copy(d / "config.json", outside)
+    (d / "config.json").unlink()
+    (d / "config.json").symlink_to(outside)
+
+
 def config_array(d):
     (d / "config.json").write_text("[1, 2, 3]")
 
@@ -226,6 +233,7 @@ HF_CASES = [
      "end past the data in the file"),
     (config_not_utf8, "{d}/config.json: not UTF-8 text"),
     (config_fifo, "{d}/config.json: is a FIFO, expected a regular file"),
+    (config_symlink_out, "{d}/config.json is a symlink to", "outside the model directory"),
     (config_array, "{d}/config.json: a JSON list, expected an object"),
     (config_no_hidden_size, "{d}/config.json: missing key 'hidden_size'"),
     (config_string_hidden_size, "{d}/config.json: hidden_size='32' must be a positive integer"),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from shardax.filecheck import read_regular
-from shardax.hf.files import MAX_JSON_BYTES, SafetensorsFile
+from shardax.hf.files import MAX_JSON_BYTES, SafetensorsFile, contained_path
 from shardax.hf.mapping import TensorMap, param_maps
 
 __all__ = ["check_tensors", "read_config_json"]
@@ -52,6 +52,7 @@ def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not (path.exists() or path.is_symlink()):
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
+    path = contained_path(Path(directory), "config.json")  # a symlink may not lead out
     raw = read_regular(path, limit=MAX_JSON_BYTES)
     try:
         text = raw.decode("utf-8")

@@ -28,7 +28,8 @@ import numpy as np
 
 from shardax.filecheck import open_regular, read_regular
 
-__all__ = ["ReadLog", "SafetensorsFile", "dtype_code", "write_safetensors"]
+__all__ = ["ReadLog", "SafetensorsFile", "contained_path", "dtype_code", "tensor_index",
+           "write_safetensors"]
 
 _DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -181,8 +182,8 @@ def tensor_index(directory: str | os.PathLike, log: ReadLog | None = None,
     d = Path(directory)
     index = d / INDEX_NAME
     if index.exists() or index.is_symlink():
-        weight_map = _weight_map(_inside(d, INDEX_NAME, None))
-        files = {f: SafetensorsFile(_inside(d, f, index), log)
+        weight_map = _weight_map(contained_path(d, INDEX_NAME, None))
+        files = {f: SafetensorsFile(contained_path(d, f, index), log)
                  for f in sorted(set(weight_map.values()))}
         for name, f in weight_map.items():
             if name not in files[f].tensors:
@@ -191,7 +192,7 @@ def tensor_index(directory: str | os.PathLike, log: ReadLog | None = None,
         return {name: files[f] for name, f in weight_map.items()}
     out: dict[str, SafetensorsFile] = {}
     for p in sorted(d.glob("*.safetensors")):
-        f = SafetensorsFile(_inside(d, p.name, None), log)
+        f = SafetensorsFile(contained_path(d, p.name, None), log)
         for name in f.tensors:
             if name in out:
                 raise ValueError(f"{d}: tensor {name!r} is in both {out[name].path.name} and "
@@ -242,9 +243,14 @@ def _count(n: object) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
-def _inside(d: Path, name: object, index: Path | None) -> Path:
+def contained_path(d: Path, name: object, index: Path | None = None) -> Path:
     """``d / name``, refused unless it stays in ``d`` (a symlink may lead only from a hub cache
-    snapshot to its blobs: ``models--org--name/snapshots/REV/f -> ../../blobs/SHA``)."""
+    snapshot to its blobs: ``models--org--name/snapshots/REV/f -> ../../blobs/SHA``);
+    ``index``: the index file that named it, for the message.
+
+    >>> contained_path(Path("model"), "model.safetensors")
+    PosixPath('model/model.safetensors')
+    """
     where = f"{index}: weight_map names {name!r}, which" if index else f"{d / str(name)}"
     if not isinstance(name, str) or not name:
         raise ValueError(f"{where} is not a file name")
