@@ -53,9 +53,10 @@ def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
 
 
 def _config_json(**overrides) -> str:
-    from shardax.train.config import TrainConfig
+    from shardax.train.config import TrainConfig, check
 
-    return json.dumps({**TrainConfig().to_json(), **overrides}, indent=2)
+    # what a run writes: its checked config (defaults such as --lr filled in)
+    return json.dumps({**check(TrainConfig()).to_json(), **overrides}, indent=2)
 
 
 def _commit(run: Path, step: int) -> None:

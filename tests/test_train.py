@@ -383,7 +383,7 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
                         abstract=True)
     step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, policy=policy))
     new, metrics = step(state, batch)
-    new, _ = step(new, batch)  # the warm-up schedule starts at lr 0: step twice
+    new, _ = step(new, batch)  # two steps: the moments have a history
     loss = float(metrics["loss"])
     assert metrics["loss"].dtype == jnp.float32 and math.isfinite(loss)
     floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.floating)]

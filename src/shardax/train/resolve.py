@@ -32,7 +32,7 @@ from shardax.models.attention import resolve_implementation
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
-from shardax.train.config import TrainConfig, UsageError, flag, hf_dir
+from shardax.train.config import DEFAULT_LR, TrainConfig, UsageError, flag, hf_dir
 from shardax.train.step import make_optimizer, make_schedule
 
 __all__ = ["Resolved", "fsdp_mode", "make_mesh", "model_config", "optimizer", "resolve"]
@@ -48,11 +48,16 @@ def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
 
 
 def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax optimizer of ``--optimizer``, ``--lr`` and ``--steps`` (warm-up: the first
-    twentieth of the steps) and the learning rate it applies at each step."""
-    warmup = config.steps // 20
-    return (make_optimizer(config.optimizer, config.lr, config.steps, warmup=warmup),
-            make_schedule(config.optimizer, config.lr, config.steps, warmup=warmup))
+    """The optax optimizer of ``--optimizer``, ``--lr``, ``--steps``, ``--warmup-steps``
+    (default: the first twentieth of the steps), ``--min-lr-ratio``, ``--weight-decay`` and
+    ``--clip-grad-norm``, and the learning rate it applies at each step."""
+    warmup = config.steps // 20 if config.warmup_steps is None else config.warmup_steps
+    lr = config.lr if config.lr is not None else DEFAULT_LR  # `check` fills it in
+    return (make_optimizer(config.optimizer, lr, config.steps, warmup=warmup,
+                           min_lr_ratio=config.min_lr_ratio, weight_decay=config.weight_decay,
+                           clip_grad_norm=config.clip_grad_norm),
+            make_schedule(config.optimizer, lr, config.steps, warmup=warmup,
+                          min_lr_ratio=config.min_lr_ratio))
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
