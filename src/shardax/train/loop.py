@@ -181,7 +181,8 @@ class _Steps:
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
             record = {"step": done, **self.clock.measure(done, metrics),
                       "lr": float(self.run.schedule(step)), **report.memory_in_use()}
-        if done % config.eval_every == 0 or done == config.steps:
+        if self.inputs.val and config.eval_every and (done % config.eval_every == 0
+                                                      or done == config.steps):
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
             record = {"step": done, **record, "val_loss": float(np.mean(val))}
         if record:
