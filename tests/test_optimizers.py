@@ -35,18 +35,23 @@ def _batches(n):
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_sharded_optimizer_state_follows_the_params_and_trains_like_one_device(name):
+@pytest.mark.parametrize("name, mesh_spec, fsdp_mode", [
+    *((name, "fsdp=4,tp=2", "xla") for name in OPTIMIZERS),
+    # the boxed optimizers under explicit ZeRO-3 (what `shardax train` runs on a dense llama)
+    ("adafactor", "fsdp=8", "explicit"), ("muon", "fsdp=8", "explicit")])
+def test_sharded_optimizer_state_follows_the_params_and_trains_like_one_device(
+        name, mesh_spec, fsdp_mode):
     tx = make_optimizer(name, 0.02 if name == "sgd" else 1e-3, steps=10, warmup=1)
     batches = _batches(STEPS[name])
     want = train_one_device(CONFIG, tx, batches)
 
-    mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
+    mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(models.presets.resolve(
         models.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads,
         sequence_parallel=False))
     graphdef, state = init_train_state(CONFIG, tx)
-    step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules),
+    step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
+                             fsdp_mode=fsdp_mode),
                      in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
                      out_shardings=(rules, None))
     for batch in batches:
