@@ -140,6 +140,8 @@ CASES = [
     ("weight decay -1", ["train", "--weight-decay", "-1"], ["--weight-decay -1.0"]),
     ("clip nan", ["train", "--clip-grad-norm", "nan"], ["--clip-grad-norm nan"]),
     ("eval-every -1", ["train", "--eval-every", "-1"], ["--eval-every -1", "0: never"]),
+    ("sgd warmup", ["train", "--optimizer", "sgd", "--warmup-steps", "5"],
+     ["--warmup-steps", "sgd runs at a constant --lr"]),
     ("val-data without eval", ["train", "--eval-every", "0", "--val-data", "{a_file}"],
      ["--val-data with --eval-every 0"]),
     ("remat unknown", ["train", "--remat", "sometimes"], ["--remat", "sometimes", "names:"]),

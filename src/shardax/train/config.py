@@ -115,8 +115,8 @@ class TrainConfig:
     warmup_steps: int | None = None
     """linear learning-rate warm-up, in steps (default: a twentieth of --steps); step 1
     already trains at lr / (warmup + 1)"""
-    min_lr_ratio: float = 0.1
-    """the cosine decay ends at --lr times this at --steps"""
+    min_lr_ratio: float | None = None
+    """the cosine decay ends at --lr times this at --steps (default 0.1)"""
     weight_decay: float | None = None
     """decoupled weight decay (default 0.01; 0 for sgd)"""
     clip_grad_norm: float | None = None
@@ -366,8 +366,12 @@ def check(config: TrainConfig) -> TrainConfig:
            f"--lr {config.lr}: must be a finite number > 0")
     _usage(config.warmup_steps is None or config.warmup_steps >= 0,
            f"--warmup-steps {config.warmup_steps}: must be >= 0")
-    _usage(math.isfinite(config.min_lr_ratio) and 0 <= config.min_lr_ratio <= 1,
+    _usage(config.min_lr_ratio is None or (math.isfinite(config.min_lr_ratio)
+                                           and 0 <= config.min_lr_ratio <= 1),
            f"--min-lr-ratio {config.min_lr_ratio}: must be in [0, 1]")
+    _usage(config.optimizer != "sgd" or (config.warmup_steps, config.min_lr_ratio) == (None,) * 2,
+           "--warmup-steps / --min-lr-ratio: --optimizer sgd runs at a constant --lr; use "
+           "another optimizer for a schedule")
     for name in ("weight_decay", "clip_grad_norm"):
         value = getattr(config, name)
         _usage(value is None or (math.isfinite(value) and value >= 0),

@@ -53,11 +53,12 @@ def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.
     ``--clip-grad-norm``, and the learning rate it applies at each step."""
     warmup = config.steps // 20 if config.warmup_steps is None else config.warmup_steps
     lr = config.lr if config.lr is not None else DEFAULT_LR  # `check` fills it in
+    min_lr_ratio = 0.1 if config.min_lr_ratio is None else config.min_lr_ratio
     return (make_optimizer(config.optimizer, lr, config.steps, warmup=warmup,
-                           min_lr_ratio=config.min_lr_ratio, weight_decay=config.weight_decay,
+                           min_lr_ratio=min_lr_ratio, weight_decay=config.weight_decay,
                            clip_grad_norm=config.clip_grad_norm),
             make_schedule(config.optimizer, lr, config.steps, warmup=warmup,
-                          min_lr_ratio=config.min_lr_ratio))
+                          min_lr_ratio=min_lr_ratio))
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
