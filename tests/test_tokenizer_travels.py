@@ -50,6 +50,9 @@ def test_init_from_trains_with_the_models_tokenizer_and_the_banner_names_both(tu
     assert f"shardax train: llama from hf:{base} (" in stdout, stdout
     assert "float32 weights" in stdout and "llama-tiny" not in stdout, stdout
     assert f"tokenizer: {base} (the --init-from model's own): vocabulary 200" in stdout, stdout
+    # the fine-tuning default lr, and step 1 already trains (warm-up from lr / 2)
+    assert "optimizer: adamw, lr 2e-05 (warm-up 1 steps from 1e-05, cosine to 2e-06 at step " \
+        "2), weight decay 0.01, clip grad norm 1.0" in stdout, stdout
 
 
 def test_a_resumed_run_says_from_which_step_and_checkpoint(tuned):

@@ -156,6 +156,7 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
           f"{run.policy.params.name} weights) on {jax.device_count()} devices, mesh "
           f"{run.mesh.shape}, rules {config.rules!r}, precision {run.policy}")
     print(_tokenizer_summary(p))
+    print(run.optimizer_summary())
     print(run.attention_summary())
     if run.mesh.shape.get("fsdp", 1) > 1:
         print(run.fsdp_summary())

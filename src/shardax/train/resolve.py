@@ -190,6 +190,21 @@ class Resolved:
                 "across it)" if packed else "concat (one stream)")
         return f"attention: {impl}; pack: {pack}"
 
+    def optimizer_summary(self) -> str:
+        """One line for the train banner: the optimizer, its learning-rate schedule, weight
+        decay and clipping, with the defaults resolved."""
+        c = self.config
+        if c.optimizer == "sgd":
+            return (f"optimizer: sgd, constant lr {c.lr:g}, weight decay {c.weight_decay or 0:g}, "
+                    f"clip grad norm {c.clip_grad_norm or 'off'}")
+        warmup = c.steps // 20 if c.warmup_steps is None else c.warmup_steps
+        ratio = 0.1 if c.min_lr_ratio is None else c.min_lr_ratio
+        decay = 0.01 if c.weight_decay is None else c.weight_decay
+        clip = 1.0 if c.clip_grad_norm is None else c.clip_grad_norm
+        return (f"optimizer: {c.optimizer}, lr {c.lr:g} (warm-up {max(warmup, 1)} steps from "
+                f"{float(self.schedule(0)):.3g}, cosine to {c.lr * ratio:.3g} at step "
+                f"{c.steps}), weight decay {decay:g}, clip grad norm {clip or 'off'}")
+
     def pipeline_summary(self) -> str:
         """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
         c = self.model_config
