@@ -53,9 +53,10 @@ def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
 
 
 def _config_json(**overrides) -> str:
-    from shardax.train.config import TrainConfig
+    from shardax.train.config import TrainConfig, check
 
-    return json.dumps({**TrainConfig().to_json(), **overrides}, indent=2)
+    # what a run writes: its checked config (defaults such as --lr filled in)
+    return json.dumps({**check(TrainConfig()).to_json(), **overrides}, indent=2)
 
 
 def _commit(run: Path, step: int) -> None:
@@ -134,6 +135,15 @@ CASES = [
     ("steps not a number", ["train", "--steps", "ten"], ["--steps", "ten"]),
     ("unknown flag", ["train", "--stepz", "3"], ["--stepz", "--steps"]),
     ("unknown choice", ["train", "--optimizer", "adam"], ["--optimizer", "adam", "adamw"]),
+    ("warmup -1", ["train", "--warmup-steps", "-1"], ["--warmup-steps -1", ">= 0"]),
+    ("min lr ratio 2", ["train", "--min-lr-ratio", "2"], ["--min-lr-ratio 2.0", "[0, 1]"]),
+    ("weight decay -1", ["train", "--weight-decay", "-1"], ["--weight-decay -1.0"]),
+    ("clip nan", ["train", "--clip-grad-norm", "nan"], ["--clip-grad-norm nan"]),
+    ("eval-every -1", ["train", "--eval-every", "-1"], ["--eval-every -1", "0: never"]),
+    ("sgd warmup", ["train", "--optimizer", "sgd", "--warmup-steps", "5"],
+     ["--warmup-steps", "sgd runs at a constant --lr"]),
+    ("val-data without eval", ["train", "--eval-every", "0", "--val-data", "{a_file}"],
+     ["--val-data with --eval-every 0"]),
     ("remat unknown", ["train", "--remat", "sometimes"], ["--remat", "sometimes", "names:"]),
     ("remat unknown name", ["train", "--remat", "names:q,query"], ["--remat", "query"]),
     ("remat no names", ["train", "--remat", "offload:"], ["--remat", "offload:"]),

@@ -583,20 +583,20 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(monkeypatch, c
 
 
 def test_unusable_data_from_the_command_line(tmp_path):
-    """The four ``--data`` cases of issue 14: one line on stderr naming the path and what to
+    """The four ``--data`` cases of issue 14 (a validation split short of a batch is no
+    longer one: test_eval_control.py): one line on stderr naming the path and what to
     do, exit code 2, nothing written (run concurrently: each pays JAX's start-up)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "bins").mkdir()
     for name in ("a.o", "b.pyc"):
         (tmp_path / "bins" / name).write_bytes(b"\x7fELF\x02\x01\x00" * 100)
-    (tmp_path / "small.txt").write_text("x = 1\n" * 333)  # 1,998 bytes: 10% < 8 x 32 + 1
+    (tmp_path / "small.txt").write_text("x = 1\n" * 3)  # 18 bytes + eos < --seq-len 32 + 1
     cases = {
         "empty": ([str(tmp_path / "empty")], ["empty", "no data files", "holds no files"]),
         "bins": ([str(tmp_path / "bins")], ["bins", "all binary", "text files (UTF-8)"]),
         "zero": (["/dev/zero"], ["/dev/zero", "not a regular file or directory"]),
-        "small": ([str(tmp_path / "small.txt")], ["small.txt", "validation split", "200 tokens",
-                                                  "--batch-size 8", "2,571 tokens",
-                                                  "lower --batch-size or --seq-len"]),
+        "small": ([str(tmp_path / "small.txt")], ["small.txt", "training split has 19 tokens",
+                                                  "--seq-len + 1 = 33", "lower --seq-len"]),
     }
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
     procs = {

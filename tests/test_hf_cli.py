@@ -59,7 +59,9 @@ def test_finetune_on_a_mesh_and_export_round_trips(finetuned):
     base, _, exp = finetuned
     theirs, ours = tensor_index(base), tensor_index(exp)
     assert set(ours) == set(theirs)
-    assert sorted(p.name for p in exp.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in exp.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer_config.json"]  # a byte-level tokenizer.json
     for name in ours:
         np.testing.assert_allclose(ours[name].read(name), theirs[name].read(name), atol=1e-6,
                                    rtol=0, err_msg=name)

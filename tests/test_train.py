@@ -31,6 +31,7 @@ from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train.checkpoint import Checkpointer
+from shardax.train.config import check
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, UsageError, prepare, train
 from shardax.train.step import make_optimizer, train_step
@@ -211,7 +212,9 @@ def test_run_directory_outputs(fsdp_run):
         assert np.float32(row["loss"]) == row["loss"]  # a float32 loss, not a rounded one
     assert "val_loss" in written[-1] and math.isfinite(written[-1]["val_loss"])
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "config.json").read_text()) == _config(out, mesh="fsdp=-1").to_json()
+    # the checked config: defaults such as --tokenizer filled in
+    assert json.loads((out / "config.json").read_text()) == \
+        check(_config(out, mesh="fsdp=-1")).to_json()
     assert (out / "checkpoints").is_dir()
     assert _committed_steps(out) == [2, 4]
 
@@ -383,7 +386,7 @@ def test_mixed_precision_keeps_params_and_optimizer_state_in_float32(sgd_referen
                         abstract=True)
     step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, policy=policy))
     new, metrics = step(state, batch)
-    new, _ = step(new, batch)  # the warm-up schedule starts at lr 0: step twice
+    new, _ = step(new, batch)  # two steps: the moments have a history
     loss = float(metrics["loss"])
     assert metrics["loss"].dtype == jnp.float32 and math.isfinite(loss)
     floats = [x for x in jax.tree.leaves(new) if jnp.issubdtype(x.dtype, jnp.floating)]

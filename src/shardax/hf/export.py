@@ -50,9 +50,11 @@ def _host(x: jax.Array) -> np.ndarray:
 
 
 def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | os.PathLike,
-                *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: Any = None) -> list[Path]:
+                *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: Any = None,
+                config_extra: Mapping[str, Any] | None = None) -> list[Path]:
     """Writes ``params`` (the model's ``nnx.State``, or a ``{path: array}`` dict with '/'-joined
-    paths) as a Hugging Face directory. ``dtype`` casts the tensors (default: as stored).
+    paths) as a Hugging Face directory. ``dtype`` casts the tensors (default: as stored);
+    ``config_extra``: more ``config.json`` entries (e.g. the tokenizer's ``eos_token_id``).
     Returns the safetensors files this process wrote.
 
     Example::
@@ -88,7 +90,8 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
     if jax.process_index() == 0:
         d.mkdir(parents=True, exist_ok=True)
         _remove_stale(d, set(files))
-        hf_config = {**config_to_hf(config), "torch_dtype": out_dtype.name}
+        hf_config = {**config_to_hf(config), "torch_dtype": out_dtype.name,
+                     **(config_extra or {})}
         (d / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if len(files) > 1:
             weight_map = {n: f for f, names in files.items() for n in names}

@@ -83,8 +83,10 @@ class TrainConfig:
     """sequences per step (global, over all devices and processes)"""
     seq_len: int = 128
     """tokens per sequence"""
-    lr: float = 3e-3
-    """peak learning rate (adamw: linear warm-up, cosine decay to a tenth)"""
+    lr: float | None = None
+    """peak learning rate (default: 3e-3 for a model trained from scratch, 2e-5 for a
+    fine-tune of --init-from; sgd keeps it constant, the others warm up linearly over
+    --warmup-steps and decay to --min-lr-ratio of it by a cosine)"""
     precision: str = "float32"
     """float32, bfloat16, float16 or params=float32,compute=bfloat16,output=float32"""
     remat: str = "none"
@@ -107,8 +109,18 @@ class TrainConfig:
     """microbatches accumulated per step"""
     seed: int = 0
     """seed of the initial parameters and of the data order, in [0, 2**32)"""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    """adamw (clipped at norm 1, weight decay 0.01) or plain sgd"""
+    optimizer: Literal["adamw", "sgd", "lion", "adafactor", "muon"] = "adamw"
+    """adamw, lion, adafactor, muon (Muon on the attention and MLP weight matrices, AdamW on
+    embeddings, head, norms) or sgd (plain, constant lr: the reference of equality tests)"""
+    warmup_steps: int | None = None
+    """linear learning-rate warm-up, in steps (default: a twentieth of --steps); step 1
+    already trains at lr / (warmup + 1)"""
+    min_lr_ratio: float | None = None
+    """the cosine decay ends at --lr times this at --steps (default 0.1)"""
+    weight_decay: float | None = None
+    """decoupled weight decay (default 0.01; 0 for sgd)"""
+    clip_grad_norm: float | None = None
+    """clip the global gradient norm to this (default 1.0; off for sgd; 0: off)"""
     tp_mode: Literal["none", "sync", "async", "async_bidi"] = "none"
     """tensor parallelism over 'tp': none (XLA, from --rules), sync (Megatron), async /
     async_bidi (collective matmul; implies --sequence-parallel)"""
@@ -136,13 +148,16 @@ class TrainConfig:
     log_every: int = 10
     """log the loss every this many steps"""
     eval_every: int = 100
-    """compute the validation loss every this many steps (and at the last step)"""
+    """compute the validation loss every this many steps (and at the last step); 0: never"""
     data: list[str] = field(default_factory=list)
     """text, .jsonl, .parquet or token files (.u8/.u16/.u32, .bin) and directories of them
     (default: the Python standard library); see docs/data.md"""
-    tokenizer: str = "bytes"
+    val_data: list[str] = field(default_factory=list)
+    """validation data, in the formats of --data (default: the last tenth of --data)"""
+    tokenizer: str | None = None
     """bytes, or a Hugging Face model directory (or its tokenizer.json); the model's vocabulary
-    must hold the tokenizer's"""
+    must hold the tokenizer's (default: the tokenizer.json of --init-from hf:DIR if it has
+    one, else bytes)"""
     text_field: str = "text"
     """the text field of .jsonl records and column of .parquet files"""
     token_dtype: Literal["uint16", "uint32"] | None = None
@@ -295,8 +310,12 @@ def hints(cls: type) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- checks
 
-_POSITIVE = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every",
-             "ckpt_every", "virtual_stages")
+_POSITIVE = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_every",
+             "virtual_stages")
+#: ``--lr`` when none is given: from scratch (tiny models, high rates train them in minutes),
+#: and for fine-tuning an imported model (full fine-tuning with AdamW, as transformers' Trainer
+#: and Axolotl recipes use: a pretrained model forgets at 1e-3).
+DEFAULT_LR, DEFAULT_FINETUNE_LR = 3e-3, 2e-5
 
 
 def _check_types(config: Any) -> None:
@@ -340,8 +359,27 @@ def check(config: TrainConfig) -> TrainConfig:
         _usage(value >= 1, f"{flag(name)} {value}: must be >= 1")
     _usage(config.microbatches >= 0,
            f"--microbatches {config.microbatches}: must be >= 0 (0: the 'pp' size)")
+    _usage(config.eval_every >= 0, f"--eval-every {config.eval_every}: must be >= 0 (0: never)")
+    if config.lr is None:
+        config.lr = DEFAULT_LR if config.init_from is None else DEFAULT_FINETUNE_LR
     _usage(math.isfinite(config.lr) and config.lr > 0,
            f"--lr {config.lr}: must be a finite number > 0")
+    _usage(config.warmup_steps is None or config.warmup_steps >= 0,
+           f"--warmup-steps {config.warmup_steps}: must be >= 0")
+    _usage(config.min_lr_ratio is None or (math.isfinite(config.min_lr_ratio)
+                                           and 0 <= config.min_lr_ratio <= 1),
+           f"--min-lr-ratio {config.min_lr_ratio}: must be in [0, 1]")
+    _usage(config.optimizer != "sgd" or (config.warmup_steps, config.min_lr_ratio) == (None,) * 2,
+           "--warmup-steps / --min-lr-ratio: --optimizer sgd runs at a constant --lr; use "
+           "another optimizer for a schedule")
+    for name in ("weight_decay", "clip_grad_norm"):
+        value = getattr(config, name)
+        _usage(value is None or (math.isfinite(value) and value >= 0),
+               f"{flag(name)} {value}: must be a finite number >= 0")
+    if config.tokenizer is None:
+        init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+        config.tokenizer = (str(init) if init is not None and (init / "tokenizer.json").is_file()
+                            else "bytes")
     _check_seed(config.seed)
     if config.resume_step is not None:
         _usage(config.resume, "--resume-step needs --resume")
@@ -350,6 +388,8 @@ def check(config: TrainConfig) -> TrainConfig:
                f"--resume-step {config.resume_step} is past --steps {config.steps}")
     _usage(bool(config.out.strip()), "--out: give a run directory")
     _usage(bool(config.tokenizer.strip()), "--tokenizer: give 'bytes' or a tokenizer directory")
+    _usage(not config.val_data or config.eval_every > 0,
+           "--val-data with --eval-every 0: the validation data would never be read")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
     _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
            f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "

@@ -2,13 +2,18 @@
 
 The checkpoint is read (read-only) sharded over every device by the ``fsdp`` rules, then
 written with ``shardax.hf.save_params``: each safetensors file by one process, tensor by tensor
-(one per-tensor gather), so no host holds the whole model.
+(one per-tensor gather), so no host holds the whole model. The run's tokenizer goes with it
+(``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``; a byte-level run
+gets a byte-level ``tokenizer.json`` with the same ids) and its bos/eos/pad ids go into
+``config.json`` and ``generation_config.json``, so ``AutoTokenizer`` and ``generate`` of
+transformers work on the export.
 
 >>> export_run(check_export(ExportConfig(out="runs/a", to="export/a")))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import jax
@@ -19,6 +24,7 @@ from shardax import hf, models
 from shardax.train.config import ExportConfig, UsageError
 from shardax.train.generate import restore_model
 from shardax.train.rundir import RunDir, check_run
+from shardax.train.tokenizer import Tokenizer, run_tokenizer
 
 __all__ = ["export_run"]
 
@@ -38,7 +44,25 @@ def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path
     out_dtype = None if dtype == "auto" else np.dtype(dtype if dtype != "bfloat16" else
                                                       jax.numpy.bfloat16)
     try:
+        tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
+    except ValueError as e:
+        raise UsageError(f"--out {config.out}: {e}") from None
+    try:
+        ids = _write_tokenizer(tokenizer, Path(config.to), model_config.max_seq_len)
         return hf.save_params(model_config, nnx.state(model, nnx.Param), config.to,
-                              max_shard_bytes=config.max_shard_mb * 2**20, dtype=out_dtype)
+                              max_shard_bytes=config.max_shard_mb * 2**20, dtype=out_dtype,
+                              config_extra=ids)
     except OSError as e:
         raise UsageError(f"--to {config.to}: cannot write it ({e.strerror or e})") from None
+
+
+def _write_tokenizer(tokenizer: Tokenizer, directory: Path, max_len: int) -> dict[str, int]:
+    """The run's tokenizer files and ``generation_config.json`` (its bos/eos/pad ids; pad is
+    eos where the tokenizer has none, as transformers' ``generate`` does), written by process
+    0; returns the ids for ``config.json``."""
+    if jax.process_index() != 0:
+        return {}  # process 0 writes config.json
+    ids = tokenizer.export(directory, max_len)
+    generation = {**ids, "pad_token_id": ids.get("pad_token_id", ids["eos_token_id"])}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return ids

@@ -1,10 +1,12 @@
 """The training inputs of a resolved run: its tokenizer and its sharded train/val batches.
 
 `prepare_inputs` loads ``--tokenizer`` (resuming: the run's copy), checks that the model's
-vocabulary holds it, tokenizes ``--data`` (into the token cache, once), and splits the batches
-so that each process reads only the rows its devices hold; bad input is a `UsageError` naming
-the flag or file. `Inputs.batch` and `Inputs.val_batches` give global arrays sharded like the
-train step's batch.
+vocabulary holds it, tokenizes ``--data`` and ``--val-data`` (into the token cache, once),
+holds out a validation split when there is no ``--val-data`` (none with ``--eval-every 0``; one
+batch, or none, with a note, when a tenth of the data is short of a batch), and splits the
+batches so that each process reads only the rows its devices hold; bad input is a
+`UsageError` naming the flag or file. `Inputs.batch` and `Inputs.val_batches` give global
+arrays sharded like the train step's batch.
 
 >>> inputs = prepare_inputs(run, run_dir)                  # doctest: +SKIP
 >>> inputs.batch(0)[0].shape                              # doctest: +SKIP
@@ -13,6 +15,7 @@ train step's batch.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +37,8 @@ VAL_BATCHES = 4
 
 @dataclass
 class Inputs:
-    """A run's tokenizer and data: ``train`` and ``val`` hold this process's rows."""
+    """A run's tokenizer and data: ``train`` and ``val`` hold this process's rows (``val``
+    empty: no evaluation)."""
 
     tokenizer: Tokenizer
     train: data_lib.TokenBatches
@@ -80,16 +84,71 @@ def _tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokeni
     return tokenizer
 
 
+def _note(message: str) -> None:
+    if jax.process_index() == 0:
+        print(f"shardax train: note: {message}", file=sys.stderr, flush=True)
+
+
+def _open(paths: list[str], config: TrainConfig, tokenizer: Tokenizer, log: Any,
+          name: str = "--data") -> Any:
+    """All tokens of ``paths`` (no split); the built-in corpus's train files without paths."""
+    if not paths:
+        return data_lib.load_splits([], tokenizer, log=log)[0]
+    try:
+        return data_lib.open_data(paths, tokenizer, config.text_field, config.token_dtype, log)
+    except data_lib.DataError as e:
+        raise data_lib.DataError(str(e).replace("--data", name, 1)) from None
+
+
+def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
+    """The automatic split of ``--data`` into (train, val): the last tenth, or, when that is
+    short of one batch, exactly one batch if it leaves three quarters of the data to train on,
+    else no validation at all (each with a one-line note) instead of refusing the run."""
+    train, val = data_lib.split_tokens(tokens)
+    need = config.batch_size * config.seq_len + 1
+    if data_lib.count_batches(len(val), config.seq_len, config.batch_size) >= 1:
+        return train, val
+    if len(tokens) < config.seq_len + 1:  # too short to train at all: `check_splits` says so
+        return tokens, None
+    if need <= len(tokens) // 4:
+        _note(f"validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
+              f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1); "
+              "its last tenth is less than that)")
+        return data_lib.split_tokens(tokens, need / len(tokens))
+    _note(f"validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
+          f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1) = "
+          f"{need:,} and train on the rest; pass --val-data for a validation set, or "
+          "--eval-every 0 to say so")
+    return tokens, None
+
+
 def _load_tokens(config: TrainConfig, tokenizer: Tokenizer) -> tuple[Any, Any]:
-    """The (train, val) token streams of ``--data``, tokenized ahead of training (into the
-    token cache, once) and checked to hold a window and a validation batch."""
+    """The (train, val) token streams (val None: no evaluation), tokenized ahead of training
+    (into the token cache, once) and checked to hold a window and a validation batch:
+    ``--val-data`` if given, nothing with ``--eval-every 0`` (all of ``--data`` trains), else
+    an automatic split of ``--data`` (`_fit_split`) or the built-in corpus's val files."""
     log = print if jax.process_index() == 0 else None
     try:
-        train, val = data_lib.load_splits(config.data, tokenizer, config.text_field,
-                                          config.token_dtype, log=log)
-        data_lib.check_splits(len(train), len(val), config.seq_len, config.batch_size,
-                              data=config.data)
+        if config.val_data or config.eval_every == 0:
+            train = _open(config.data, config, tokenizer, log)
+            val = (_open(config.val_data, config, tokenizer, log, "--val-data")
+                   if config.val_data else None)
+            if val is not None and data_lib.count_batches(
+                    len(val), config.seq_len, config.batch_size) < 1:
+                raise UsageError(
+                    f"--val-data {' '.join(config.val_data)}: {len(val):,} tokens, fewer than "
+                    f"one batch of --batch-size {config.batch_size} x --seq-len "
+                    f"{config.seq_len} (+1) = {config.batch_size * config.seq_len + 1:,}; give "
+                    "more validation data or lower --batch-size or --seq-len")
+        elif config.data:
+            train, val = _fit_split(config, _open(config.data, config, tokenizer, log))
+        else:
+            train, val = data_lib.load_splits([], tokenizer, log=log)
+        data_lib.check_splits(len(train), len(val) if val is not None else 1 << 62,
+                              config.seq_len, config.batch_size, data=config.data)
     except (OSError, ValueError) as e:
+        if isinstance(e, UsageError):
+            raise
         if isinstance(e, OSError) and e.strerror:  # name the file (or the flag's paths)
             raise UsageError(f"--data {e.filename or ' '.join(config.data)}: "
                              f"{e.strerror}") from None
@@ -111,10 +170,10 @@ def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
         batches = data_lib.TokenBatches(
             train_tokens, config.seq_len, config.batch_size, seed=config.seed,
             process_index=part, process_count=parts, vocab_size=tokenizer.vocab_size)
-        num_val = min(VAL_BATCHES, data_lib.count_batches(len(val_tokens), config.seq_len,
-                                                          config.batch_size))
-        val = data_lib.val_batches(
-            val_tokens, config.seq_len, config.batch_size, num_batches=num_val,
+        val = [] if val_tokens is None else data_lib.val_batches(
+            val_tokens, config.seq_len, config.batch_size,
+            num_batches=min(VAL_BATCHES, data_lib.count_batches(
+                len(val_tokens), config.seq_len, config.batch_size)),
             process_index=part, process_count=parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None

@@ -16,9 +16,11 @@ CLI exits with 128 + the signal number); a second Ctrl-C aborts at once.
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -42,6 +44,7 @@ from shardax.train.resolve import Resolved, resolve
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
 from shardax.train.step import TrainState, eval_loss
 from shardax.train.stop import Stopped, StopRequests
+from shardax.train.tokenizer import BYTES
 
 __all__ = ["Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
 
@@ -115,6 +118,9 @@ def _initial_state(p: Prepared, state_shape: Any, shardings: Any
     run = p.run
     if run.config.resume:
         start, state = _resume(p, state_shape, shardings)
+        if jax.process_index() == 0:
+            print(f"shardax train: resumed from step {start} (checkpoint "
+                  f"{p.run_dir.checkpoints / str(start)})", flush=True)
         if start == run.config.steps:
             return start, None
         if jax.process_index() == 0:
@@ -146,9 +152,11 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
     layout and the FLOPs that MFU counts."""
     run, config = p.run, p.run.config
     n_params = sum(x.size for x in jax.tree.leaves(state_shape.params))
-    print(f"shardax train: {config.model} ({n_params / 1e6:.2f}M params) on "
-          f"{jax.device_count()} devices, mesh {run.mesh.shape}, rules {config.rules!r}, "
-          f"precision {run.policy}")
+    print(f"shardax train: {_model_name(run)} ({n_params / 1e6:.2f}M params, "
+          f"{run.policy.params.name} weights) on {jax.device_count()} devices, mesh "
+          f"{run.mesh.shape}, rules {config.rules!r}, precision {run.policy}")
+    print(_tokenizer_summary(p))
+    print(run.optimizer_summary())
     print(run.attention_summary())
     if run.mesh.shape.get("fsdp", 1) > 1:
         print(run.fsdp_summary())
@@ -158,6 +166,29 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
     print(f"model FLOPs per token {per_token:.3g} (6N + 12·L·d·T); peak "
           + (f"{peak / 1e12:.0f} TFLOP/s per device: MFU reported" if peak else
              "FLOP/s unknown: MFU n/a (pass --peak-tflops to report it)"))
+
+
+def _model_name(run: Resolved) -> str:
+    """``--model``, or the family and source of an ``--init-from`` model (``llama from
+    hf:DIR``)."""
+    if run.init_dir is None:
+        return run.config.model
+    try:
+        family = json.loads((run.init_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        family = None
+    return f"{family or type(run.model_config).__name__} from {run.config.init_from}"
+
+
+def _tokenizer_summary(p: Prepared) -> str:
+    """One line for the banner: the tokenizer the data and the run directory use."""
+    tok, config = p.inputs.tokenizer, p.run.config
+    if config.tokenizer == BYTES:
+        return "tokenizer: bytes (UTF-8 bytes are the tokens, NUL ends a document)"
+    source = (" (the --init-from model's own)" if config.init_from is not None
+              and Path(config.tokenizer).resolve() == p.run.init_dir.resolve() else "")
+    return (f"tokenizer: {config.tokenizer}{source}: vocabulary {tok.vocab_size}, "
+            f"end-of-text id {tok.eos_id}")
 
 
 class _Steps:
@@ -181,7 +212,8 @@ class _Steps:
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
             record = {"step": done, **self.clock.measure(done, metrics),
                       "lr": float(self.run.schedule(step)), **report.memory_in_use()}
-        if done % config.eval_every == 0 or done == config.steps:
+        if self.inputs.val and config.eval_every and (done % config.eval_every == 0
+                                                      or done == config.steps):
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
             record = {"step": done, **record, "val_loss": float(np.mean(val))}
         if record:

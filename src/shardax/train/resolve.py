@@ -32,7 +32,7 @@ from shardax.models.attention import resolve_implementation
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
-from shardax.train.config import TrainConfig, UsageError, flag, hf_dir
+from shardax.train.config import DEFAULT_LR, TrainConfig, UsageError, flag, hf_dir
 from shardax.train.step import make_optimizer, make_schedule
 
 __all__ = ["Resolved", "fsdp_mode", "make_mesh", "model_config", "optimizer", "resolve"]
@@ -48,11 +48,17 @@ def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
 
 
 def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax optimizer of ``--optimizer``, ``--lr`` and ``--steps`` (warm-up: the first
-    twentieth of the steps) and the learning rate it applies at each step."""
-    warmup = config.steps // 20
-    return (make_optimizer(config.optimizer, config.lr, config.steps, warmup=warmup),
-            make_schedule(config.optimizer, config.lr, config.steps, warmup=warmup))
+    """The optax optimizer of ``--optimizer``, ``--lr``, ``--steps``, ``--warmup-steps``
+    (default: the first twentieth of the steps), ``--min-lr-ratio``, ``--weight-decay`` and
+    ``--clip-grad-norm``, and the learning rate it applies at each step."""
+    warmup = config.steps // 20 if config.warmup_steps is None else config.warmup_steps
+    lr = config.lr if config.lr is not None else DEFAULT_LR  # `check` fills it in
+    min_lr_ratio = 0.1 if config.min_lr_ratio is None else config.min_lr_ratio
+    return (make_optimizer(config.optimizer, lr, config.steps, warmup=warmup,
+                           min_lr_ratio=min_lr_ratio, weight_decay=config.weight_decay,
+                           clip_grad_norm=config.clip_grad_norm),
+            make_schedule(config.optimizer, lr, config.steps, warmup=warmup,
+                          min_lr_ratio=min_lr_ratio))
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
@@ -183,6 +189,21 @@ class Resolved:
         pack = ("documents (attention and RoPE positions restart at each end-of-text, no loss "
                 "across it)" if packed else "concat (one stream)")
         return f"attention: {impl}; pack: {pack}"
+
+    def optimizer_summary(self) -> str:
+        """One line for the train banner: the optimizer, its learning-rate schedule, weight
+        decay and clipping, with the defaults resolved."""
+        c = self.config
+        if c.optimizer == "sgd":
+            return (f"optimizer: sgd, constant lr {c.lr:g}, weight decay {c.weight_decay or 0:g}, "
+                    f"clip grad norm {c.clip_grad_norm or 'off'}")
+        warmup = c.steps // 20 if c.warmup_steps is None else c.warmup_steps
+        ratio = 0.1 if c.min_lr_ratio is None else c.min_lr_ratio
+        decay = 0.01 if c.weight_decay is None else c.weight_decay
+        clip = 1.0 if c.clip_grad_norm is None else c.clip_grad_norm
+        return (f"optimizer: {c.optimizer}, lr {c.lr:g} (warm-up {max(warmup, 1)} steps from "
+                f"{float(self.schedule(0)):.3g}, cosine to {c.lr * ratio:.3g} at step "
+                f"{c.steps}), weight decay {decay:g}, clip grad norm {clip or 'off'}")
 
     def pipeline_summary(self) -> str:
         """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""

@@ -75,6 +75,34 @@ class Tokenizer:
     def save(self, directory: str | Path) -> None:
         """Writes what `load_tokenizer` needs to get this tokenizer back from ``directory``."""
 
+    def special_tokens(self) -> dict[str, tuple[str, int]]:
+        """``{"bos_token" | "eos_token" | "pad_token" | "unk_token": (text, id)}``: the special
+        tokens this tokenizer has (``eos_token`` always)."""
+        raise NotImplementedError
+
+    def export(self, directory: str | Path, model_max_length: int) -> dict[str, int]:
+        """Writes the Hugging Face tokenizer files of an exported model into ``directory``
+        (``tokenizer.json``, ``tokenizer_config.json`` with the special tokens and any
+        ``chat_template``, ``special_tokens_map.json``) so that ``AutoTokenizer`` loads it;
+        returns the special ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id`` where
+        there is one) for ``config.json`` and ``generation_config.json``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = self._write_tokenizer_json(directory / "tokenizer.json")
+        special = self.special_tokens()
+        config = {"tokenizer_class": "PreTrainedTokenizerFast",
+                  "clean_up_tokenization_spaces": False, **config,
+                  **{k: text for k, (text, _) in special.items()},
+                  "model_max_length": model_max_length}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (directory / "special_tokens_map.json").write_text(json.dumps(
+            {k: text for k, (text, _) in special.items()}, indent=2) + "\n")
+        return {f"{k}_id": i for k, (_, i) in special.items() if k != "unk_token"}
+
+    def _write_tokenizer_json(self, path: Path) -> dict:
+        """Writes ``tokenizer.json``; returns the ``tokenizer_config.json`` entries to keep."""
+        raise NotImplementedError
+
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens (vocabulary 256); NUL (id 0, never in text) ends a document.
@@ -92,6 +120,23 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def special_tokens(self) -> dict[str, tuple[str, int]]:
+        return {"eos_token": (_byte_char(0), 0)}
+
+    def _write_tokenizer_json(self, path: Path) -> dict:
+        # The same ids as Hugging Face's byte-level tokenizer with no merges: each byte is the
+        # token of GPT-2's byte-to-character table, so id = byte value.
+        from tokenizers import Tokenizer as _Tokenizer  # optional: tokenizers (extra "hf")
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = {_byte_char(b): b for b in range(256)}
+        tok = _Tokenizer(models.BPE(vocab, [], byte_fallback=False))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([_byte_char(0)])  # NUL ends a document: decoded as nothing
+        tok.save(str(path))
+        return {}
 
 
 class HFTokenizer(Tokenizer):
@@ -182,6 +227,45 @@ class HFTokenizer(Tokenizer):
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
                 shutil.copyfile(source, directory / name)
+
+    def _config(self) -> dict:
+        """The ``tokenizer_config.json`` beside ``tokenizer.json`` ({} without one)."""
+        path = self.directory / "tokenizer_config.json"
+        try:
+            config = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--tokenizer: cannot read {path}: {e}") from None
+        return config if isinstance(config, dict) else {}
+
+    def special_tokens(self) -> dict[str, tuple[str, int]]:
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        config, out = self._config(), {}
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            text = config.get(key)
+            text = text.get("content") if isinstance(text, dict) else text
+            if isinstance(text, str) and text in vocab:
+                out[key] = (text, vocab[text])
+        out["eos_token"] = (self._tok.id_to_token(self.eos_id), self.eos_id)
+        if "bos_token" not in out and self.prefix:  # the token the post-processor puts first
+            out["bos_token"] = (self._tok.id_to_token(self.prefix[0]), self.prefix[0])
+        return out
+
+    def _write_tokenizer_json(self, path: Path) -> dict:
+        if path.resolve() != self.path.resolve():
+            shutil.copyfile(self.path, path)
+        # Kept as they are: the chat template, added tokens' flags, the tokenizer's class.
+        return {k: v for k, v in self._config().items()
+                if k not in ("bos_token", "eos_token", "pad_token", "unk_token",
+                             "model_max_length")}
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2's printable character for byte ``b`` (the ByteLevel pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    if b in printable:
+        return chr(b)
+    return chr(256 + sum(1 for x in range(b) if x not in printable))
 
 
 def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
