@@ -283,6 +283,7 @@ def test_sigterm_saves_the_current_step_whole(tmp_path):
     logged = max(r["step"] for r in _metrics(out))
     assert _committed(out) == [step] and step >= logged >= 2
     assert step < TINY["steps"], "stopped too late: the signal did not cut the run short"
+    assert not (out / "run.lock").exists()  # the run directory's lock is released
     # What --resume starts from (the checkpoint API; resuming a run is proved bit-identical
     # once, in test_train.py): the step reads back whole, every array against its save-time
     # fingerprint, with the data position of that step.

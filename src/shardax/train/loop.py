@@ -19,10 +19,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from shardax import _compat
 from shardax.devices import device_spec
@@ -40,6 +42,7 @@ from shardax.train.mfu import flops_per_token
 from shardax.train.profiler import StepProfiler, parse_profile_steps
 from shardax.train.resolve import Resolved, resolve
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
+from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
 from shardax.train.stop import Stopped, StopRequests
 
@@ -134,10 +137,31 @@ def train(config: TrainConfig, prepared: Prepared | None = None, *,
 
     Raises `UsageError` for bad input (before writing anything) and `Stopped` after saving
     the step at which SIGTERM or Ctrl-C stopped it. ``prepared`` / ``run_dir``: what
-    `prepare` / `check_run_dir` already returned for ``config``."""
-    prepared = prepared or prepare(config, run_dir)
-    with StopRequests() as stop:
+    `prepare` / `check_run_dir` already returned for ``config``. The run directory is
+    locked (`shardax.train.runlock`) while it trains: a second trainer on it is refused."""
+    with _lock(Path(config.out)), StopRequests() as stop:
+        prepared = prepared or prepare(config, run_dir)
         return _train(prepared, stop)
+
+
+def _lock(out: Path) -> RunLock:
+    """The taken lock of ``out`` (process 0 takes it; every process raises the same
+    `UsageError` when it is held by another job)."""
+    is_main = jax.process_index() == 0
+    lock, error = RunLock(out, main=is_main, note=_note), None
+    if is_main:
+        try:
+            lock.acquire()
+        except UsageError as e:
+            error = e
+    if jax.process_count() > 1:
+        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+            error = UsageError(f"--out {out} is in use by another shardax train (process 0 "
+                               "names it)")
+    if error is not None:
+        raise error
+    return lock
 
 
 def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: float | None
