@@ -148,3 +148,64 @@ def test_without_flock_a_lock_is_judged_by_its_pid(tmp_path, monkeypatch, capsys
                        r".*if that job is gone, delete "):
         RunLock(out).acquire()
     assert json.loads((out / LOCK_FILE).read_text()) == elsewhere  # untouched
+
+
+# ----------------------------------------------------------------------------- NaN
+
+# SGD at lr 1e20: step 1 (from the initial weights) is finite, its update overflows the
+# activations of step 2 (float32), whose loss is NaN (any lr from about 1e17 up does so).
+NAN_AT = 2
+EXPLODING = {"lr": 1e20, "ckpt_every": 1}
+
+
+def _finite_weights(out: Path, step: int) -> bool:
+    import jax
+    import numpy as np
+
+    from shardax.train import Checkpointer
+
+    with Checkpointer(out / "checkpoints", read_only=True) as ckpt:
+        state = ckpt.restore(step=step).state
+    return all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state)
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(out, **EXPLODING)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = _errors(proc.stderr)
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0] == (
+        f"shardax train: error: the loss is not finite at step {NAN_AT} (loss nan; --on-nan "
+        f"stop): stopped without saving it; the newest checkpoint, step {NAN_AT - 1}, has "
+        "finite weights: continue from it with --resume (e.g. with a lower --lr), or pass "
+        "--on-nan skip")
+    assert _committed(out) == [NAN_AT - 1] and _finite_weights(out, NAN_AT - 1)
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_on_nan_continue_trains_on_and_pins_the_last_finite_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(out, "--on-nan", "continue", **EXPLODING)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"shardax train: the loss is not finite at step {NAN_AT} (loss nan); training on "
+            f"(--on-nan continue); checkpoint step {NAN_AT - 1}, the last with finite weights, "
+            "is kept") in proc.stderr, proc.stderr[-3000:]
+    # 3 newest kept (4, 5, 6: NaN weights) and, whatever --keep says, the last good one.
+    assert _committed(out) == [NAN_AT - 1, 4, 5, 6]
+    assert _finite_weights(out, NAN_AT - 1) and not _finite_weights(out, 6)
+
+
+def test_on_nan_skip_skips_and_counts_the_non_finite_updates(tmp_path):
+    out = tmp_path / "run"
+    proc = _run(out, "--on-nan", "skip", **EXPLODING)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = re.findall(r"the loss is not finite at step (\d+) \(loss nan\); its update was "
+                       r"skipped \(--on-nan skip; (\d+) skipped so far\)", proc.stderr)
+    # Steps 2..6 all meet step 1's overflowed weights (kept, as every update is skipped);
+    # noted: the first three, then at powers of two.
+    assert notes == [("2", "1"), ("3", "2"), ("4", "3"), ("5", "4")], proc.stderr[-3000:]
+    records = {r["step"]: r for r in _metrics(out)}
+    assert [records[s].get("skipped_steps", 0) for s in range(1, 7)] == [0, 1, 2, 3, 4, 5]
+    assert _committed(out) == [4, 5, 6] and _finite_weights(out, 6)

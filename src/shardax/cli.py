@@ -142,7 +142,8 @@ def _train_args():
     class TrainArgs:
         """shardax train: train a byte-level language model, sharded by rules, with
         checkpoints. SIGTERM or Ctrl-C saves the current step and exits with 128 + the signal
-        number; continue with --resume."""
+        number; continue with --resume. Exit status 2: bad input; 3: the loss became
+        non-finite (--on-nan stop); 4: a checkpoint could not be written (e.g. disk full)."""
 
         run: Annotated[TrainConfig, tyro.conf.arg(name="")]
         config: Path | None = None
@@ -260,13 +261,17 @@ def _train(argv: list[str]) -> int:
     _start_backend(args.devices)
     import jax
 
-    from shardax.train.loop import Stopped, train
+    from shardax.train.loop import NonFinite, Stopped, train
 
     try:
         train(config, run_dir=run_dir)
     except Stopped as e:
         if jax.process_index() == 0:  # every process saved; one says so
             print(f"shardax train: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except NonFinite as e:  # every process stopped at the same step; one says so
+        if jax.process_index() == 0:
+            print(f"shardax train: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     return 0
 

@@ -200,16 +200,28 @@ def _check_target(target: Any, saved_tree: Any, where: str) -> None:
             )
 
 
+class _Pinned:
+    """An orbax preservation policy: the steps in ``steps`` (a set the `Checkpointer` adds
+    to) are kept whatever ``max_to_keep`` says."""
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        return [c.step in self.steps for c in checkpoints]
+
+
 class Checkpointer:
     """Saves and restores train state + JSON extras under ``directory`` with orbax.
 
     ``save_every=K`` keeps only saves at steps divisible by K (``force=True`` overrides);
-    ``max_to_keep=N`` deletes all but the newest N committed steps. With ``async_save`` the
-    arrays are copied off the devices before `save` returns and written in the background, so
-    the caller may donate or overwrite them at once. All processes must call `save` and
-    `restore` together; each writes and reads only its own shards. ``read_only=True`` opens
-    an existing directory for reading only: nothing is created, cleaned up or deleted (safe
-    while another process trains into it), and `save` raises.
+    ``max_to_keep=N`` deletes committed steps but the newest N and those given to `pin`.
+    With ``async_save`` the arrays are copied off the devices before `save` returns and
+    written in the background, so the caller may donate or overwrite them at once. All
+    processes must call `save` and `restore` together; each writes and reads only its own
+    shards. ``read_only=True`` opens an existing directory for reading only: nothing is
+    created, cleaned up or deleted (safe while another process trains into it), and `save`
+    raises.
 
     Example::
 
@@ -232,6 +244,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = epath.Path(directory).absolute()
         self.read_only = read_only
+        self._pinned = _Pinned()
         if read_only:
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"no checkpoint directory {str(self.directory)!r}")
@@ -248,7 +261,8 @@ class Checkpointer:
                     policies.FixedIntervalPolicy(save_every),
                     policies.PreemptionCheckpointingPolicy(),
                 ]),
-                preservation_policy=policies.LatestN(max_to_keep),
+                preservation_policy=policies.AnyPreservationPolicy(
+                    [policies.LatestN(max_to_keep), self._pinned]),
                 enable_async_checkpointing=async_save,
                 # Leftover tmp dirs of an interrupted save are never read; remove them on
                 # start (one writer per directory).
@@ -279,6 +293,11 @@ class Checkpointer:
         """The newest committed step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def pin(self, step: int) -> None:
+        """Keeps committed (or being saved) ``step`` whatever ``max_to_keep`` says, e.g. the
+        last checkpoint with finite weights of a run whose loss has become NaN."""
+        self._pinned.steps.add(step)
 
     def save(self, step: int, state: Any, extra: dict | None = None, *, force: bool = False
              ) -> bool:

@@ -9,7 +9,9 @@ the numbers (model, seed, data order, optimizer state, step) is in the checkpoin
 `prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`,
 `prepare_inputs`; a `UsageError` names the flag or file, nothing is written); `train` runs the
 loop. SIGTERM or a first Ctrl-C finishes the current step, saves it and raises `Stopped` (the
-CLI exits with 128 + the signal number); a second Ctrl-C aborts at once.
+CLI exits with 128 + the signal number); a second Ctrl-C aborts at once. A step whose loss
+is not finite is handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite`
+is raised without saving it (the CLI exits with 3).
 
 >>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
 """
@@ -39,6 +41,7 @@ from shardax.train.checkpoint import (
 from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
+from shardax.train.nonfinite import NonFinite, NonFiniteWatch
 from shardax.train.profiler import StepProfiler, parse_profile_steps
 from shardax.train.resolve import Resolved, resolve
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
@@ -46,7 +49,7 @@ from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
 from shardax.train.stop import Stopped, StopRequests
 
-__all__ = ["Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
+__all__ = ["NonFinite", "Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
 
 
 @dataclass
@@ -186,7 +189,7 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
 
 class _Steps:
     """What happens after each train step: its metrics record (logged, evaluated, tracked),
-    checkpoints, and stopping on SIGTERM / Ctrl-C."""
+    the non-finite loss policy, checkpoints, and stopping on SIGTERM / Ctrl-C."""
 
     def __init__(self, p: Prepared, start: int, records: list[dict], evaluate: Any,
                  metrics_log: report.MetricsLog, clock: report.StepClock):
@@ -197,14 +200,23 @@ class _Steps:
         self.trackers = (report.Trackers(self.config.log_to, p.run_dir.out,
                                          self.config.to_json()) if self.is_main else None)
         self.ckpt = Checkpointer(p.run_dir.checkpoints, max_to_keep=3)
+        self.watch = NonFiniteWatch(self.config.on_nan, start, _note, self.ckpt.pin)
+
+    def ran(self, done: int, metrics: dict) -> None:
+        """Step ``done`` was dispatched: the flags of the steps before it are read now (one
+        step stays in flight) and ``--on-nan`` applied."""
+        self.watch.add(done, metrics)
+        self.watch.settle(upto=done - 1)
 
     def record(self, step: int, state: TrainState, metrics: dict) -> dict:
         """The metrics record of 0-based ``step`` (empty when nothing is due), written out."""
         config, done = self.config, step + 1
         record: dict[str, Any] = {}
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
+            self.watch.settle()
             record = {"step": done, **self.clock.measure(done, metrics),
-                      "lr": float(self.run.schedule(step)), **report.memory_in_use()}
+                      "lr": float(self.run.schedule(step)), **self.watch.record(),
+                      **report.memory_in_use()}
         if done % config.eval_every == 0 or done == config.steps:
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
             record = {"step": done, **record, "val_loss": float(np.mean(val))}
@@ -217,14 +229,15 @@ class _Steps:
 
     def save(self, done: int, state: TrainState, stop: StopRequests) -> None:
         """Saves a checkpoint when one is due; on a stop request saves (if not yet) and
-        raises `Stopped` once it is committed."""
+        raises `Stopped` once it is committed. A state is saved only once every step up to it
+        passed ``--on-nan``."""
         config = self.config
         due = done % config.ckpt_every == 0 or done == config.steps
-        if due:
+        stopping = done < config.steps and stop.reached(done)
+        if due or stopping:
+            self.watch.settle()
             self._save(done, state)
-        if done < config.steps and stop.reached(done):
-            if not due:
-                self._save(done, state)
+        if stopping:
             self.ckpt.wait()  # synchronous: committed before the process exits
             raise Stopped(done, stop.signum)
 
@@ -232,6 +245,7 @@ class _Steps:
         position = {**self.inputs.train.state(), "step": done}
         self.ckpt.save(done, flat(state), extra={"data": position,
                                                  "config": self.config.to_json()}, force=True)
+        self.watch.saved_step(done)
 
     def close(self) -> None:
         """Finishes (or abandons) the in-flight save and closes the trackers."""
@@ -277,6 +291,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
                 batch = first if step == start else inputs.batch(step)
                 profiler.before(step + 1)
                 state, metrics = step_fn(state, batch)
+                steps.ran(step + 1, metrics)
                 profiler.after(step + 1, (state, metrics))
                 record = steps.record(step, state, metrics)
                 progress.update(step + 1, record if is_main else None)
