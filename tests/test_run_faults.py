@@ -209,3 +209,78 @@ def test_on_nan_skip_skips_and_counts_the_non_finite_updates(tmp_path):
     records = {r["step"]: r for r in _metrics(out)}
     assert [records[s].get("skipped_steps", 0) for s in range(1, 7)] == [0, 1, 2, 3, 4, 5]
     assert _committed(out) == [4, 5, 6] and _finite_weights(out, 6)
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs: a file system that really fills up (mounting it needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path, leave: int) -> Path:
+    """Fills ``disk`` up to ``leave`` bytes free (another job's files, say)."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    os.truncate(filler, filler.stat().st_size - leave)
+    return filler
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_restores(
+        small_disk):
+    out = small_disk / "run"
+    assert _run(out, steps=2).returncode == 0
+    # Room for config.json and the metrics, not for a checkpoint (about 1 MiB).
+    filler = _fill(small_disk, leave=200_000)
+    proc = _run(out, "--resume", steps=4)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [
+        f"shardax train: error: cannot write checkpoint step 4 in {out / 'checkpoints'} (No "
+        "space left on device); the newest committed checkpoint, step 2, is intact: continue "
+        "from it with --resume once the cause is fixed"], proc.stderr[-3000:]
+    assert _committed(out) == [2] and not (out / LOCK_FILE).exists()
+    filler.unlink()  # the operator frees space and resumes
+    proc = _run(out, "--resume", steps=4)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert _committed(out) == [2, 4]
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+
+
+def test_orbax_late_reports_are_dropped_and_others_are_not(monkeypatch, capsys):
+    """What orbax and TensorStore report after a failed read, outside any call (an
+    "Exception ignored in" of a closed event loop), is dropped; anything else still shows."""
+    from types import SimpleNamespace
+
+    from shardax.train import checkpoint
+
+    shown = []
+    monkeypatch.setattr(sys, "unraisablehook", shown.append)
+    checkpoint._drop_orbax_errors()
+
+    def report(exc, obj):
+        sys.unraisablehook(SimpleNamespace(exc_type=type(exc), exc_value=exc,
+                                           exc_traceback=None, err_msg=None, object=obj))
+
+    report(RuntimeError("Event loop is closed"), None)
+    report(ValueError("a read failed"), "<coroutine orbax.checkpoint._src.read>")
+    report(ValueError("mine"), "<function my_callback>")
+    assert [str(u.exc_value) for u in shown] == ["mine"]

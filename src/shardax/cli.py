@@ -261,6 +261,7 @@ def _train(argv: list[str]) -> int:
     _start_backend(args.devices)
     import jax
 
+    from shardax.train.checkpoint import CheckpointWriteError
     from shardax.train.loop import NonFinite, Stopped, train
 
     try:
@@ -273,6 +274,9 @@ def _train(argv: list[str]) -> int:
         if jax.process_index() == 0:
             print(f"shardax train: error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except CheckpointWriteError as e:  # e.g. a full disk: the older checkpoints are intact
+        print(f"shardax train: error: {e}", file=sys.stderr, flush=True)
+        return 4
     return 0
 
 
