@@ -257,9 +257,12 @@ def _train(argv: list[str]) -> int:
         return 0
     from shardax.train.rundir import check_run_dir
 
+    config = _elastic_resume(config)
     run_dir = check_run_dir(config)  # the run directory, before a backend starts
     _start_backend(args.devices)
     import jax
+
+    config = _elastic_layout(config)
 
     from shardax.train.checkpoint import CheckpointWriteError
     from shardax.train.loop import NonFinite, Stopped, train
@@ -278,6 +281,48 @@ def _train(argv: list[str]) -> int:
         print(f"shardax train: error: {e}", file=sys.stderr, flush=True)
         return 4
     return 0
+
+
+def _restart() -> int:
+    """The attempt of an elastic job (``SHARDAX_RESTART``, set by ``shardax launch
+    --elastic``; 0 for the first attempt and outside such a job)."""
+    from shardax.distributed import RESTART_ENV
+
+    raw = os.environ.get(RESTART_ENV, "")
+    return int(raw) if raw.isdigit() else 0
+
+
+def _elastic_resume(config: Any) -> Any:
+    """A restarted elastic job resumes from the newest checkpoint, if one was committed."""
+    import dataclasses
+
+    from shardax.train.checkpoint import list_steps
+    from shardax.train.rundir import RunDir
+
+    if _restart() == 0 or config.resume:
+        return config
+    if not list_steps(RunDir(Path(config.out)).checkpoints)[0]:
+        return config  # lost before its first checkpoint: it starts again
+    return dataclasses.replace(config, resume=True)
+
+
+def _elastic_layout(config: Any) -> Any:
+    """In an elastic job: the config fitted to the devices of this attempt
+    (`shardax.train.elastic`); a restart says what changed (process 0)."""
+    import jax
+
+    from shardax.distributed import ELASTIC_NPROC_ENV
+    from shardax.train.elastic import refit
+
+    first = os.environ.get(ELASTIC_NPROC_ENV, "")
+    if not first.isdigit():
+        return config
+    now = jax.device_count()
+    config, what = refit(config, now * int(first) // jax.process_count(), now)
+    if _restart() and jax.process_index() == 0:
+        print(f"shardax train: elastic restart {_restart()}: {what}", file=sys.stderr,
+              flush=True)
+    return config
 
 
 def _plan(argv: list[str]) -> int:
@@ -345,7 +390,7 @@ def _launch_parser() -> argparse.ArgumentParser:
     launch = argparse.ArgumentParser(
         prog="shardax launch", description=COMMANDS["launch"],
         usage="shardax launch --nproc N [--devices-per-proc K] [--port P] [--timeout S] "
-              "-- COMMAND ...")
+              "[--elastic [--min-nproc M] [--max-restarts R]] -- COMMAND ...")
     launch.add_argument("--nproc", type=int, required=True, help="number of processes")
     launch.add_argument("--devices-per-proc", type=int, default=None,
                         help="emulated CPU devices per process (overrides train's --devices)")
@@ -353,6 +398,13 @@ def _launch_parser() -> argparse.ArgumentParser:
                         help="coordinator port on 127.0.0.1 (default: a free one)")
     launch.add_argument("--timeout", type=float, default=None,
                         help="seconds processes wait for each other to join (default 60)")
+    launch.add_argument("--elastic", action="store_true",
+                        help="when processes fail, restart the job on the processes left "
+                             "(shardax train resumes and fits its layout to them)")
+    launch.add_argument("--min-nproc", type=int, default=1,
+                        help="with --elastic: fewest processes to restart on (default 1)")
+    launch.add_argument("--max-restarts", type=int, default=None,
+                        help="with --elastic: most restarts (default 3; 0: never restart)")
     launch.add_argument("cmd", nargs=argparse.REMAINDER, metavar="COMMAND",
                         help="the program to run, e.g. shardax train ... (SIGTERM and Ctrl-C "
                              "are passed on to every process)")
@@ -366,7 +418,8 @@ def _launch(argv: list[str]) -> int:
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     try:
         return launch(command, args.nproc, devices_per_proc=args.devices_per_proc,
-                      port=args.port, timeout_s=args.timeout)
+                      port=args.port, timeout_s=args.timeout, elastic=args.elastic,
+                      min_nproc=args.min_nproc, max_restarts=args.max_restarts)
     except ValueError as e:
         raise _Usage(str(e).removeprefix("launch: ")) from None
 

@@ -39,7 +39,7 @@ from shardax import _compat
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
-           "abstract_state", "flat", "list_steps", "restore_state"]
+           "abstract_state", "fingerprints", "flat", "list_steps", "restore_state"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -230,7 +230,10 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 _fingerprints_jit = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
 
 
-def _fingerprints(tree: Any) -> dict[str, int]:
+def fingerprints(tree: Any) -> dict[str, int]:
+    """A 32-bit, position-sensitive fingerprint of every array leaf of ``tree`` (keyed by its
+    path), the same on any mesh and process count: what a checkpoint verifies its arrays
+    against, and what ``shardax train`` logs of each batch (``data_hash``)."""
     flat = {k: v for k, v in _flat(tree).items() if isinstance(v, jax.Array)}
     # One jit call per device set: a jit cannot mix arrays committed to different devices.
     groups: dict[frozenset, list[str]] = {}
@@ -414,7 +417,7 @@ class Checkpointer:
         if not (force or self._manager.should_save(step)):
             return False
         self._clear_uncommitted(step)
-        meta = {"format": _FORMAT, "fingerprints": _fingerprints(state)}
+        meta = {"format": _FORMAT, "fingerprints": fingerprints(state)}
         with self._writing(step):
             saved = self._manager.save(
                 step,
@@ -535,7 +538,7 @@ class Checkpointer:
             if expected is None:
                 raise CorruptCheckpointError(f"checkpoint step {step} at {where} has no "
                                              "fingerprints; pass verify=False to load it")
-            found = _fingerprints(out["state"])
+            found = fingerprints(out["state"])
             # Only leaves that were jax.Arrays at save time have fingerprints.
             for path in expected:
                 if expected[path] != found.get(path):

@@ -18,6 +18,7 @@ is raised without saving it (the CLI exits with 3).
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -30,11 +31,13 @@ from jax.experimental import multihost_utils
 
 from shardax import _compat
 from shardax.devices import device_spec
+from shardax.distributed import RESTART_ENV
 from shardax.train import build, report
 from shardax.train.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
     Restored,
+    fingerprints,
     flat,
     restore_state,
 )
@@ -111,6 +114,9 @@ def _resume(p: Prepared, state_shape: Any, shardings: Any) -> tuple[int, TrainSt
         p.inputs.train.restore(restored.extra["data"])
     except ValueError as e:
         raise UsageError(f"--resume: checkpoint step {start}: {e}") from None
+    if os.environ.get(RESTART_ENV, "0") not in ("", "0"):  # `shardax launch --elastic` says
+        _note(f"elastic restart: resumed from checkpoint step {start} (the steps after it "
+              "are trained again)")
     return start, state
 
 
@@ -208,14 +214,17 @@ class _Steps:
         self.watch.add(done, metrics)
         self.watch.settle(upto=done - 1)
 
-    def record(self, step: int, state: TrainState, metrics: dict) -> dict:
-        """The metrics record of 0-based ``step`` (empty when nothing is due), written out."""
+    def record(self, step: int, state: TrainState, metrics: dict, batch: Any) -> dict:
+        """The metrics record of 0-based ``step`` (empty when nothing is due), written out;
+        ``data_hash`` fingerprints the step's global input tokens (the same on any mesh and
+        process count: the token stream of two runs compares step by step)."""
         config, done = self.config, step + 1
         record: dict[str, Any] = {}
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
             self.watch.settle()
             record = {"step": done, **self.clock.measure(done, metrics),
                       "lr": float(self.run.schedule(step)), **self.watch.record(),
+                      "data_hash": fingerprints({"inputs": batch[0]})["inputs"],
                       **report.memory_in_use()}
         if done % config.eval_every == 0 or done == config.steps:
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
@@ -293,7 +302,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
                 state, metrics = step_fn(state, batch)
                 steps.ran(step + 1, metrics)
                 profiler.after(step + 1, (state, metrics))
-                record = steps.record(step, state, metrics)
+                record = steps.record(step, state, metrics, batch)
                 progress.update(step + 1, record if is_main else None)
                 steps.save(step + 1, state, stop)
     finally:  # an interrupted run still finishes (or abandons) its in-flight save
