@@ -82,17 +82,24 @@ def _wait_for(stream, pattern: str, proc: subprocess.Popen) -> str:
 def test_a_second_trainer_on_the_same_out_is_refused_and_a_killed_ones_lock_is_stale(
         tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(_cmd(out, steps=400, ckpt_every=1000), env=_env(),
+    first = subprocess.Popen(_cmd(out, steps=400, ckpt_every=2), env=_env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(first.stdout, r"^step\s+1\s", first)
+        _wait_for(first.stdout, r"^step\s+3\s", first)
+        deadline = time.monotonic() + BOUND_S
+        while not _committed(out):
+            assert time.monotonic() < deadline, "no checkpoint committed"
+            time.sleep(0.02)
         lock = json.loads((out / LOCK_FILE).read_text())
         assert lock["pid"] == first.pid and lock["host"] == socket.gethostname(), lock
-        second = _run(out, steps=2)
-        assert second.returncode == 2, second.stderr[-3000:]
-        assert second.stderr.count("\n") == 1 and _errors(second.stderr), second.stderr
-        assert (f"--out {out} is in use by another shardax train (pid {first.pid} on "
-                f"{socket.gethostname()}, started ") in second.stderr, second.stderr
+        # Without --resume the directory "holds checkpoints of another run" too: the lock is
+        # what the user hears of first.
+        for flags in ([], ["--resume"]):
+            second = _run(out, *flags, steps=2)
+            assert second.returncode == 2, second.stderr[-3000:]
+            assert second.stderr.count("\n") == 1 and _errors(second.stderr), second.stderr
+            assert (f"--out {out} is in use by another shardax train (pid {first.pid} on "
+                    f"{socket.gethostname()}, started ") in second.stderr, second.stderr
         assert first.poll() is None  # the holder trains on, undisturbed
         steps = [r["step"] for r in _metrics(out)]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one run's records
@@ -103,12 +110,13 @@ def test_a_second_trainer_on_the_same_out_is_refused_and_a_killed_ones_lock_is_s
             first.kill()
             first.wait()
     assert (out / LOCK_FILE).exists()  # left behind, but no process holds it
-    third = _run(out, steps=2)
+    newest = _committed(out)[-1]
+    third = _run(out, "--resume", steps=newest + 1)
     assert third.returncode == 0, third.stderr[-3000:]
     assert (f"shardax train: taking over the stale lock of pid {first.pid} on "
             f"{socket.gethostname()}") in third.stderr, third.stderr
     assert not (out / LOCK_FILE).exists()  # released at the end
-    assert _committed(out) == [2]
+    assert _committed(out)[-1] == newest + 1
 
 
 def test_the_lock_is_released_on_errors_and_leaves_no_empty_directory(tmp_path):

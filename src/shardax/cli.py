@@ -259,6 +259,11 @@ def _train(argv: list[str]) -> int:
     from shardax.train.rundir import check_run_dir
 
     config = _elastic_resume(config)
+    from shardax import distributed
+    from shardax.train.runlock import check_free
+
+    if not distributed.requested():  # in a job, process 0 may hold the lock already
+        check_free(Path(config.out))  # "in use" before "holds checkpoints of another run"
     run_dir = check_run_dir(config)  # the run directory, before a backend starts
     _start_backend(args.devices)
     import jax

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from shardax.train.config import UsageError
 
-__all__ = ["LOCK_FILE", "RunLock"]
+__all__ = ["LOCK_FILE", "RunLock", "check_free"]
 
 #: The lock file in a run directory.
 LOCK_FILE = "run.lock"
@@ -64,6 +64,25 @@ def _read(fd: int) -> dict:
     except json.JSONDecodeError:
         return {}
     return info if isinstance(info, dict) else {}
+
+
+def check_free(out: Path) -> None:
+    """Raises the `UsageError` a `RunLock` of ``out`` would raise now, without taking it or
+    writing anything (a check before anything else, so that the user hears first that the
+    directory is in use). Only for a process that is not part of a multi-process job: the
+    job's process 0 may hold the lock already."""
+    path = Path(out) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (or unreadable: taking the lock will tell)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunLock(out)._refusal(_read(fd)) from None
+    finally:
+        os.close(fd)
 
 
 class RunLock:
