@@ -193,6 +193,27 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path)
     assert not (out / LOCK_FILE).exists()
 
 
+@pytest.mark.multiprocess
+def test_two_processes_stop_together_at_the_nan_step(tmp_path):
+    """Every process reads the same flag and stops at the same step; process 0 says so once,
+    the launcher exits with 3."""
+    out = tmp_path / "run"
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env = {**_env(), "XLA_FLAGS": flags}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # see test_multiprocess.py
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardax.cli", "launch", "--nproc", "2", "--devices-per-proc",
+         "4", "--", *_cmd(out, **EXPLODING)], env=env, capture_output=True, text=True,
+        timeout=BOUND_S)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = re.findall(r"^\[(\d)\] shardax train: error: the loss is not finite at step (\d+)",
+                      proc.stdout, re.MULTILINE)
+    assert said == [("0", str(NAN_AT))], proc.stdout[-3000:]
+    assert "Traceback" not in proc.stdout
+    assert _committed(out) == [NAN_AT - 1] and not (out / LOCK_FILE).exists()
+
+
 def test_on_nan_continue_trains_on_and_pins_the_last_finite_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = _run(out, "--on-nan", "continue", **EXPLODING)
