@@ -35,9 +35,11 @@ __all__ = [
     "COORDINATOR_ENV",
     "DEVICES_ENV",
     "DistributedError",
+    "ELASTIC_NPROC_ENV",
     "MODE_ENV",
     "NUM_PROCESSES_ENV",
     "PROCESS_ID_ENV",
+    "RESTART_ENV",
     "TIMEOUT_ENV",
     "batch_part",
     "initialize",
@@ -56,6 +58,12 @@ DEVICES_ENV = "SHARDAX_DEVICES_PER_PROCESS"
 TIMEOUT_ENV = "SHARDAX_INIT_TIMEOUT"
 #: ``auto``: let JAX detect the cluster (SLURM, Open MPI, Cloud TPU, Kubernetes).
 MODE_ENV = "SHARDAX_DISTRIBUTED"
+#: Set by ``shardax launch --elastic``: the attempt (0 first, then each restart), which makes
+#: ``shardax train`` resume from the newest checkpoint when there is one.
+RESTART_ENV = "SHARDAX_RESTART"
+#: Set by ``shardax launch --elastic``: the process count of the first attempt, from which
+#: ``shardax train`` fits its layout to the processes left (`shardax.train.elastic`).
+ELASTIC_NPROC_ENV = "SHARDAX_ELASTIC_NPROC"
 
 _DEFAULT_TIMEOUT_S = 300
 # JAX's own connect deadline is set past ours so that our message, not its abort, comes first.

@@ -12,6 +12,13 @@ on to every process as SIGTERM, and the launcher waits up to ``stop_grace_s`` fo
 ``shardax train`` processes then agree on a step, save it together and exit. A second SIGINT
 kills them at once. The launcher exits with 128 + the signal number it received.
 
+With ``--elastic`` a failed job is started again on the processes left (a lost worker is not
+replaced): ``shardax launch --nproc 4 --elastic --min-nproc 2 --max-restarts 3 -- shardax
+train ...``. The workers that failed are dropped, the others stopped, and the command runs
+again on ``N - lost`` processes with ``SHARDAX_RESTART`` and ``SHARDAX_ELASTIC_NPROC`` set:
+``shardax train`` resumes from the newest intact checkpoint and fits its layout to the devices
+left, keeping the global batch and the data order (`shardax.train.elastic`).
+
     shardax launch --nproc 2 --devices-per-proc 4 -- shardax train --mesh fsdp=-1 --steps 50
 
 Example::
@@ -36,8 +43,10 @@ from typing import IO
 from shardax.distributed import (
     COORDINATOR_ENV,
     DEVICES_ENV,
+    ELASTIC_NPROC_ENV,
     NUM_PROCESSES_ENV,
     PROCESS_ID_ENV,
+    RESTART_ENV,
     TIMEOUT_ENV,
 )
 
@@ -148,6 +157,9 @@ def launch(
     stop_grace_s: float = 300.0,
     env: Mapping[str, str] | None = None,
     out: IO[str] | None = None,
+    elastic: bool = False,
+    min_nproc: int = 1,
+    max_restarts: int | None = None,
 ) -> int:
     """Runs ``command`` as ``nproc`` local processes of one job; returns the exit status.
 
@@ -157,6 +169,13 @@ def launch(
     ``port`` the coordinator port (default: a free one). A command starting with a ``.py``
     file runs with this Python. A signal to the launcher is forwarded (see the module doc);
     ``stop_grace_s`` bounds the wait for the processes to save and exit.
+
+    ``elastic``: when processes fail, the job is started again on the processes left (down
+    to ``min_nproc``, at most ``max_restarts`` times, default 3; 0 restarts is the plain
+    behaviour). Each attempt's processes get ``SHARDAX_RESTART`` (the attempt, 0 first) and
+    ``SHARDAX_ELASTIC_NPROC`` (the first attempt's count): ``shardax train`` then resumes
+    from the newest checkpoint and fits its layout to the devices left
+    (`shardax.train.elastic`).
 
     Example::
 
@@ -174,10 +193,16 @@ def launch(
         raise ValueError(f"launch: --port must be in [1, 65535], got {port}")
     if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s >= 1):
         raise ValueError(f"launch: --timeout must be a number of seconds >= 1, got {timeout_s}")
+    if not 1 <= min_nproc <= nproc:
+        raise ValueError(f"launch: --min-nproc must be in [1, --nproc {nproc}], got {min_nproc}")
+    if max_restarts is not None and max_restarts < 0:
+        raise ValueError(f"launch: --max-restarts must be >= 0, got {max_restarts}")
+    if (min_nproc != 1 or max_restarts not in (None, 0)) and not elastic:
+        raise ValueError("launch: --min-nproc and --max-restarts need --elastic")
+    restarts = (3 if max_restarts is None else max_restarts) if elastic else 0
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
     out = out or sys.stdout
-    port = port or free_port()
     base = dict(os.environ if env is None else env)
     if timeout_s is not None:
         base[TIMEOUT_ENV] = str(math.ceil(timeout_s))
@@ -186,13 +211,6 @@ def launch(
     if devices_per_proc is not None:
         base[DEVICES_ENV] = str(devices_per_proc)
 
-    def say(message: str) -> None:
-        print(f"[launch] {message}", file=sys.stderr, flush=True)
-
-    preexec = _die_with_parent_fn()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    lock = threading.Lock()
     previous = {}
 
     def on_signal(signum, _frame):
@@ -203,6 +221,48 @@ def launch(
             previous[sig] = signal.signal(sig, on_signal)
     status = 0
     try:
+        current, attempt = nproc, 0
+        while True:
+            if elastic:
+                base.update({RESTART_ENV: str(attempt), ELASTIC_NPROC_ENV: str(nproc)})
+            status, lost, why = _attempt(command, current, base, port or free_port(), out,
+                                         grace_s, stop_grace_s)
+            if status == 0 or lost == 0 or attempt >= restarts:
+                break
+            left = current - lost
+            if left < min_nproc:
+                _say(f"{why}; {left} processes would be left, fewer than --min-nproc "
+                     f"{min_nproc}: not restarting")
+                break
+            attempt += 1
+            _say(f"elastic restart {attempt} of at most {restarts}: {why}; restarting on the "
+                 f"{left} processes left (was {current})")
+            current = left
+    except _Interrupted as e:  # between two attempts: nothing runs
+        status = 128 + e.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if status:
+        _say(f"exit status {status}")
+    return status
+
+
+def _say(message: str) -> None:
+    print(f"[launch] {message}", file=sys.stderr, flush=True)
+
+
+def _attempt(command: list[str], nproc: int, base: dict[str, str], port: int, out: IO[str],
+             grace_s: float, stop_grace_s: float) -> tuple[int, int, str]:
+    """One run of the job: ``(status, processes lost, why)``. Lost: those found dead when the
+    job failed, killed by a signal if any was (the others usually only noticed them), else
+    those that exited with an error; 0 when it succeeded or the launcher was signalled."""
+    preexec = _die_with_parent_fn()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    lock = threading.Lock()
+    status, lost, why = 0, 0, ""
+    try:
         for i in range(nproc):
             child_env = {**base, COORDINATOR_ENV: f"127.0.0.1:{port}",
                          NUM_PROCESSES_ENV: str(nproc), PROCESS_ID_ENV: str(i)}
@@ -211,40 +271,40 @@ def launch(
                     command, env=child_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec))
             except OSError as e:
-                say(f"cannot start {command[0]!r}: {e}")
-                status = 127
-                return status
+                _say(f"cannot start {command[0]!r}: {e}")
+                return 127, 0, ""
         # Readers start after every fork: preexec_fn is only safe while no other thread runs.
         pumps += [threading.Thread(target=_pump, args=(i, p.stdout, out, lock), daemon=True)
                   for i, p in enumerate(procs)]
         for t in pumps:
             t.start()
-        say(f"{nproc} processes on coordinator 127.0.0.1:{port}, pids "
-            + " ".join(f"{i}:{p.pid}" for i, p in enumerate(procs)))
+        _say(f"{nproc} processes on coordinator 127.0.0.1:{port}, pids "
+             + " ".join(f"{i}:{p.pid}" for i, p in enumerate(procs)))
         while True:
             codes = [p.poll() for p in procs]
             failed = _failures(codes)
             if failed:
                 i, code = failed[0]
-                say(f"process {i} (pid {procs[i].pid}) {_describe(code)}; stopping the others")
+                _say(f"process {i} (pid {procs[i].pid}) {_describe(code)}; stopping the others")
                 for j, other in failed[1:]:
-                    say(f"process {j} (pid {procs[j].pid}) {_describe(other)} too")
+                    _say(f"process {j} (pid {procs[j].pid}) {_describe(other)} too")
                 status = 128 - code if code < 0 else code
+                killed = [j for j, c in failed if c < 0]
+                gone = killed or [j for j, _ in failed]
+                lost = len(gone)
+                why = ("processes " if lost > 1 else "process ") + ", ".join(
+                    f"{j} {_describe(dict(failed)[j])}" for j in gone)
                 break
             if all(c == 0 for c in codes):
                 break
             time.sleep(_POLL_S)
     except _Interrupted as e:
-        status = 128 + e.signum
-        say(f"received {signal.Signals(e.signum).name}; passing SIGTERM on to every process "
-            "(Ctrl-C again kills them)")
+        status, lost = 128 + e.signum, 0
+        _say(f"received {signal.Signals(e.signum).name}; passing SIGTERM on to every process "
+             "(Ctrl-C again kills them)")
         _forward(procs, stop_grace_s)
     finally:
         _stop(procs, grace_s)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     for t in pumps:
         t.join(timeout=grace_s)
-    if status:
-        say(f"exit status {status}")
-    return status
+    return status, lost, why

@@ -42,7 +42,8 @@ def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
     return mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
                 grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode,
-                end_id=end_id if run.config.pack == "documents" else None),
+                end_id=end_id if run.config.pack == "documents" else None,
+                skip_nonfinite=run.config.on_nan == "skip"),
         in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
         out_shardings=(rules, None),
         donate_argnums=0,

@@ -21,7 +21,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
+import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -35,8 +38,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 from shardax import _compat
 from shardax.utils import flatten_tree
 
-__all__ = ["Checkpointer", "CorruptCheckpointError", "Restored", "abstract_state", "flat",
-           "list_steps", "restore_state"]
+__all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
+           "abstract_state", "fingerprints", "flat", "list_steps", "restore_state"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -48,6 +51,97 @@ log = logging.getLogger(__name__)
 
 class CorruptCheckpointError(RuntimeError):
     """A committed checkpoint step could not be read back intact."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint step could not be written (a full disk, a lost mount, no permission);
+    the step was never committed, so the older committed steps are untouched."""
+
+    def __init__(self, step: int | None, directory: str, reason: str, committed: list[int]):
+        self.step, self.directory, self.reason = step, directory, reason
+        before = [s for s in committed if step is None or s < step]
+        kept = (f"the newest committed checkpoint, step {before[-1]}, is intact: continue from "
+                "it with --resume" if before else "no checkpoint was committed before it")
+        which = f"step {step}" if step is not None else "a step"
+        super().__init__(f"cannot write checkpoint {which} in {directory} ({reason}); {kept} "
+                         "once the cause is fixed")
+
+
+def _write_reason(e: BaseException) -> str:
+    """The operating system's reason for a failed write, found in an orbax / TensorStore
+    error (``... No space left on device [os_error_code='28']``) or its causes, else the
+    error itself in short."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        code = re.search(r"os_error_code='?(\d+)", str(seen))
+        if code:
+            return os.strerror(int(code.group(1)))
+        seen = seen.__cause__ or seen.__context__
+    return _short(e)
+
+
+def _chain(e: BaseException) -> str:
+    """The messages of ``e`` and of its causes, joined."""
+    texts, seen = [], 0
+    while e is not None and seen < 20:
+        texts.append(str(e))
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return " | ".join(texts)
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Drops orbax's own error logs: tracebacks of its background save threads (absl) and of
+    the futures it abandons after a failed write or read (asyncio, often at exit). Shardax
+    raises those failures itself: `CheckpointWriteError`, `CorruptCheckpointError`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if "orbax" in record.pathname:
+            return False
+        tb = record.exc_info[2] if record.exc_info else None
+        frames = traceback.extract_tb(tb) if tb is not None else []
+        return not ("orbax" in record.getMessage()
+                    or any("orbax" in f.filename for f in frames))
+
+
+_DROP_ORBAX_ERRORS = _DropOrbaxErrors()
+
+
+def _orbax_unraisable(unraisable: Any) -> bool:
+    """Whether an "Exception ignored in ..." report comes from orbax or TensorStore: a read
+    coroutine abandoned after a failed read, or TensorStore calling back into the event loop
+    orbax already closed ("Event loop is closed")."""
+    exc = unraisable.exc_value
+    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
+        return True
+    tb = unraisable.exc_traceback
+    frames = traceback.extract_tb(tb) if tb is not None else []
+    where = f"{unraisable.err_msg or ''} {unraisable.object!r}"
+    return any(name in where for name in ("orbax", "tensorstore")) or any(
+        "orbax" in f.filename or "tensorstore" in f.filename for f in frames)
+
+
+def _drop_orbax_errors() -> None:
+    """Installs `_DropOrbaxErrors` on the loggers orbax's errors reach, and a
+    ``sys.unraisablehook`` that drops orbax's and TensorStore's late reports (once; it stays,
+    as abandoned futures are reported as late as interpreter exit)."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if _DROP_ORBAX_ERRORS not in logger.filters:
+            logger.addFilter(_DROP_ORBAX_ERRORS)
+    previous = sys.unraisablehook
+    if getattr(previous, "_shardax", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _orbax_unraisable(unraisable):
+            previous(unraisable)
+
+    hook._shardax = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 class Restored(NamedTuple):
@@ -136,7 +230,10 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 _fingerprints_jit = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
 
 
-def _fingerprints(tree: Any) -> dict[str, int]:
+def fingerprints(tree: Any) -> dict[str, int]:
+    """A 32-bit, position-sensitive fingerprint of every array leaf of ``tree`` (keyed by its
+    path), the same on any mesh and process count: what a checkpoint verifies its arrays
+    against, and what ``shardax train`` logs of each batch (``data_hash``)."""
     flat = {k: v for k, v in _flat(tree).items() if isinstance(v, jax.Array)}
     # One jit call per device set: a jit cannot mix arrays committed to different devices.
     groups: dict[frozenset, list[str]] = {}
@@ -200,16 +297,28 @@ def _check_target(target: Any, saved_tree: Any, where: str) -> None:
             )
 
 
+class _Pinned:
+    """An orbax preservation policy: the steps in ``steps`` (a set the `Checkpointer` adds
+    to) are kept whatever ``max_to_keep`` says."""
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+
+    def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
+        return [c.step in self.steps for c in checkpoints]
+
+
 class Checkpointer:
     """Saves and restores train state + JSON extras under ``directory`` with orbax.
 
     ``save_every=K`` keeps only saves at steps divisible by K (``force=True`` overrides);
-    ``max_to_keep=N`` deletes all but the newest N committed steps. With ``async_save`` the
-    arrays are copied off the devices before `save` returns and written in the background, so
-    the caller may donate or overwrite them at once. All processes must call `save` and
-    `restore` together; each writes and reads only its own shards. ``read_only=True`` opens
-    an existing directory for reading only: nothing is created, cleaned up or deleted (safe
-    while another process trains into it), and `save` raises.
+    ``max_to_keep=N`` deletes committed steps but the newest N and those given to `pin`.
+    With ``async_save`` the arrays are copied off the devices before `save` returns and
+    written in the background, so the caller may donate or overwrite them at once. All
+    processes must call `save` and `restore` together; each writes and reads only its own
+    shards. ``read_only=True`` opens an existing directory for reading only: nothing is
+    created, cleaned up or deleted (safe while another process trains into it), and `save`
+    raises.
 
     Example::
 
@@ -232,6 +341,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = epath.Path(directory).absolute()
         self.read_only = read_only
+        self._pinned = _Pinned()
         if read_only:
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"no checkpoint directory {str(self.directory)!r}")
@@ -248,7 +358,8 @@ class Checkpointer:
                     policies.FixedIntervalPolicy(save_every),
                     policies.PreemptionCheckpointingPolicy(),
                 ]),
-                preservation_policy=policies.LatestN(max_to_keep),
+                preservation_policy=policies.AnyPreservationPolicy(
+                    [policies.LatestN(max_to_keep), self._pinned]),
                 enable_async_checkpointing=async_save,
                 # Leftover tmp dirs of an interrupted save are never read; remove them on
                 # start (one writer per directory).
@@ -265,6 +376,9 @@ class Checkpointer:
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, handler_registry=registry
             )
+        self._saving: int | None = None  # the step whose save may still be in flight
+        self._failed: CheckpointWriteError | None = None
+        _drop_orbax_errors()
         if not read_only:
             # The tmp-folder clean-up runs in a thread; finish it now, not at interpreter exit.
             future = getattr(self._manager, "_cleanup_tmp_directory_future", None)
@@ -279,6 +393,11 @@ class Checkpointer:
         """The newest committed step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def pin(self, step: int) -> None:
+        """Keeps committed (or being saved) ``step`` whatever ``max_to_keep`` says, e.g. the
+        last checkpoint with finite weights of a run whose loss has become NaN."""
+        self._pinned.steps.add(step)
 
     def save(self, step: int, state: Any, extra: dict | None = None, *, force: bool = False
              ) -> bool:
@@ -298,16 +417,36 @@ class Checkpointer:
         if not (force or self._manager.should_save(step)):
             return False
         self._clear_uncommitted(step)
-        meta = {"format": _FORMAT, "fingerprints": _fingerprints(state)}
-        return self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                extra=ocp.args.JsonSave(extra),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        meta = {"format": _FORMAT, "fingerprints": fingerprints(state)}
+        with self._writing(step):
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    extra=ocp.args.JsonSave(extra),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+        self._saving = step
+        return saved
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Turns an error of orbax while writing (this ``step``, or the save in flight) into
+        one `CheckpointWriteError`, raised once."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            yield
+        except Exception as e:
+            named = re.search(re.escape(str(self.directory)) + r"/(\d+)", _chain(e))
+            failed = (int(named.group(1)) if named else
+                      self._saving if self._saving is not None else step)
+            self._saving = None
+            self._failed = CheckpointWriteError(failed, str(self.directory), _write_reason(e),
+                                                self.all_steps())
+            raise self._failed from e
 
     def _clear_uncommitted(self, step: int) -> None:
         """Removes a step folder that never got its commit marker (a save that died, or a
@@ -399,7 +538,7 @@ class Checkpointer:
             if expected is None:
                 raise CorruptCheckpointError(f"checkpoint step {step} at {where} has no "
                                              "fingerprints; pass verify=False to load it")
-            found = _fingerprints(out["state"])
+            found = fingerprints(out["state"])
             # Only leaves that were jax.Arrays at save time have fingerprints.
             for path in expected:
                 if expected[path] != found.get(path):
@@ -411,12 +550,21 @@ class Checkpointer:
         return Restored(step, out["state"], out["extra"] or {})
 
     def wait(self) -> None:
-        """Blocks until background saves are committed (re-raises their errors)."""
-        self._manager.wait_until_finished()
+        """Blocks until background saves are committed; a failed one raises
+        `CheckpointWriteError`."""
+        with self._writing(None):
+            self._manager.wait_until_finished()
+        self._saving = None
 
     def close(self) -> None:
-        """Waits for pending saves and releases orbax's threads."""
-        self._manager.close()
+        """Waits for pending saves and releases orbax's threads; a failed save raises
+        `CheckpointWriteError` (unless it was raised before)."""
+        try:
+            if self._failed is None:
+                self.wait()
+        finally:
+            with contextlib.suppress(Exception):  # its error, if any, was raised already
+                self._manager.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -141,6 +141,10 @@ class TrainConfig:
     """run directory: config.json, metrics.jsonl, loss.png, checkpoints/"""
     ckpt_every: int = 100
     """save a checkpoint every this many steps (and at the last step)"""
+    on_nan: Literal["stop", "skip", "continue"] = "stop"
+    """when the loss or gradient norm is not finite: stop (exit 3, the step is not saved, the
+    newest checkpoint keeps finite weights), skip (that step's update is skipped and counted
+    as skipped_steps), continue (train on; the last checkpoint with finite weights is kept)"""
     resume: bool = False
     """continue from the newest good checkpoint in --out (any --mesh)"""
     resume_step: int | None = None

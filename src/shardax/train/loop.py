@@ -9,7 +9,9 @@ the numbers (model, seed, data order, optimizer state, step) is in the checkpoin
 `prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`,
 `prepare_inputs`; a `UsageError` names the flag or file, nothing is written); `train` runs the
 loop. SIGTERM or a first Ctrl-C finishes the current step, saves it and raises `Stopped` (the
-CLI exits with 128 + the signal number); a second Ctrl-C aborts at once.
+CLI exits with 128 + the signal number); a second Ctrl-C aborts at once. A step whose loss
+is not finite is handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite`
+is raised without saving it (the CLI exits with 3).
 
 >>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
 """
@@ -17,6 +19,7 @@ CLI exits with 128 + the signal number); a second Ctrl-C aborts at once.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -25,28 +28,33 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from shardax import _compat
 from shardax.devices import device_spec
+from shardax.distributed import RESTART_ENV
 from shardax.train import build, report
 from shardax.train.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
     Restored,
+    fingerprints,
     flat,
     restore_state,
 )
 from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
+from shardax.train.nonfinite import NonFinite, NonFiniteWatch
 from shardax.train.profiler import StepProfiler, parse_profile_steps
 from shardax.train.resolve import Resolved, resolve
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
+from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
 from shardax.train.stop import Stopped, StopRequests
 from shardax.train.tokenizer import BYTES
 
-__all__ = ["Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
+__all__ = ["NonFinite", "Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
 
 
 @dataclass
@@ -108,6 +116,9 @@ def _resume(p: Prepared, state_shape: Any, shardings: Any) -> tuple[int, TrainSt
         p.inputs.train.restore(restored.extra["data"])
     except ValueError as e:
         raise UsageError(f"--resume: checkpoint step {start}: {e}") from None
+    if os.environ.get(RESTART_ENV, "0") not in ("", "0"):  # `shardax launch --elastic` says
+        _note(f"elastic restart: resumed from checkpoint step {start} (the steps after it "
+              "are trained again)")
     return start, state
 
 
@@ -140,10 +151,31 @@ def train(config: TrainConfig, prepared: Prepared | None = None, *,
 
     Raises `UsageError` for bad input (before writing anything) and `Stopped` after saving
     the step at which SIGTERM or Ctrl-C stopped it. ``prepared`` / ``run_dir``: what
-    `prepare` / `check_run_dir` already returned for ``config``."""
-    prepared = prepared or prepare(config, run_dir)
-    with StopRequests() as stop:
+    `prepare` / `check_run_dir` already returned for ``config``. The run directory is
+    locked (`shardax.train.runlock`) while it trains: a second trainer on it is refused."""
+    with _lock(Path(config.out)), StopRequests() as stop:
+        prepared = prepared or prepare(config, run_dir)
         return _train(prepared, stop)
+
+
+def _lock(out: Path) -> RunLock:
+    """The taken lock of ``out`` (process 0 takes it; every process raises the same
+    `UsageError` when it is held by another job)."""
+    is_main = jax.process_index() == 0
+    lock, error = RunLock(out, main=is_main, note=_note), None
+    if is_main:
+        try:
+            lock.acquire()
+        except UsageError as e:
+            error = e
+    if jax.process_count() > 1:
+        refused = int(multihost_utils.broadcast_one_to_all(np.int32(error is not None)))
+        if refused and error is None:
+            error = UsageError(f"--out {out} is in use by another shardax train (process 0 "
+                               "names it)")
+    if error is not None:
+        raise error
+    return lock
 
 
 def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: float | None
@@ -193,7 +225,7 @@ def _tokenizer_summary(p: Prepared) -> str:
 
 class _Steps:
     """What happens after each train step: its metrics record (logged, evaluated, tracked),
-    checkpoints, and stopping on SIGTERM / Ctrl-C."""
+    the non-finite loss policy, checkpoints, and stopping on SIGTERM / Ctrl-C."""
 
     def __init__(self, p: Prepared, start: int, records: list[dict], evaluate: Any,
                  metrics_log: report.MetricsLog, clock: report.StepClock):
@@ -204,14 +236,26 @@ class _Steps:
         self.trackers = (report.Trackers(self.config.log_to, p.run_dir.out,
                                          self.config.to_json()) if self.is_main else None)
         self.ckpt = Checkpointer(p.run_dir.checkpoints, max_to_keep=3)
+        self.watch = NonFiniteWatch(self.config.on_nan, start, _note, self.ckpt.pin)
 
-    def record(self, step: int, state: TrainState, metrics: dict) -> dict:
-        """The metrics record of 0-based ``step`` (empty when nothing is due), written out."""
+    def ran(self, done: int, metrics: dict) -> None:
+        """Step ``done`` was dispatched: the flags of the steps before it are read now (one
+        step stays in flight) and ``--on-nan`` applied."""
+        self.watch.add(done, metrics)
+        self.watch.settle(upto=done - 1)
+
+    def record(self, step: int, state: TrainState, metrics: dict, batch: Any) -> dict:
+        """The metrics record of 0-based ``step`` (empty when nothing is due), written out;
+        ``data_hash`` fingerprints the step's global input tokens (the same on any mesh and
+        process count: the token stream of two runs compares step by step)."""
         config, done = self.config, step + 1
         record: dict[str, Any] = {}
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
+            self.watch.settle()
             record = {"step": done, **self.clock.measure(done, metrics),
-                      "lr": float(self.run.schedule(step)), **report.memory_in_use()}
+                      "lr": float(self.run.schedule(step)), **self.watch.record(),
+                      "data_hash": fingerprints({"inputs": batch[0]})["inputs"],
+                      **report.memory_in_use()}
         if self.inputs.val and config.eval_every and (done % config.eval_every == 0
                                                       or done == config.steps):
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
@@ -225,14 +269,15 @@ class _Steps:
 
     def save(self, done: int, state: TrainState, stop: StopRequests) -> None:
         """Saves a checkpoint when one is due; on a stop request saves (if not yet) and
-        raises `Stopped` once it is committed."""
+        raises `Stopped` once it is committed. A state is saved only once every step up to it
+        passed ``--on-nan``."""
         config = self.config
         due = done % config.ckpt_every == 0 or done == config.steps
-        if due:
+        stopping = done < config.steps and stop.reached(done)
+        if due or stopping:
+            self.watch.settle()
             self._save(done, state)
-        if done < config.steps and stop.reached(done):
-            if not due:
-                self._save(done, state)
+        if stopping:
             self.ckpt.wait()  # synchronous: committed before the process exits
             raise Stopped(done, stop.signum)
 
@@ -240,6 +285,7 @@ class _Steps:
         position = {**self.inputs.train.state(), "step": done}
         self.ckpt.save(done, flat(state), extra={"data": position,
                                                  "config": self.config.to_json()}, force=True)
+        self.watch.saved_step(done)
 
     def close(self) -> None:
         """Finishes (or abandons) the in-flight save and closes the trackers."""
@@ -285,8 +331,9 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
                 batch = first if step == start else inputs.batch(step)
                 profiler.before(step + 1)
                 state, metrics = step_fn(state, batch)
+                steps.ran(step + 1, metrics)
                 profiler.after(step + 1, (state, metrics))
-                record = steps.record(step, state, metrics)
+                record = steps.record(step, state, metrics, batch)
                 progress.update(step + 1, record if is_main else None)
                 steps.save(step + 1, state, stop)
     finally:  # an interrupted run still finishes (or abandons) its in-flight save

@@ -40,11 +40,11 @@ CHECKPOINT_DIR = "checkpoints"
 #: ones, or those past ``--resume-step``), so that the run can save those steps again.
 SET_ASIDE_DIR = "checkpoints-set-aside"
 PROFILE_DIR = "profile"
-#: Settings a resumed run must share with the run it continues (the mesh may change, and
-#: ``steps`` may grow).
+#: Settings a resumed run must share with the run it continues (the mesh and the split of
+#: the global batch into ``grad_accum`` microbatches may change, and ``steps`` may grow).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
-                   "lr", "grad_accum", "precision", "tokenizer", "text_field", "token_dtype",
-                   "scan_layers", "pack")
+                   "lr", "precision", "tokenizer", "text_field", "token_dtype", "scan_layers",
+                   "pack")
 
 
 @dataclass

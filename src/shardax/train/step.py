@@ -295,6 +295,7 @@ def train_step(
     param_rules: Any = None,
     fsdp_mode: str = "xla",
     end_id: int | None = None,
+    skip_nonfinite: bool = False,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
@@ -306,7 +307,11 @@ def train_step(
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
     batch's targets that do not start a new document (``shardax.train.packing``). None: the
-    rows are one stream."""
+    rows are one stream.
+
+    ``metrics["finite"]`` says whether the loss and the gradient norm are finite; with
+    ``skip_nonfinite`` a step where they are not leaves the parameters and the optimizer
+    state as they were (only ``step`` advances: ``--on-nan skip``)."""
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
     inputs, targets = batch
@@ -337,8 +342,13 @@ def train_step(
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:  # a select, not a branch: the step's program stays one
+        params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                         (params, opt_state), (state.params, state.opt_state))
     new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
 def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
