@@ -136,9 +136,14 @@ def _llama_maps(c: LlamaConfig):
     def layer(i):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        def norm(name, size=d):
+            return TensorMap(name + ".weight", (size,), (size,), (0,))
+
+        # Gemma's "post_attention_layernorm" norms the attention output; Llama's the MLP input.
+        mlp_in = "pre_feedforward_layernorm" if c.post_norms else "post_attention_layernorm"
         maps = {
-            "attn_norm/scale": TensorMap(p + "input_layernorm.weight", (d,), (d,), (0,)),
-            "mlp_norm/scale": TensorMap(p + "post_attention_layernorm.weight", (d,), (d,), (0,)),
+            "attn_norm/scale": norm(p + "input_layernorm"),
+            "mlp_norm/scale": norm(p + mlp_in),
             "attn/wq": TensorMap(a + "q_proj.weight", (h * hd, d), (h, hd, d), (2, 0, 1)),
             "attn/wk": TensorMap(a + "k_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
             "attn/wv": TensorMap(a + "v_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
@@ -147,6 +152,12 @@ def _llama_maps(c: LlamaConfig):
             "mlp/w_up": TensorMap(p + "mlp.up_proj.weight", (m, d), (m, d), (1, 0)),
             "mlp/w_down": TensorMap(p + "mlp.down_proj.weight", (d, m), (d, m), (1, 0)),
         }
+        if c.post_norms:
+            maps["attn_post_norm/scale"] = norm(p + "post_attention_layernorm")
+            maps["mlp_post_norm/scale"] = norm(p + "post_feedforward_layernorm")
+        if c.qk_norm:
+            maps["attn/q_norm/scale"] = norm(a + "q_norm", hd)
+            maps["attn/k_norm/scale"] = norm(a + "k_norm", hd)
         if c.qkv_bias:
             maps["attn/bq"] = TensorMap(a + "q_proj.bias", (h * hd,), (h, hd), (0, 1))
             maps["attn/bk"] = TensorMap(a + "k_proj.bias", (kv * hd,), (kv, hd), (0, 1))

@@ -24,8 +24,9 @@ __all__ = ["RopeScaling", "apply_rope", "gqa_attention", "layer_norm", "rms_norm
            "rope_frequencies", "rope_tables"]
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, returned in ``x.dtype``.
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32, returned in ``x.dtype``; it multiplies by
+    ``scale + offset`` (Gemma stores zero-centred scales and uses ``offset=1``).
 
     Example::
 
@@ -33,7 +34,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * (scale.astype(jnp.float32) + offset)).astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
