@@ -5,9 +5,10 @@ make_hf_fixtures.py, run outside this environment): tiny random-weight Llama (GQ
 Llama-3 rope_scaling, saved sharded with an index), tied-embedding Llama, Mistral, Qwen2,
 GPT-2, Qwen3 (q/k norm, head_dim 16 != hidden/heads), Gemma 2 (alternating window-8/global
 layers, soft-capping, GeGLU, pre+post norms), Gemma 3 text (q/k norm, local/global RoPE bases,
-sliding pattern 3) and Mistral with an 8-token window (shorter than the 16-token prompts and the
-48 tokens generated), with transformers' float32 logits for fixed tokens and 32 greedy tokens
-per prompt.
+sliding pattern 3), Mistral with an 8-token window (shorter than the 16-token prompts and the
+48 tokens generated), and the mixtures of experts Mixtral, Qwen2-MoE (shared expert, top-k not
+renormalised) and Qwen3-MoE (4 experts, top 2; shardax's dropless MoE), with transformers'
+float32 logits for fixed tokens and 32 greedy tokens per prompt.
 Tolerance: logits within 1e-4 relative to the largest reference logit (float32; seen <= 1.1e-6);
 greedy tokens, import -> export -> import and exported bytes: exact.
 """
@@ -33,8 +34,10 @@ from shardax.sharding import MeshShardingHelper
 from shardax.utils import flatten_tree
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-ARCHS = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
+DENSE = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
          "mistral_window"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = DENSE + MOE
 # Mixed sliding/global layers cannot be stacked (scan_layers): they load as a list of layers.
 LISTED = ("gpt2", "gemma2", "gemma3")
 REL = 1e-4
@@ -68,7 +71,7 @@ def test_logits_match_transformers_on_one_device(arch):
     assert_logits_close(logits_of(model, ref["tokens"]), ref["logits"])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", DENSE)
 def test_logits_match_transformers_on_fsdp4_tp2(arch):
     """Loaded straight into fsdp=4,tp=2 (stacked layers for the llamas): every parameter has
     the layout the rules ask for, and the sharded forward gives transformers' logits."""
@@ -88,6 +91,25 @@ def test_logits_match_transformers_on_fsdp4_tp2(arch):
 
 
 NEW_ARCHS = ["qwen3", "gemma2", "gemma3", "mistral_window"]
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_moe_logits_and_greedy_tokens_on_ep2_fsdp2_tp2_equal_transformers(arch):
+    """Stacked layers loaded into ep=2,fsdp=2,tp=2: every expert weight [layers, experts, ...]
+    is split over 'ep' (and fsdp/tp), and the logits and KV-cache greedy tokens are
+    transformers'."""
+    ref = reference(arch)
+    mesh = MeshShardingHelper.from_string("ep=2,fsdp=2,tp=2")
+    config = hf.load_config(FIXTURES / arch, scan_layers=True)
+    rules = hf.default_rules(config, mesh.mesh)
+    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules)
+    for name in ("w_gate", "w_up", "w_down"):
+        w = state["layers"]["mlp"][name][...]
+        assert w.sharding.spec[1] == "ep" and w.addressable_shards[0].data.shape[1] == 2, name
+    model = nnx.merge(graphdef, state)
+    assert_logits_close(logits_of(model, ref["tokens"], mesh, rules), ref["logits"])
+    out = decode.generate(model, ref["tokens"].tolist(), 32, mesh=mesh, rules=rules)
+    np.testing.assert_array_equal(np.array(out.tokens), ref["greedy"][:, ref["tokens"].shape[1]:])
 
 
 @pytest.mark.parametrize("arch", NEW_ARCHS)

@@ -62,6 +62,20 @@ MODELS = {
     # Mistral whose window (8) is shorter than the sequences (16 + 32 generated).
     "mistral_window": (transformers.MistralConfig, dict(
         COMMON, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False), None),
+    # Mixtral: 4 experts, top-2 (renormalised), expert MLPs of 32 units.
+    "mixtral": (transformers.MixtralConfig, dict(
+        COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, tie_word_embeddings=False), None),
+    # Qwen2-MoE: q/k/v biases, top-2 of 4 experts (not renormalised), a gated shared expert.
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(
+        COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False), None),
+    # Qwen3-MoE: q/k norm, head_dim 16, top-2 of 4 experts, renormalised.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False), None),
     "gpt2": (transformers.GPT2Config, dict(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None), None),

@@ -22,11 +22,15 @@ __all__ = ["HF_MODEL_TYPES", "config_from_hf", "config_to_hf"]
 # Hugging Face model_type -> the shardax config class that reads it.
 HF_MODEL_TYPES = {"llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig,
                   "qwen3": LlamaConfig, "gemma2": LlamaConfig, "gemma3_text": LlamaConfig,
+                  "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig,
                   "gpt2": GPT2Config}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 # Hugging Face activation name -> LlamaConfig.mlp_activation (the first name is written).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -74,7 +78,7 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
     gemma = mt in GEMMA_TYPES
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or dim // heads
-    if head_dim * heads != dim and mt in ("llama", "mistral", "qwen2"):
+    if head_dim * heads != dim and mt in ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe"):
         raise _unsupported(mt, "head_dim", head_dim, f"must equal hidden_size/heads = "
                            f"{dim // heads}")
     act_key = "hidden_activation" if gemma and hf.get("hidden_activation") else "hidden_act"
@@ -127,7 +131,32 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
         rope_local_theta=(None if local_theta is None or mt != "gemma3_text"
                           else float(local_theta)),
     )
+    if mt == "qwen3_moe":
+        fields["qk_norm"] = True
+    if mt in MOE_TYPES:
+        fields.update(_moe_from_hf(mt, hf))
     return LlamaConfig(**{**fields, **overrides})
+
+
+def _moe_from_hf(mt: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The dropless mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config."""
+    if mt != "mixtral":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise _unsupported(mt, "decoder_sparse_step/mlp_only_layers",
+                               (hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")),
+                               "every layer must be a mixture of experts")
+    fields = dict(
+        n_experts=hf.get("num_local_experts") or hf["num_experts"],
+        top_k=hf["num_experts_per_tok"], moe_impl="dropless",
+        moe_norm_topk=True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+    if mt != "mixtral":
+        fields["mlp_dim"] = hf["moe_intermediate_size"]
+    if mt == "qwen2_moe":
+        fields.update(qkv_bias=bool(hf.get("qkv_bias", True)),
+                      shared_expert_dim=int(hf.get("shared_expert_intermediate_size") or 0))
+    return fields
 
 
 def _float_or_none(x: Any) -> float | None:
@@ -145,11 +174,11 @@ def _windows(mt: str, hf: Mapping[str, Any]) -> tuple[int | None, int]:
             k = 2 if mt == "gemma2" else hf.get("sliding_window_pattern", 6)
             types = ["full_attention" if (i + 1) % k == 0 else "sliding_attention"
                      for i in range(n)]
-        elif mt == "mistral" or hf.get("use_sliding_window"):
+        elif mt in ("mistral", "mixtral") or hf.get("use_sliding_window"):
             types = ["sliding_attention"] * n
         else:
             types = ["full_attention"] * n
-    if mt in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    if mt.startswith("qwen") and not hf.get("use_sliding_window"):
         window = None  # transformers ignores the window then
     if not window or "sliding_attention" not in types:
         return None, 0
@@ -164,8 +193,9 @@ def _windows(mt: str, hf: Mapping[str, Any]) -> tuple[int | None, int]:
 
 
 def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
-    if c.n_experts:
-        raise ValueError("a mixture-of-experts Llama has no Hugging Face LlamaForCausalLM form")
+    if c.n_experts and c.moe_impl != "dropless":
+        raise ValueError("a capacity-based mixture-of-experts Llama has no Hugging Face form "
+                         "(moe_impl='dropless' exports as Mixtral or Qwen-MoE)")
     mt = c.family
     if mt in GEMMA_TYPES:
         return _gemma_to_hf(c, mt)
@@ -180,18 +210,41 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "rope_scaling": None if c.rope_scaling is None else {
             "rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)},
     }
-    if mt != "qwen2":
+    if mt not in ("qwen2", "qwen2_moe"):
         out.update(attention_bias=False, head_dim=c.head_dim)
     if mt in ("llama", "mistral"):
         out.update(mlp_bias=False)
+    if mt in MOE_TYPES:
+        out.update(_moe_to_hf(c, mt))
     if c.sliding_window is not None:
-        if mt == "mistral":
+        if mt in ("mistral", "mixtral"):
             out.update(sliding_window=c.sliding_window)
         else:
             out.update(use_sliding_window=True, sliding_window=c.sliding_window,
                        max_window_layers=0, layer_types=_layer_types(c))
-    elif mt == "qwen3":
+    elif mt in ("qwen3", "qwen2_moe", "qwen3_moe"):
         out.update(use_sliding_window=False, layer_types=_layer_types(c))
+    return out
+
+
+def _moe_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"num_experts_per_tok": c.top_k,
+                           "router_aux_loss_coef": c.moe_aux_weight}
+    if mt == "mixtral":
+        if not c.moe_norm_topk:
+            raise ValueError("Mixtral renormalises the top-k router weights: moe_norm_topk "
+                             "must be True")
+        return {**out, "num_local_experts": c.n_experts}
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts, Qwen2-MoE's as num_experts.
+    experts_key = "num_local_experts" if mt == "qwen3_moe" else "num_experts"
+    out.update({experts_key: c.n_experts}, moe_intermediate_size=c.mlp_dim,
+               norm_topk_prob=c.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=[])
+    if mt == "qwen2_moe":
+        if not c.qkv_bias or not c.shared_expert_dim:
+            raise ValueError("a Qwen2-MoE config needs qkv_bias and a shared expert "
+                             f"(shared_expert_dim > 0), got qkv_bias={c.qkv_bias}, "
+                             f"shared_expert_dim={c.shared_expert_dim}")
+        out.update(qkv_bias=True, shared_expert_intermediate_size=c.shared_expert_dim)
     return out
 
 

@@ -22,6 +22,7 @@ __all__ = ["ATTENTION_IMPLEMENTATIONS", "CONFIGS", "PP_SCHEDULES", "REMAT_POLICI
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+MOE_IMPLS = ("capacity", "dropless")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
@@ -52,6 +53,11 @@ class LlamaConfig:
     makes the attention scale ``query_pre_attn_scalar ** -0.5``. ``global_every=k > 0``:
     layer ``i`` attends globally when ``(i + 1) % k == 0`` and within ``sliding_window``
     otherwise, and ``rope_local_theta`` (when set) is the RoPE base of those sliding layers.
+
+    Mixture of experts: ``moe_impl`` 'capacity' (``llama_moe.MoE``: fixed expert capacity,
+    overflowing tokens dropped) or 'dropless' (``moe.DroplessMoE``: sorted tokens and grouped
+    matmuls, Mixtral / Qwen-MoE); ``moe_norm_topk`` renormalises the top-k router weights
+    (dropless); ``shared_expert_dim > 0`` adds Qwen2-MoE's gated shared expert.
     ``attention`` picks the implementation (``shardax.models.attention``: 'auto', 'cudnn',
     'xla', 'blockwise', 'einsum'); ``remat`` also takes 'dots', 'names:q,k,v' and
     'offload:q,k' (``shardax.models.remat``).
@@ -96,6 +102,9 @@ class LlamaConfig:
     query_pre_attn_scalar: float | None = None
     global_every: int = 0
     rope_local_theta: float | None = None
+    moe_impl: str = "capacity"
+    moe_norm_topk: bool = True
+    shared_expert_dim: int = 0
 
     def __post_init__(self):
         if self.head_dim_override is None and self.dim % self.n_heads:
@@ -109,6 +118,11 @@ class LlamaConfig:
         if self.mlp_activation not in MLP_ACTIVATIONS:
             raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got "
                              f"{self.mlp_activation!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.shared_expert_dim and self.moe_impl != "dropless":
+            raise ValueError(f"shared_expert_dim={self.shared_expert_dim} needs "
+                             "moe_impl='dropless'")
         if self.global_every < 0:
             raise ValueError(f"global_every={self.global_every} must be >= 0")
         if self.mixed_layers and self.scan_layers:
@@ -172,12 +186,16 @@ class LlamaConfig:
 
     @property
     def family(self) -> str:
-        """The Hugging Face model type this config has the form of: 'gemma3_text', 'gemma2',
-        'qwen3', 'qwen2', 'mistral' or 'llama'.
+        """The Hugging Face model type this config has the form of: 'mixtral', 'qwen2_moe',
+        'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
 
         >>> LlamaConfig(qk_norm=True).family
         'qwen3'
         """
+        if self.n_experts and self.moe_impl == "dropless":
+            if self.qk_norm:
+                return "qwen3_moe"
+            return "qwen2_moe" if self.qkv_bias or self.shared_expert_dim else "mixtral"
         if self.norm_offset:
             return "gemma3_text" if self.qk_norm else "gemma2"
         if self.qk_norm:

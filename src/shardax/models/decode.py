@@ -83,8 +83,10 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
     if not isinstance(model, Llama | GPT2):
         raise ValueError(f"KV-cache decoding supports Llama and GPT2, got {type(model).__name__}")
     c = model.config
-    if isinstance(model, Llama) and c.n_experts:
-        raise ValueError("KV-cache decoding of a mixture-of-experts Llama is not supported")
+    if isinstance(model, Llama) and c.n_experts and c.moe_impl != "dropless":
+        raise ValueError("KV-cache decoding of a capacity-based mixture-of-experts Llama is "
+                         "not supported (its routing depends on the batch); use "
+                         "moe_impl='dropless'")
     b, s = tokens.shape
     length = cache.k.shape[2]
     # Masks by cache slot: causal over slots, keys before a row's first token are padding.

@@ -15,7 +15,8 @@ trace time, with the same parameters in every mode (checkpoints move freely betw
   (``pp_schedule``, ``pp_microbatches``, ``pp_virtual_stages``).
 * a 'cp' axis: attention is ``ring_attention`` (load-balanced when the caller passes tokens and
   positions in ``load_balance`` order, as ``shardax.train.step`` does).
-* ``n_experts > 0``: the MLP is a mixture of experts (``llama_moe.MoE``), split over 'ep'.
+* ``n_experts > 0``: the MLP is a mixture of experts (``llama_moe.MoE``, or the dropless
+  ``moe.DroplessMoE`` with ``moe_impl='dropless'``), split over 'ep'.
 
 Without a mesh every path computes the plain single-device math.
 
@@ -42,6 +43,7 @@ from shardax.models.axes import TOKEN_AXES
 from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
 from shardax.models.llama_moe import MoE
 from shardax.models.loss import chunked_cross_entropy
+from shardax.models.moe import DroplessMoE
 from shardax.models.ops import apply_rope, gqa_attention, rms_norm, rope_tables
 from shardax.models.remat import checkpoint_name
 from shardax.parallel import (
@@ -124,6 +126,8 @@ def param_count(config: LlamaConfig) -> int:
     mlp = 3 * c.dim * c.mlp_dim
     if c.n_experts:
         mlp = c.n_experts * mlp + c.dim * c.n_experts
+        if c.shared_expert_dim:
+            mlp += 3 * c.dim * c.shared_expert_dim + c.dim
     layer = attn + mlp + (4 if c.post_norms else 2) * c.dim
     head = 0 if c.tie_embeddings else c.dim * c.vocab_size
     return c.vocab_size * c.dim + c.n_layers * layer + c.dim + head
@@ -333,7 +337,10 @@ class Block(nnx.Module):
         self.attn_norm = _norm(c, c.dim, rngs)
         self.attn = Attention(c, rngs)
         self.mlp_norm = _norm(c, c.dim, rngs)
-        self.mlp = MoE(c, rngs) if c.n_experts else SwiGLU(c, rngs)
+        if not c.n_experts:
+            self.mlp = SwiGLU(c, rngs)
+        else:
+            self.mlp = DroplessMoE(c, rngs) if c.moe_impl == "dropless" else MoE(c, rngs)
         if c.post_norms:
             self.attn_post_norm = _norm(c, c.dim, rngs)
             self.mlp_post_norm = _norm(c, c.dim, rngs)
