@@ -34,7 +34,8 @@ from shardax import hf, models  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 REL = 1e-4
-ARCHES = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2"]
+ARCHES = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
+          "mistral_window", "mixtral", "qwen2_moe", "qwen3_moe"]
 NATIVE = [
     ("llama-tiny", dict(scan_layers=True)),
     ("llama-tiny", dict(tie_embeddings=True, rope_theta=500000.0,

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardax import hf
+from shardax import hf, models
 from shardax.hf.files import SafetensorsFile, tensor_index
 from shardax.logical import use_logical_rules
 from shardax.models import decode
@@ -160,6 +160,14 @@ def test_qwen2_biases_under_megatron_tensor_parallelism(mesh_spec):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_param_count_counts_the_loaded_parameters(arch):
+    config = hf.load_config(FIXTURES / arch)
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(hf.load_model(FIXTURES / arch),
+                                                      nnx.Param)))
+    assert models.param_count(config) == n
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_kv_cache_greedy_tokens_equal_transformers(arch):
     ref = reference(arch)
     model = hf.load_model(FIXTURES / arch)
@@ -258,8 +266,6 @@ def test_exports_load_in_transformers_with_the_reference_outputs(tmp_path):
 def test_stacked_layers_round_trip_through_a_single_file(tmp_path):
     """A shardax-native model (stacked layers, sharded on fsdp=8) exports to one
     model.safetensors and re-imports bit-identically into the list layout."""
-    from shardax import models
-
     mesh = MeshShardingHelper.from_string("fsdp=8")
     cfg = models.get_config("llama-tiny", n_layers=2, scan_layers=True, qkv_bias=True)
     model = models.create(cfg, nnx.Rngs(1))

@@ -61,7 +61,8 @@ class LlamaConfig:
     ``attention`` picks the implementation (``shardax.models.attention``: 'auto', 'cudnn',
     'xla', 'blockwise', 'einsum'); ``remat`` also takes 'dots', 'names:q,k,v' and
     'offload:q,k' (``shardax.models.remat``).
-    `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
+    `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
+    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
     """
 
     vocab_size: int = 256
