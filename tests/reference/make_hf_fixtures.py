@@ -54,11 +54,13 @@ MODELS = {
         COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
         query_pre_attn_scalar=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh"), None),
-    # Gemma 3 text: q/k norm, local (10000) / global (1e6) rope bases, sliding pattern 3.
+    # Gemma 3 text: q/k norm, local (10000) / global (1e6, linear scaling x8 as Gemma 3 4B+)
+    # rope bases, sliding pattern 3.
     "gemma3": (transformers.Gemma3TextConfig, dict(
         COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=8,
         query_pre_attn_scalar=16, sliding_window_pattern=3, rope_theta=1000000.0,
-        rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh"), None),
+        rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+        rope_scaling={"rope_type": "linear", "factor": 8.0}), None),
     # Mistral whose window (8) is shorter than the sequences (16 + 32 generated).
     "mistral_window": (transformers.MistralConfig, dict(
         COMMON, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False), None),

@@ -110,8 +110,11 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
             scaling = RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
                                   float(rs["high_freq_factor"]),
                                   int(rs["original_max_position_embeddings"]))
+        elif kind == "linear":
+            scaling = RopeScaling(float(rs["factor"]), rope_type="linear")
         elif kind != "default":
-            raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' is")
+            raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' and 'linear' "
+                               "are")
     max_len = hf.get("max_position_embeddings", 2048)
     window, global_every = _windows(mt, hf)
     qpas = hf.get("query_pre_attn_scalar") if gemma else None
@@ -207,8 +210,7 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "rope_theta": c.rope_theta, "rms_norm_eps": c.norm_eps,
         "hidden_act": _activation_name(c),
         "tie_word_embeddings": c.tie_embeddings, "torch_dtype": _dtype_name(c.param_dtype),
-        "rope_scaling": None if c.rope_scaling is None else {
-            "rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)},
+        "rope_scaling": _rope_scaling_to_hf(c.rope_scaling),
     }
     if mt not in ("qwen2", "qwen2_moe"):
         out.update(attention_bias=False, head_dim=c.head_dim)
@@ -252,10 +254,12 @@ def _gemma_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
     if c.embed_scale is False or not c.post_norms or c.mlp_activation != "gelu_tanh":
         raise ValueError(f"a config with norm_offset={c.norm_offset} has the form of {mt} only "
                          "with embed_scale, post_norms and mlp_activation='gelu_tanh'")
-    if c.rope_scaling is not None:
-        raise ValueError(f"{mt} export supports no rope_scaling, got {c.rope_scaling}")
+    if c.rope_scaling is not None and (mt == "gemma2" or c.rope_scaling.rope_type != "linear"):
+        raise ValueError(f"{mt} export supports {'no' if mt == 'gemma2' else 'linear'} "
+                         f"rope_scaling, got {c.rope_scaling}")
     qpas = c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta,
+            **(_rope_scaling_to_hf(c.rope_scaling) or {})}
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
@@ -276,6 +280,14 @@ def _gemma_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
     else:
         out["rope_parameters"] = rope
     return out
+
+
+def _rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    return dataclasses.asdict(s)
 
 
 def _layer_types(c: LlamaConfig) -> list[str]:
