@@ -34,12 +34,18 @@ from shardax import hf, models  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "hf"
 REL = 1e-4
-ARCHES = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2"]
+ARCHES = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
+          "mistral_window", "mixtral", "qwen2_moe", "qwen3_moe"]
 NATIVE = [
     ("llama-tiny", dict(scan_layers=True)),
     ("llama-tiny", dict(tie_embeddings=True, rope_theta=500000.0,
                         rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 32))),
     ("gpt2-tiny", {}),
+    ("llama-tiny", dict(qk_norm=True, head_dim_override=32)),  # Qwen3
+    ("llama-tiny", dict(norm_offset=1.0, post_norms=True, mlp_activation="gelu_tanh",  # Gemma 3
+                        embed_scale=True, qk_norm=True, sliding_window=8, global_every=2,
+                        rope_local_theta=10000.0, rope_theta=1e6, query_pre_attn_scalar=16.0)),
+    ("llama-tiny", dict(n_experts=4, top_k=2, moe_impl="dropless")),  # Mixtral
 ]
 
 

@@ -9,7 +9,8 @@ with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile 
 ``benchmarks/.peers``), the FSDP modes against ZeRO-3 (``fsdp.py``), the data pipeline's host
 memory (``data_memory.py``), Hugging Face import + KV-cache generation (``hf.py``), the
 planner's ranking vs measured step times (``planner.py``) and attention's temporaries against
-sequence length and step time per implementation (``attention.py``). The llama-8b planner searches
+sequence length and step time per implementation (``attention.py``), and the dropless
+mixture of experts against the capacity-based one (``moe.py``). The llama-8b planner searches
 (``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A section
 that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
@@ -33,7 +34,7 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
 SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp",
-            "data_memory", "hf", "planner", "attention")
+            "data_memory", "hf", "planner", "attention", "moe")
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0}  # seconds, over --timeout
@@ -155,6 +156,7 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     import fsdp
     import hf
     import memory_comm
+    import moe
     import overhead
     import peers
     import planner
@@ -198,6 +200,11 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
         summary += attention.summary(ok("attention"))
     elif "attention" in outcomes:
         parts.append(_failed("11. Attention", outcomes["attention"]))
+    if ok("moe"):
+        parts.append(moe.render(ok("moe")))
+        summary += moe.summary(ok("moe"))
+    elif "moe" in outcomes:
+        parts.append(_failed("12. Mixture of experts", outcomes["moe"]))
 
     head = [
         "# Benchmark results",

@@ -90,3 +90,30 @@ def test_bad_inputs_are_one_line_with_exit_2(tmp_path, finetuned):
                    "hf:DIR")
     one_line_error(shardax("generate", "--from", f"hf:{tmp_path}", "--out", run),
                    "exactly one of --out")
+
+
+@pytest.mark.parametrize("arch,mesh", [("gemma2", "fsdp=4,tp=2"), ("mixtral", "ep=2,fsdp=4")])
+def test_gemma_and_mixtral_finetune_and_export(tmp_path, arch, mesh):
+    """A Gemma 2 (mixed sliding/global layers: XLA FSDP, list layers) and a Mixtral (dropless
+    MoE, experts over 'ep') with a byte vocabulary train 2 steps from hf:DIR at a vanishing
+    learning rate and export the same tensors and config; a 'pp' axis, which needs stacked
+    layers, is a one-line error for Gemma."""
+    fixture = Path(__file__).parent / "fixtures" / "hf" / arch
+    config = hf.load_config(fixture, vocab_size=256)
+    base, run, exp = tmp_path / "base", tmp_path / "run", tmp_path / "export"
+    hf.save_model(models.create(config, nnx.Rngs(0)), base)
+    ok(shardax("train", "--init-from", f"hf:{base}", "--mesh", mesh, "--steps", 2,
+               "--batch-size", 8, "--seq-len", 32, "--optimizer", "sgd", "--lr", 1e-9,
+               "--ckpt-every", 2, "--eval-every", 2, "--out", run, "--devices", 8))
+    ok(shardax("export", "--out", run, "--to", exp))
+    theirs, ours = tensor_index(base), tensor_index(exp)
+    assert set(ours) == set(theirs)
+    for name in ours:
+        np.testing.assert_allclose(ours[name].read(name), theirs[name].read(name), atol=1e-6,
+                                   rtol=0, err_msg=name)
+    assert hf.load_config(exp) == hf.load_config(base)
+    if arch == "gemma2":
+        one_line_error(shardax("train", "--init-from", f"hf:{base}", "--mesh", "pp=2,fsdp=4",
+                               "--steps", 1, "--seq-len", 32, "--out", tmp_path / "pp",
+                               "--devices", 8),
+                       "global_every=2 mixes sliding-window and global")

@@ -44,6 +44,40 @@ MODELS = {
         COMMON, num_key_value_heads=2, sliding_window=4096, tie_word_embeddings=False), None),
     "qwen2": (transformers.Qwen2Config, dict(
         COMMON, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0), None),
+    # Qwen3: q/k RMSNorm per head, head_dim (16) not hidden_size / heads (8).
+    "qwen3": (transformers.Qwen3Config, dict(
+        COMMON, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        rope_theta=1000000.0), None),
+    # Gemma 2: alternating sliding (window 8 < the 48 tokens generated) / global layers,
+    # attention and final logit soft-capping, GeGLU, pre+post norms, query_pre_attn_scalar.
+    "gemma2": (transformers.Gemma2Config, dict(
+        COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=24, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh"), None),
+    # Gemma 3 text: q/k norm, local (10000) / global (1e6, linear scaling x8 as Gemma 3 4B+)
+    # rope bases, sliding pattern 3.
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        COMMON, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=16, sliding_window_pattern=3, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+        rope_scaling={"rope_type": "linear", "factor": 8.0}), None),
+    # Mistral whose window (8) is shorter than the sequences (16 + 32 generated).
+    "mistral_window": (transformers.MistralConfig, dict(
+        COMMON, num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False), None),
+    # Mixtral: 4 experts, top-2 (renormalised), expert MLPs of 32 units.
+    "mixtral": (transformers.MixtralConfig, dict(
+        COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, tie_word_embeddings=False), None),
+    # Qwen2-MoE: q/k/v biases, top-2 of 4 experts (not renormalised), a gated shared expert.
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(
+        COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, norm_topk_prob=False,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False), None),
+    # Qwen3-MoE: q/k norm, head_dim 16, top-2 of 4 experts, renormalised.
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(
+        COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], tie_word_embeddings=False), None),
     "gpt2": (transformers.GPT2Config, dict(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None), None),

@@ -1,4 +1,5 @@
-"""Model configs to and from Hugging Face ``config.json`` dicts (Llama, Mistral, Qwen2, GPT-2).
+"""Model configs to and from Hugging Face ``config.json`` dicts (Llama, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3 text, GPT-2).
 
 >>> from shardax.models.configs import CONFIGS
 >>> config = config_from_hf(config_to_hf(CONFIGS["llama-tiny"]))
@@ -20,7 +21,18 @@ __all__ = ["HF_MODEL_TYPES", "config_from_hf", "config_to_hf"]
 
 # Hugging Face model_type -> the shardax config class that reads it.
 HF_MODEL_TYPES = {"llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig,
+                  "qwen3": LlamaConfig, "gemma2": LlamaConfig, "gemma3_text": LlamaConfig,
+                  "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig,
                   "gpt2": GPT2Config}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+# Hugging Face activation name -> LlamaConfig.mlp_activation (the first name is written).
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig | GPT2Config:
@@ -43,8 +55,10 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig | GPT
 
 
 def config_to_hf(config: LlamaConfig | GPT2Config) -> dict[str, Any]:
-    """A Hugging Face ``config.json`` dict describing a model: ``LlamaForCausalLM`` (or
-    ``Qwen2ForCausalLM`` when ``qkv_bias``), or ``GPT2LMHeadModel``.
+    """A Hugging Face ``config.json`` dict describing a model: the architecture of the Llama
+    config's ``family`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+    ``Qwen3ForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``), or
+    ``GPT2LMHeadModel``.
 
     >>> from shardax.models.configs import CONFIGS
     >>> config_to_hf(CONFIGS["gpt2-tiny"])["model_type"]
@@ -61,67 +75,228 @@ def _unsupported(model_type: str, key: str, value: Any, why: str) -> ValueError:
 
 def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> LlamaConfig:
     mt = hf.get("model_type", "llama")
+    gemma = mt in GEMMA_TYPES
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or dim // heads
-    if head_dim * heads != dim:
+    if head_dim * heads != dim and mt in ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe"):
         raise _unsupported(mt, "head_dim", head_dim, f"must equal hidden_size/heads = "
                            f"{dim // heads}")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise _unsupported(mt, "hidden_act", act, "the MLP is SwiGLU")
+    act_key = "hidden_activation" if gemma and hf.get("hidden_activation") else "hidden_act"
+    act = hf.get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    if act not in _ACTIVATIONS:
+        raise _unsupported(mt, act_key, act, f"the gated MLP supports {sorted(_ACTIVATIONS)}")
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise _unsupported(mt, key, hf[key], "only Qwen2's q/k/v biases are")
-    scaling = None
-    # transformers >= 5 writes "rope_parameters" (theta included); older ones "rope_scaling".
+    if hf.get("use_bidirectional_attention"):
+        raise _unsupported(mt, "use_bidirectional_attention", True, "attention is causal")
+    # transformers >= 5 writes "rope_parameters" (theta included; Gemma 3 one per layer
+    # type); older ones "rope_theta", "rope_scaling" and Gemma 3's "rope_local_base_freq".
     rp = hf.get("rope_parameters") or {}
+    local_theta = hf.get("rope_local_base_freq")
+    if "full_attention" in rp:
+        local = rp.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise _unsupported(mt, "rope_parameters.sliding_attention", local,
+                               "sliding layers take rope_type 'default' only")
+        local_theta = local.get("rope_theta", local_theta)
+        rp = rp["full_attention"]
     theta = hf.get("rope_theta", rp.get("rope_theta", 10000.0))
     rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    scaling = None
     if rs:
         kind = rs.get("rope_type", rs.get("type"))
         if kind == "llama3":
             scaling = RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
                                   float(rs["high_freq_factor"]),
                                   int(rs["original_max_position_embeddings"]))
+        elif kind == "linear":
+            scaling = RopeScaling(float(rs["factor"]), rope_type="linear")
         elif kind != "default":
-            raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' is")
+            raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' and 'linear' "
+                               "are")
     max_len = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window") if (mt == "mistral" or hf.get("use_sliding_window")) else None
+    window, global_every = _windows(mt, hf)
+    qpas = hf.get("query_pre_attn_scalar") if gemma else None
     fields = dict(
         vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"], n_heads=heads,
         n_kv_heads=hf.get("num_key_value_heads") or heads, mlp_dim=hf["intermediate_size"],
         max_seq_len=max_len, rope_theta=float(theta),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_scaling=scaling,
-        qkv_bias=mt == "qwen2", sliding_window=int(window) if window else None,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), rope_scaling=scaling,
+        qkv_bias=mt == "qwen2", sliding_window=window, global_every=global_every,
+        head_dim_override=head_dim if head_dim * heads != dim else None,
+        qk_norm=mt in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0,
+        post_norms=gemma, mlp_activation=_ACTIVATIONS[act], embed_scale=gemma,
+        attn_softcap=_float_or_none(hf.get("attn_logit_softcapping")) if gemma else None,
+        final_softcap=_float_or_none(hf.get("final_logit_softcapping")) if gemma else None,
+        query_pre_attn_scalar=None if qpas is None else float(qpas),
+        rope_local_theta=(None if local_theta is None or mt != "gemma3_text"
+                          else float(local_theta)),
     )
+    if mt == "qwen3_moe":
+        fields["qk_norm"] = True
+    if mt in MOE_TYPES:
+        fields.update(_moe_from_hf(mt, hf))
     return LlamaConfig(**{**fields, **overrides})
 
 
+def _moe_from_hf(mt: str, hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The dropless mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config."""
+    if mt != "mixtral":
+        if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+            raise _unsupported(mt, "decoder_sparse_step/mlp_only_layers",
+                               (hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")),
+                               "every layer must be a mixture of experts")
+    fields = dict(
+        n_experts=hf.get("num_local_experts") or hf["num_experts"],
+        top_k=hf["num_experts_per_tok"], moe_impl="dropless",
+        moe_norm_topk=True if mt == "mixtral" else bool(hf.get("norm_topk_prob", False)),
+        moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
+    if mt != "mixtral":
+        fields["mlp_dim"] = hf["moe_intermediate_size"]
+    if mt == "qwen2_moe":
+        fields.update(qkv_bias=bool(hf.get("qkv_bias", True)),
+                      shared_expert_dim=int(hf.get("shared_expert_intermediate_size") or 0))
+    return fields
+
+
+def _float_or_none(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _windows(mt: str, hf: Mapping[str, Any]) -> tuple[int | None, int]:
+    """``(sliding_window, global_every)`` from ``sliding_window`` and ``layer_types`` (or, in
+    older configs, Mistral's all-sliding layers, ``use_sliding_window`` and Gemma's pattern)."""
+    window = hf.get("sliding_window")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        if mt in GEMMA_TYPES:
+            k = 2 if mt == "gemma2" else hf.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % k == 0 else "sliding_attention"
+                     for i in range(n)]
+        elif mt in ("mistral", "mixtral") or hf.get("use_sliding_window"):
+            types = ["sliding_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    if mt.startswith("qwen") and not hf.get("use_sliding_window"):
+        window = None  # transformers ignores the window then
+    if not window or "sliding_attention" not in types:
+        return None, 0
+    if "full_attention" not in types:
+        return int(window), 0
+    k = types.index("full_attention") + 1
+    if types != ["full_attention" if (i + 1) % k == 0 else "sliding_attention"
+                 for i in range(n)]:
+        raise _unsupported(mt, "layer_types", types, "sliding layers must be all, none, or "
+                           "all but every k-th")
+    return int(window), k
+
+
 def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
-    if c.n_experts:
-        raise ValueError("a mixture-of-experts Llama has no Hugging Face LlamaForCausalLM form")
-    qwen = c.qkv_bias
+    if c.n_experts and c.moe_impl != "dropless":
+        raise ValueError("a capacity-based mixture-of-experts Llama has no Hugging Face form "
+                         "(moe_impl='dropless' exports as Mixtral or Qwen-MoE)")
+    mt = c.family
+    if mt in GEMMA_TYPES:
+        return _gemma_to_hf(c, mt)
     out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [_ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
         "intermediate_size": c.mlp_dim, "max_position_embeddings": c.max_seq_len,
-        "rope_theta": c.rope_theta, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
+        "rope_theta": c.rope_theta, "rms_norm_eps": c.norm_eps,
+        "hidden_act": _activation_name(c),
         "tie_word_embeddings": c.tie_embeddings, "torch_dtype": _dtype_name(c.param_dtype),
-        "rope_scaling": None if c.rope_scaling is None else {
-            "rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)},
+        "rope_scaling": _rope_scaling_to_hf(c.rope_scaling),
     }
-    if not qwen:
-        out.update(attention_bias=False, mlp_bias=False, head_dim=c.head_dim)
+    if mt not in ("qwen2", "qwen2_moe"):
+        out.update(attention_bias=False, head_dim=c.head_dim)
+    if mt in ("llama", "mistral"):
+        out.update(mlp_bias=False)
+    if mt in MOE_TYPES:
+        out.update(_moe_to_hf(c, mt))
     if c.sliding_window is not None:
-        if qwen:
-            out.update(use_sliding_window=True, sliding_window=c.sliding_window)
+        if mt in ("mistral", "mixtral"):
+            out.update(sliding_window=c.sliding_window)
         else:
-            out.update(architectures=["MistralForCausalLM"], model_type="mistral",
-                       sliding_window=c.sliding_window)
+            out.update(use_sliding_window=True, sliding_window=c.sliding_window,
+                       max_window_layers=0, layer_types=_layer_types(c))
+    elif mt in ("qwen3", "qwen2_moe", "qwen3_moe"):
+        out.update(use_sliding_window=False, layer_types=_layer_types(c))
     return out
+
+
+def _moe_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"num_experts_per_tok": c.top_k,
+                           "router_aux_loss_coef": c.moe_aux_weight}
+    if mt == "mixtral":
+        if not c.moe_norm_topk:
+            raise ValueError("Mixtral renormalises the top-k router weights: moe_norm_topk "
+                             "must be True")
+        return {**out, "num_local_experts": c.n_experts}
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts, Qwen2-MoE's as num_experts.
+    experts_key = "num_local_experts" if mt == "qwen3_moe" else "num_experts"
+    out.update({experts_key: c.n_experts}, moe_intermediate_size=c.mlp_dim,
+               norm_topk_prob=c.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=[])
+    if mt == "qwen2_moe":
+        if not c.qkv_bias or not c.shared_expert_dim:
+            raise ValueError("a Qwen2-MoE config needs qkv_bias and a shared expert "
+                             f"(shared_expert_dim > 0), got qkv_bias={c.qkv_bias}, "
+                             f"shared_expert_dim={c.shared_expert_dim}")
+        out.update(qkv_bias=True, shared_expert_intermediate_size=c.shared_expert_dim)
+    return out
+
+
+def _gemma_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
+    if c.embed_scale is False or not c.post_norms or c.mlp_activation != "gelu_tanh":
+        raise ValueError(f"a config with norm_offset={c.norm_offset} has the form of {mt} only "
+                         "with embed_scale, post_norms and mlp_activation='gelu_tanh'")
+    if c.rope_scaling is not None and (mt == "gemma2" or c.rope_scaling.rope_type != "linear"):
+        raise ValueError(f"{mt} export supports {'no' if mt == 'gemma2' else 'linear'} "
+                         f"rope_scaling, got {c.rope_scaling}")
+    qpas = c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta,
+            **(_rope_scaling_to_hf(c.rope_scaling) or {})}
+    out: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[mt]], "model_type": mt,
+        "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.mlp_dim,
+        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
+        "tie_word_embeddings": c.tie_embeddings, "torch_dtype": _dtype_name(c.param_dtype),
+        "query_pre_attn_scalar": int(qpas) if float(qpas).is_integer() else qpas,
+        "attn_logit_softcapping": c.attn_softcap,
+        "final_logit_softcapping": c.final_softcap,
+        "sliding_window": c.sliding_window, "layer_types": _layer_types(c),
+    }
+    if mt == "gemma3_text":
+        local = c.rope_theta if c.rope_local_theta is None else c.rope_local_theta
+        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": {
+            "rope_type": "default", "rope_theta": local}}
+    else:
+        out["rope_parameters"] = rope
+    return out
+
+
+def _rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
+    if s is None:
+        return None
+    if s.rope_type == "linear":
+        return {"rope_type": "linear", "factor": s.factor}
+    return dataclasses.asdict(s)
+
+
+def _layer_types(c: LlamaConfig) -> list[str]:
+    return ["full_attention" if c.window_of(i) is None else "sliding_attention"
+            for i in range(c.n_layers)]
+
+
+def _activation_name(c: LlamaConfig) -> str:
+    return {v: k for k, v in _ACTIVATIONS.items()}[c.mlp_activation]
 
 
 def _gpt2_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> GPT2Config:

@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from shardax.hf.configs import config_to_hf
 from shardax.hf.files import INDEX_NAME, write_safetensors
-from shardax.hf.mapping import TensorMap, param_maps, to_hf
+from shardax.hf.mapping import TensorMap, iter_maps, param_maps, to_hf
 from shardax.models.configs import GPT2Config, LlamaConfig
 from shardax.utils import tree_path_to_string
 
@@ -68,11 +68,11 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
     if missing:
         raise ValueError(f"parameters {missing[:3]} are missing: is this state of the model "
                          f"{type(config).__name__}(...)? ")
-    # HF tensor name -> [(shardax path, layer or None, map)], in a stable order.
-    sources: dict[str, list[tuple[str, int | None, TensorMap]]] = {}
+    # HF tensor name -> [(shardax path, index on its stacked axes, map)], in a stable order.
+    sources: dict[str, list[tuple[str, tuple[int, ...], TensorMap]]] = {}
     for path, m in maps.items():
-        for layer, one in (enumerate(m) if isinstance(m, list) else [(None, m)]):
-            sources.setdefault(one.name, []).append((path, layer, one))
+        for index, one in iter_maps(m):
+            sources.setdefault(one.name, []).append((path, index, one))
     first = next(iter(flat.values()))
     out_dtype = np.dtype(dtype if dtype is not None else first.dtype)
     specs = {name: (out_dtype, src[0][2].hf_shape) for name, src in sources.items()}
@@ -81,8 +81,8 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
     def fetch(name: str) -> np.ndarray:
         src = sources[name]
         out = np.empty(src[0][2].hf_shape, out_dtype)
-        for path, layer, m in src:
-            x = flat[path] if layer is None else flat[path][layer]
+        for path, index, m in src:
+            x = flat[path][index] if index else flat[path]
             to_hf(m, _host(x).astype(out_dtype), out)
         return out
 
@@ -107,10 +107,10 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
             written.append(d / fname)
         else:  # take part in the gathers of arrays that span processes
             for n in names:
-                for path, layer, _ in sources[n]:
+                for path, index, _ in sources[n]:
                     x = flat[path]
                     if not x.is_fully_addressable:
-                        _host(x if layer is None else x[layer])
+                        _host(x[index] if index else x)
     _sync("shardax-hf-export-done")
     return written
 

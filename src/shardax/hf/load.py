@@ -28,7 +28,7 @@ from shardax._compat import make_mesh
 from shardax.hf.checks import check_tensors, read_config_json
 from shardax.hf.configs import config_from_hf
 from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
-from shardax.hf.mapping import TensorMap, param_maps, read_block
+from shardax.hf.mapping import TensorMap, iter_maps, param_maps, read_block, stack_depth
 from shardax.models.configs import GPT2Config, LlamaConfig
 from shardax.rules import LogicalAxisRules, match_specs
 from shardax.utils import tree_path_to_string
@@ -132,26 +132,24 @@ def _check(m: TensorMap, index: dict[str, SafetensorsFile], want: tuple[int, ...
                          f"expects {want}")
 
 
-def _build(name: str, m: TensorMap | list[TensorMap], leaf: Any, sharding: NamedSharding,
+def _build(name: str, m: TensorMap | list, leaf: Any, sharding: NamedSharding,
            index: dict[str, SafetensorsFile]) -> jax.Array:
     shape, dtype = tuple(leaf.shape), leaf.dtype
-    stacked = isinstance(m, list)
-    for one in m if stacked else [m]:
-        _check(one, index, shape[1:] if stacked else shape)
+    depth = stack_depth(m)  # leading axes stacked from several HF tensors (layers, experts)
+    for _, one in iter_maps(m):
+        _check(one, index, shape[depth:])
     cache: dict[tuple, np.ndarray] = {}  # replicated slices are read once
 
-    def read_one(one: TensorMap, sl: tuple) -> np.ndarray:
-        f = index[one.name]
-        return read_block(one, sl, lambda ranges: f.read(one.name, ranges)).astype(dtype)
+    def read(m: TensorMap | list, sl: tuple) -> np.ndarray:
+        if isinstance(m, TensorMap):
+            f = index[m.name]
+            return read_block(m, sl, lambda ranges: f.read(m.name, ranges)).astype(dtype)
+        return np.stack([read(m[i], sl[1:]) for i in range(*sl[0].indices(len(m))[:2])])
 
     def callback(idx: tuple) -> np.ndarray:
         key = _key(idx, shape)
         if key not in cache:
-            if stacked:
-                layers = range(*key[0])
-                cache[key] = np.stack([read_one(m[i], idx[1:]) for i in layers])
-            else:
-                cache[key] = read_one(m, idx)
+            cache[key] = read(m, idx)
         return cache[key]
 
     return jax.make_array_from_callback(shape, sharding, callback)

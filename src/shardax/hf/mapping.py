@@ -23,7 +23,7 @@ import numpy as np
 
 from shardax.models.configs import GPT2Config, LlamaConfig
 
-__all__ = ["TensorMap", "param_maps", "read_block", "to_hf"]
+__all__ = ["TensorMap", "iter_maps", "param_maps", "read_block", "stack_depth", "to_hf"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +105,17 @@ def to_hf(m: TensorMap, value: np.ndarray, out: np.ndarray) -> None:
     view[idx] = np.transpose(value, inverse)
 
 
-def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list[TensorMap]]:
-    """``{shardax parameter path ('/'-joined): map}``; a stacked (``scan_layers``) parameter
-    maps to one :class:`TensorMap` per layer."""
+def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list]:
+    """``{shardax parameter path ('/'-joined): map}``; a parameter stacked on leading axes maps
+    to nested lists of :class:`TensorMap` (one list level per axis): a ``scan_layers`` stack
+    holds one item per layer, an expert weight one :class:`TensorMap` per expert."""
     if isinstance(config, LlamaConfig):
         top, layer = _llama_maps(config)
     elif isinstance(config, GPT2Config):
         top, layer = _gpt2_maps(config)
     else:
         raise ValueError(f"no Hugging Face layout for {type(config).__name__}")
-    out: dict[str, TensorMap | list[TensorMap]] = dict(top)
+    out: dict[str, TensorMap | list] = dict(top)
     per_layer = [layer(i) for i in range(config.n_layers)]
     for key in per_layer[0] if per_layer else ():
         if config.scan_layers:
@@ -124,9 +125,51 @@ def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list[T
     return out
 
 
+def iter_maps(m: TensorMap | list, index: tuple[int, ...] = ()):
+    """``(index, TensorMap)`` for each map in a (nested) list, ``index`` its position on the
+    stacked leading axes (``()`` for a single map)."""
+    if isinstance(m, TensorMap):
+        yield index, m
+        return
+    for i, one in enumerate(m):
+        yield from iter_maps(one, (*index, i))
+
+
+def stack_depth(m: TensorMap | list) -> int:
+    """The number of stacked leading axes of a (nested) map list."""
+    return 0 if isinstance(m, TensorMap) else 1 + stack_depth(m[0])
+
+
+def _moe_maps(c: LlamaConfig, p: str) -> dict[str, TensorMap | list]:
+    """The dropless mixture-of-experts MLP of layer prefix ``p``: Mixtral's
+    ``block_sparse_moe.experts.{e}.w1/w3/w2`` or Qwen-MoE's ``mlp.experts.{e}.gate/up/down_proj``
+    (and Qwen2-MoE's shared expert)."""
+    d, m, e = c.dim, c.mlp_dim, c.n_experts
+    mixtral = c.family == "mixtral"
+    q = p + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    out: dict[str, TensorMap | list] = {
+        "mlp/router": TensorMap(q + "gate.weight", (e, d), (e, d), (1, 0))}
+    for ours, theirs, shape in zip(("w_gate", "w_up", "w_down"), names,
+                                   ((m, d), (m, d), (d, m))):
+        out[f"mlp/{ours}"] = [TensorMap(f"{q}experts.{j}.{theirs}.weight", shape, shape, (1, 0))
+                              for j in range(e)]
+    if c.shared_expert_dim:
+        f, s = c.shared_expert_dim, q + "shared_expert."
+        out.update({
+            "mlp/shared_gate": TensorMap(s + "gate_proj.weight", (f, d), (f, d), (1, 0)),
+            "mlp/shared_up": TensorMap(s + "up_proj.weight", (f, d), (f, d), (1, 0)),
+            "mlp/shared_down": TensorMap(s + "down_proj.weight", (d, f), (d, f), (1, 0)),
+            "mlp/shared_router": TensorMap(q + "shared_expert_gate.weight", (1, d), (1, d),
+                                           (1, 0)),
+        })
+    return out
+
+
 def _llama_maps(c: LlamaConfig):
-    if c.n_experts:
-        raise ValueError("a mixture-of-experts Llama has no Hugging Face layout here")
+    if c.n_experts and c.moe_impl != "dropless":
+        raise ValueError("a capacity-based mixture-of-experts Llama has no Hugging Face layout "
+                         "(moe_impl='dropless' has Mixtral's and Qwen-MoE's)")
     d, h, kv, hd, v, m = c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size, c.mlp_dim
     top = {"embed": TensorMap("model.embed_tokens.weight", (v, d), (v, d), (0, 1)),
            "final_norm/scale": TensorMap("model.norm.weight", (d,), (d,), (0,))}
@@ -136,17 +179,33 @@ def _llama_maps(c: LlamaConfig):
     def layer(i):
         p = f"model.layers.{i}."
         a = p + "self_attn."
+        def norm(name, size=d):
+            return TensorMap(name + ".weight", (size,), (size,), (0,))
+
+        # Gemma's "post_attention_layernorm" norms the attention output; Llama's the MLP input.
+        mlp_in = "pre_feedforward_layernorm" if c.post_norms else "post_attention_layernorm"
         maps = {
-            "attn_norm/scale": TensorMap(p + "input_layernorm.weight", (d,), (d,), (0,)),
-            "mlp_norm/scale": TensorMap(p + "post_attention_layernorm.weight", (d,), (d,), (0,)),
+            "attn_norm/scale": norm(p + "input_layernorm"),
+            "mlp_norm/scale": norm(p + mlp_in),
             "attn/wq": TensorMap(a + "q_proj.weight", (h * hd, d), (h, hd, d), (2, 0, 1)),
             "attn/wk": TensorMap(a + "k_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
             "attn/wv": TensorMap(a + "v_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
             "attn/wo": TensorMap(a + "o_proj.weight", (d, h * hd), (d, h, hd), (1, 2, 0)),
-            "mlp/w_gate": TensorMap(p + "mlp.gate_proj.weight", (m, d), (m, d), (1, 0)),
-            "mlp/w_up": TensorMap(p + "mlp.up_proj.weight", (m, d), (m, d), (1, 0)),
-            "mlp/w_down": TensorMap(p + "mlp.down_proj.weight", (d, m), (d, m), (1, 0)),
         }
+        if c.n_experts:
+            maps.update(_moe_maps(c, p))
+        else:
+            maps.update({
+                "mlp/w_gate": TensorMap(p + "mlp.gate_proj.weight", (m, d), (m, d), (1, 0)),
+                "mlp/w_up": TensorMap(p + "mlp.up_proj.weight", (m, d), (m, d), (1, 0)),
+                "mlp/w_down": TensorMap(p + "mlp.down_proj.weight", (d, m), (d, m), (1, 0)),
+            })
+        if c.post_norms:
+            maps["attn_post_norm/scale"] = norm(p + "post_attention_layernorm")
+            maps["mlp_post_norm/scale"] = norm(p + "post_feedforward_layernorm")
+        if c.qk_norm:
+            maps["attn/q_norm/scale"] = norm(a + "q_norm", hd)
+            maps["attn/k_norm/scale"] = norm(a + "k_norm", hd)
         if c.qkv_bias:
             maps["attn/bq"] = TensorMap(a + "q_proj.bias", (h * hd,), (h, hd), (0, 1))
             maps["attn/bk"] = TensorMap(a + "k_proj.bias", (kv * hd,), (kv, hd), (0, 1))

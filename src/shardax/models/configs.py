@@ -21,6 +21,8 @@ __all__ = ["ATTENTION_IMPLEMENTATIONS", "CONFIGS", "PP_SCHEDULES", "REMAT_POLICI
            "GPT2Config", "LlamaConfig", "RopeScaling"]
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+MOE_IMPLS = ("capacity", "dropless")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
@@ -40,10 +42,27 @@ class LlamaConfig:
 
     ``rope_scaling`` is Llama-3's frequency scaling, ``qkv_bias`` adds q/k/v biases (Qwen2),
     ``sliding_window`` limits attention to that many positions back (Mistral).
+
+    Qwen3 and Gemma 2/3 (`family` names which one a config is): ``head_dim_override`` sets
+    the head size apart from ``dim // n_heads``; ``qk_norm`` RMS-normalises q and k per head
+    before RoPE; ``norm_offset=1`` makes every RMSNorm scale by ``1 + w`` (weights stored
+    zero-centred); ``post_norms`` adds a norm after attention and after the MLP (before each
+    residual add); ``mlp_activation`` 'gelu_tanh' makes the gated MLP GeGLU; ``embed_scale``
+    multiplies the embeddings by ``sqrt(dim)``; ``attn_softcap`` / ``final_softcap``
+    soft-cap attention scores / output logits (``c * tanh(x / c)``); ``query_pre_attn_scalar``
+    makes the attention scale ``query_pre_attn_scalar ** -0.5``. ``global_every=k > 0``:
+    layer ``i`` attends globally when ``(i + 1) % k == 0`` and within ``sliding_window``
+    otherwise, and ``rope_local_theta`` (when set) is the RoPE base of those sliding layers.
+
+    Mixture of experts: ``moe_impl`` 'capacity' (``llama_moe.MoE``: fixed expert capacity,
+    overflowing tokens dropped) or 'dropless' (``moe.DroplessMoE``: sorted tokens and grouped
+    matmuls, Mixtral / Qwen-MoE); ``moe_norm_topk`` renormalises the top-k router weights
+    (dropless); ``shared_expert_dim > 0`` adds Qwen2-MoE's gated shared expert.
     ``attention`` picks the implementation (``shardax.models.attention``: 'auto', 'cudnn',
     'xla', 'blockwise', 'einsum'); ``remat`` also takes 'dots', 'names:q,k,v' and
     'offload:q,k' (``shardax.models.remat``).
-    `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral, Qwen2).
+    `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
+    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
     """
 
     vocab_size: int = 256
@@ -73,16 +92,45 @@ class LlamaConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     moe_aux_weight: float = 0.01
+    head_dim_override: int | None = None
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    post_norms: bool = False
+    mlp_activation: str = "silu"
+    embed_scale: bool = False
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    query_pre_attn_scalar: float | None = None
+    global_every: int = 0
+    rope_local_theta: float | None = None
+    moe_impl: str = "capacity"
+    moe_norm_topk: bool = True
+    shared_expert_dim: int = 0
 
     def __post_init__(self):
-        if self.dim % self.n_heads:
+        if self.head_dim_override is None and self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}"
             )
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation must be one of {MLP_ACTIVATIONS}, got "
+                             f"{self.mlp_activation!r}")
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.shared_expert_dim and self.moe_impl != "dropless":
+            raise ValueError(f"shared_expert_dim={self.shared_expert_dim} needs "
+                             "moe_impl='dropless'")
+        if self.global_every < 0:
+            raise ValueError(f"global_every={self.global_every} must be >= 0")
+        if self.mixed_layers and self.scan_layers:
+            raise ValueError(
+                f"scan_layers=True needs identical layers, but global_every={self.global_every} "
+                "mixes sliding-window and global attention layers; use scan_layers=False "
+                "(no 'pp' axis)")
         check_remat(self.remat)
         _check_attention(self.attention)
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -108,7 +156,54 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Whether layers differ (sliding-window and global ones, or two RoPE bases)."""
+        return self.global_every > 0 and (self.sliding_window is not None
+                                          or self.rope_local_theta is not None)
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends over the whole sequence with the global RoPE base
+        (``global_every``); without ``global_every`` every layer does.
+
+        >>> LlamaConfig(global_every=2, sliding_window=8).is_global(1)
+        True
+        """
+        return not self.global_every or (layer + 1) % self.global_every == 0
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: global attention)."""
+        if self.global_every and self.is_global(layer):
+            return None
+        return self.sliding_window
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The attention score scale (None: ``1 / sqrt(head_dim)``)."""
+        q = self.query_pre_attn_scalar
+        return None if q is None else float(q) ** -0.5
+
+    @property
+    def family(self) -> str:
+        """The Hugging Face model type this config has the form of: 'mixtral', 'qwen2_moe',
+        'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
+
+        >>> LlamaConfig(qk_norm=True).family
+        'qwen3'
+        """
+        if self.n_experts and self.moe_impl == "dropless":
+            if self.qk_norm:
+                return "qwen3_moe"
+            return "qwen2_moe" if self.qkv_bias or self.shared_expert_dim else "mixtral"
+        if self.norm_offset:
+            return "gemma3_text" if self.qk_norm else "gemma2"
+        if self.qk_norm:
+            return "qwen3"
+        if self.qkv_bias:
+            return "qwen2"
+        return "mistral" if self.sliding_window is not None else "llama"
 
     @property
     def sp(self) -> bool:

@@ -34,7 +34,6 @@ from shardax.logical import use_logical_rules
 from shardax.models._annotate import constrain
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
-from shardax.models.ops import apply_rope
 
 __all__ = ["Generated", "KVCache", "forward", "generate", "init_cache"]
 
@@ -84,8 +83,10 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
     if not isinstance(model, Llama | GPT2):
         raise ValueError(f"KV-cache decoding supports Llama and GPT2, got {type(model).__name__}")
     c = model.config
-    if isinstance(model, Llama) and c.n_experts:
-        raise ValueError("KV-cache decoding of a mixture-of-experts Llama is not supported")
+    if isinstance(model, Llama) and c.n_experts and c.moe_impl != "dropless":
+        raise ValueError("KV-cache decoding of a capacity-based mixture-of-experts Llama is "
+                         "not supported (its routing depends on the batch); use "
+                         "moe_impl='dropless'")
     b, s = tokens.shape
     length = cache.k.shape[2]
     # Masks by cache slot: causal over slots, keys before a row's first token are padding.
@@ -102,18 +103,17 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
         h = layer.attn_norm(x) if llama else layer.ln_1(x)
         q, k, v = layer.attn.qkv(h)
         if llama:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = layer.attn.rope(q, k, cos, sin)
         kc = jax.lax.dynamic_update_slice(cache.k[i], k.astype(cache.k.dtype), (0, index, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v.dtype), (0, index, 0, 0))
         ks.append(kc)
         vs.append(vc)
         out = constrain(layer.attn.attend(q, kc, vc, **masks),
                         ("batch", "length", "heads", "head_dim"))
-        x = constrain(x + layer.attn.out(out), ("batch", "length", "embed"))
         if llama:
-            y = layer.mlp(layer.mlp_norm(x))
-            x = x + (y[0] if isinstance(y, tuple) else y)
+            x = layer.mlp_residual(layer.attn_residual(x, layer.attn.out(out)))[0]
         else:
+            x = constrain(x + layer.attn.out(out), ("batch", "length", "embed"))
             x = x + layer.mlp(layer.ln_2(x))
         x = constrain(x, ("batch", "length", "embed"))
     logits = model._head(x, *model._head_params()) if llama else model._head(x)

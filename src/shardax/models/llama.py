@@ -1,4 +1,5 @@
-"""Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in Flax NNX.
+"""Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) in Flax NNX, with
+the flags (``LlamaConfig``) that make it Mistral, Qwen2/3 or Gemma 2/3 (text).
 
 Every parameter carries logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads',
 'head_dim', 'layers', 'norm', 'expert'); key activations go through ``constrain`` with
@@ -14,7 +15,8 @@ trace time, with the same parameters in every mode (checkpoints move freely betw
   (``pp_schedule``, ``pp_microbatches``, ``pp_virtual_stages``).
 * a 'cp' axis: attention is ``ring_attention`` (load-balanced when the caller passes tokens and
   positions in ``load_balance`` order, as ``shardax.train.step`` does).
-* ``n_experts > 0``: the MLP is a mixture of experts (``llama_moe.MoE``), split over 'ep'.
+* ``n_experts > 0``: the MLP is a mixture of experts (``llama_moe.MoE``, or the dropless
+  ``moe.DroplessMoE`` with ``moe_impl='dropless'``), split over 'ep'.
 
 Without a mesh every path computes the plain single-device math.
 
@@ -41,6 +43,7 @@ from shardax.models.axes import TOKEN_AXES
 from shardax.models.configs import LLAMA_CONFIGS, PP_SCHEDULES, TP_MODES, LlamaConfig
 from shardax.models.llama_moe import MoE
 from shardax.models.loss import chunked_cross_entropy
+from shardax.models.moe import DroplessMoE
 from shardax.models.ops import apply_rope, gqa_attention, rms_norm, rope_tables
 from shardax.models.remat import checkpoint_name
 from shardax.parallel import (
@@ -118,21 +121,41 @@ def param_count(config: LlamaConfig) -> int:
     attn = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)
     if c.qkv_bias:
         attn += c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
+    if c.qk_norm:
+        attn += 2 * c.head_dim
     mlp = 3 * c.dim * c.mlp_dim
     if c.n_experts:
         mlp = c.n_experts * mlp + c.dim * c.n_experts
-    layer = attn + mlp + 2 * c.dim
+        if c.shared_expert_dim:
+            mlp += 3 * c.dim * c.shared_expert_dim + c.dim
+    layer = attn + mlp + (4 if c.post_norms else 2) * c.dim
     head = 0 if c.tie_embeddings else c.dim * c.vocab_size
     return c.vocab_size * c.dim + c.n_layers * layer + c.dim + head
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype: Any, rngs: nnx.Rngs):
-        self.eps = eps
-        self.scale = param(rngs.params(), nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+    """RMSNorm scaling by ``w + offset`` (``offset=1``: Gemma's zero-centred ``w``, initialised
+    to 0), so that a new norm is the identity scale either way."""
+
+    def __init__(self, dim: int, eps: float, param_dtype: Any, rngs: nnx.Rngs,
+                 offset: float = 0.0):
+        self.eps, self.offset = eps, offset
+        init = nnx.initializers.zeros if offset else nnx.initializers.ones
+        self.scale = param(rngs.params(), init, (dim,), ("norm",), param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
+
+
+def _norm(c: LlamaConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(dim, c.norm_eps, c.param_dtype, rngs, c.norm_offset)
+
+
+def _activation(c: LlamaConfig) -> Callable[[jax.Array], jax.Array]:
+    """The gate activation: SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU)."""
+    if c.mlp_activation == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu
 
 
 def _head_repeat(heads: int, tp: int) -> int:
@@ -173,6 +196,12 @@ class Attention(nnx.Module):
                             pd)
             self.bv = param(rngs.params(), _zeros, (c.n_kv_heads, hd), ("kv_heads", "head_dim"),
                             pd)
+        if c.qk_norm:
+            self.q_norm = _norm(c, hd, rngs)
+            self.k_norm = _norm(c, hd, rngs)
+        # Per-layer attention kind; `Llama` sets it per layer when the layers differ.
+        self.window: int | None = c.sliding_window
+        self.local_rope = False
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  load_balanced: bool = False, segment_ids: jax.Array | None = None
@@ -180,8 +209,9 @@ class Attention(nnx.Module):
         if self.config.tp_mode != "none":
             return self._tensor_parallel(x, cos, sin, load_balanced, segment_ids)
         q, k, v = self.qkv(x)
-        q = constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
+        q, k = self.rope(q, k, cos, sin)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         out = self.attend(q, k, v, load_balanced, segment_ids=segment_ids)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
@@ -193,16 +223,32 @@ class Attention(nnx.Module):
         ``masks``: more keyword arguments of ``shardax.models.attention.attention``."""
         c = self.config
         q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        out = attention(q, k, v, window=c.sliding_window, implementation=c.attention,
+        out = attention(q, k, v, window=self.window, softcap=c.attn_softcap,
+                        scale=c.attn_scale, implementation=c.attention,
                         load_balanced=load_balanced, **masks)
         return checkpoint_name(out, "attn_out")
+
+    def rope(self, q: jax.Array, k: jax.Array, cos: Any, sin: Any
+             ) -> tuple[jax.Array, jax.Array]:
+        """q and k rotated by this layer's tables: ``cos``/``sin`` are one table, or a
+        ``(global, local)`` pair when sliding layers have their own base (Gemma 3)."""
+        if isinstance(cos, tuple):
+            i = 1 if self.local_rope else 0
+            cos, sin = cos[i], sin[i]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def _qk_norm(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if not self.config.qk_norm:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
         return jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(self.dtype))
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [b, s, heads, d], k and v [b, s, kv_heads, d], before RoPE."""
+        """q [b, s, heads, d], k and v [b, s, kv_heads, d], before RoPE (q and k normed per
+        head with ``qk_norm``)."""
         dt = self.dtype
         out = []
         for w, bias in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")):
@@ -210,7 +256,8 @@ class Attention(nnx.Module):
             if self.config.qkv_bias:
                 y = y + getattr(self, bias)[...].astype(dt)
             out.append(y)
-        return tuple(out)
+        q, k = self._qk_norm(out[0], out[1])
+        return q, k, out[2]
 
     def _tensor_parallel(self, x, cos, sin, load_balanced, segment_ids):
         """Megatron attention: one fused column-parallel QKV matmul (each 'tp' slice holds the
@@ -237,8 +284,8 @@ class Attention(nnx.Module):
             q = q + jnp.repeat(self.bq[...].astype(dt), rq, axis=0)
             k = k + jnp.repeat(self.bk[...].astype(dt), rk, axis=0)
             v = v + jnp.repeat(self.bv[...].astype(dt), rk, axis=0)
-        out = self.attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, load_balanced,
-                          segment_ids=segment_ids)
+        q, k = self.rope(*self._qk_norm(q, k), cos, sin)
+        out = self.attend(q, k, v, load_balanced, segment_ids=segment_ids)
         wo = jnp.repeat(self.wo[...].astype(dt), rq, axis=0)
         if rq > 1:
             wo = wo / rq
@@ -246,6 +293,9 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
+    """The gated MLP ``down(act(gate(x)) * up(x))``: SwiGLU, or GeGLU with
+    ``mlp_activation='gelu_tanh'``."""
+
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
         pd = c.param_dtype
@@ -266,34 +316,54 @@ class SwiGLU(nnx.Module):
             kw = _tp_kwargs(c)
             h = column_parallel(x, w.reshape(c.dim, 2 * c.mlp_dim), **kw)
             h = h.reshape(*h.shape[:-1], c.mlp_dim, 2)
-            h = checkpoint_name(jax.nn.silu(h[..., 0]) * h[..., 1], "mlp_hidden")
+            h = checkpoint_name(_activation(c)(h[..., 0]) * h[..., 1], "mlp_hidden")
             return checkpoint_name(row_parallel(h, self.w_down[...].astype(dt), **kw), "mlp_out")
         gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_gate")
         up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_up")
-        h = constrain(checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden"),
+        h = constrain(checkpoint_name(_activation(c)(gate) * up, "mlp_hidden"),
                       ("batch", "length", "mlp"))
         return checkpoint_name(h @ self.w_down[...].astype(dt), "mlp_out")
 
 
 class Block(nnx.Module):
-    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)).
+    """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with
+    ``post_norms`` (Gemma 2/3) the attention and MLP outputs are normed again before each add.
 
     Returns ``(x, aux)``: ``aux`` is the MoE load-balancing loss (0 for a dense MLP).
     """
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
+        self.config = c
+        self.attn_norm = _norm(c, c.dim, rngs)
         self.attn = Attention(c, rngs)
-        self.mlp_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
-        self.mlp = MoE(c, rngs) if c.n_experts else SwiGLU(c, rngs)
+        self.mlp_norm = _norm(c, c.dim, rngs)
+        if not c.n_experts:
+            self.mlp = SwiGLU(c, rngs)
+        else:
+            self.mlp = DroplessMoE(c, rngs) if c.moe_impl == "dropless" else MoE(c, rngs)
+        if c.post_norms:
+            self.attn_post_norm = _norm(c, c.dim, rngs)
+            self.mlp_post_norm = _norm(c, c.dim, rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
                  load_balanced: bool = False, segment_ids: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array]:
-        x = x + self.attn(self.attn_norm(x), cos, sin, load_balanced, segment_ids)
-        x = constrain(x, ("batch", "length", "embed"))
+        x = self.attn_residual(
+            x, self.attn(self.attn_norm(x), cos, sin, load_balanced, segment_ids))
+        return self.mlp_residual(x)
+
+    def attn_residual(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        """The residual stream after adding the attention output ``y``."""
+        if self.config.post_norms:
+            y = self.attn_post_norm(y)
+        return constrain(x + y, ("batch", "length", "embed"))
+
+    def mlp_residual(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(x + mlp(norm(x)), aux)``: the MLP half of the layer."""
         y = self.mlp(self.mlp_norm(x))
         y, aux = y if isinstance(y, tuple) else (y, jnp.zeros((), jnp.float32))
+        if self.config.post_norms:
+            y = self.mlp_post_norm(y)
         return constrain(x + y, ("batch", "length", "embed")), aux
 
 
@@ -311,7 +381,11 @@ class Llama(nnx.Module):
         self.embed = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                            ("vocab", "embed"), c.param_dtype)
         self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, c.scan_layers)
-        self.final_norm = RMSNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
+        if c.mixed_layers:  # list layout (the config refuses scan_layers)
+            for i, layer in enumerate(self.layers):
+                layer.attn.window = c.window_of(i)
+                layer.attn.local_rope = c.rope_local_theta is not None and not c.is_global(i)
+        self.final_norm = _norm(c, c.dim, rngs)
         if not c.tie_embeddings:
             self.lm_head = param(rngs.params(), _normal(0.02), (c.dim, c.vocab_size),
                                  ("embed", "vocab"), c.param_dtype)
@@ -456,8 +530,13 @@ class Llama(nnx.Module):
         # Gather the table's 'embed' dim first (as FSDP would); rows stay split by 'vocab'.
         table = constrain(self.embed[...], ("vocab", None))
         x = jnp.take(table, tokens, axis=0).astype(c.dtype)
+        if c.embed_scale:  # Gemma: the scale rounded to the compute dtype, as transformers
+            x = x * jnp.asarray(c.dim ** 0.5, c.dtype)
         x = constrain(x, ("batch", "length", "embed"))
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+        if c.rope_local_theta is not None:  # (global, local) tables: see Attention.rope
+            lcos, lsin = rope_tables(positions, c.head_dim, c.rope_local_theta)
+            cos, sin = (cos, lcos), (sin, lsin)
         return x, cos, sin
 
     def _layers(self, x, cos, sin, load_balanced, stack=None, segment_ids=None):
@@ -465,9 +544,9 @@ class Llama(nnx.Module):
         ``(x, aux)``."""
         c = self.config
         if stack is not None:
-            if c.n_experts:
-                raise ValueError("a custom layer stack (explicit FSDP) needs a dense "
-                                 "(n_experts=0) model")
+            if c.n_experts or c.mixed_layers:
+                raise ValueError("a custom layer stack (explicit FSDP) needs identical dense "
+                                 "layers (n_experts=0, no global_every)")
             graphdef = nnx.graphdef(self.layers if c.scan_layers else self.layers[0])
 
             def layer_fn(state, h):
@@ -494,11 +573,13 @@ class Llama(nnx.Module):
     def _head(self, x, norm_scale, w):
         """Final norm and vocabulary projection: logits ``[b, s, vocab]`` in float32."""
         c = self.config
-        x = rms_norm(x, norm_scale, c.norm_eps)
+        x = rms_norm(x, norm_scale, c.norm_eps, c.norm_offset)
         spec = "bse,ve->bsv" if c.tie_embeddings else "bse,ev->bsv"
         # Computed in the compute dtype, then widened: with preferred_element_type=float32 the
         # backward would gather and reduce the (tied) table in float32 under bf16 params.
         logits = jnp.einsum(spec, x, w.astype(c.dtype)).astype(jnp.float32)
+        if c.final_softcap is not None:
+            logits = c.final_softcap * jnp.tanh(logits / c.final_softcap)
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_batch_args=(),

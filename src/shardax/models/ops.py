@@ -24,8 +24,9 @@ __all__ = ["RopeScaling", "apply_rope", "gqa_attention", "layer_norm", "rms_norm
            "rope_frequencies", "rope_tables"]
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, returned in ``x.dtype``.
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32, returned in ``x.dtype``; it multiplies by
+    ``scale + offset`` (Gemma stores zero-centred scales and uses ``offset=1``).
 
     Example::
 
@@ -33,7 +34,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    return (y * (scale.astype(jnp.float32) + offset)).astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -52,18 +53,26 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 RoPE frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type='llama3'``).
+    """RoPE frequency scaling: Llama-3's (Hugging Face ``rope_scaling`` with
+    ``rope_type='llama3'``), or with ``rope_type='linear'`` every frequency divided by
+    ``factor`` (Gemma 3's global layers; the other fields unused).
 
     Example::
 
         RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
+        RopeScaling(factor=8.0, rope_type='linear')
     """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "linear"):
+            raise ValueError(f"rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
 
 
 def rope_frequencies(head_dim: int, theta: float,
@@ -79,6 +88,8 @@ def rope_frequencies(head_dim: int, theta: float,
     if scaling is None:
         return inv
     s = scaling
+    if s.rope_type == "linear":
+        return (inv / np.float32(s.factor)).astype(np.float32)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = (2 * math.pi / inv).astype(np.float32)

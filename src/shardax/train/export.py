@@ -37,9 +37,9 @@ def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path
     n = jax.device_count()
     model_config, model, _ = restore_model(run_dir, config.step, f"fsdp={n}",
                                            models.PRESETS["fsdp"])
-    if getattr(model_config, "n_experts", 0):
-        raise UsageError(f"--out {config.out}: a mixture-of-experts model has no Hugging Face "
-                         "form here")
+    if getattr(model_config, "n_experts", 0) and model_config.moe_impl != "dropless":
+        raise UsageError(f"--out {config.out}: a capacity-based mixture-of-experts model has "
+                         "no Hugging Face form (the dropless one has)")
     dtype = config.dtype
     out_dtype = None if dtype == "auto" else np.dtype(dtype if dtype != "bfloat16" else
                                                       jax.numpy.bfloat16)

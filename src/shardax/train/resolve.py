@@ -128,6 +128,9 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
     if not isinstance(model_config, models.LlamaConfig) or model_config.n_experts:
         blockers.append(f"--model {config.model} (needs a dense llama model)")
+    elif model_config.mixed_layers:
+        blockers.append(f"--model {config.model} (its sliding-window and global layers differ; "
+                        "explicit FSDP runs one layer body)")
     else:
         if model_config.tp_mode != "none":
             blockers.append(f"--tp-mode {model_config.tp_mode}"

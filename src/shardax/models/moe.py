@@ -1,0 +1,115 @@
+"""The dropless mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): every token reaches
+its top-k experts, none is dropped.
+
+Each token's ``top_k`` (token, expert) pairs are sorted by expert and every expert's rows run
+as one grouped matmul (``jax.lax.ragged_dot``): the work is that of the tokens routed, with no
+capacity, no padding to a capacity and no [tokens, experts, capacity] dispatch tensor (the
+capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in O(tokens²)). Routing is
+per token, so the output never depends on the batch, the mesh or the other tokens.
+
+Router: softmax over all experts in float32, top-k, optionally renormalised over the k
+(``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE). ``shared_expert_dim > 0`` adds
+Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
+carry the logical name 'expert' first, so a rule ``('expert', 'ep')`` splits them over an
+'ep' mesh axis (expert parallelism through the rules; XLA moves rows or weights as the
+shardings require).
+
+The load-balancing loss is transformers' ``load_balancing_loss_func`` for one layer:
+``n_experts * sum_e(f_e * p_e)`` with ``f_e`` the top-k assignments to expert ``e`` per token
+and ``p_e`` its mean router probability (``top_k`` when perfectly balanced).
+
+Example::
+
+    cfg = LlamaConfig(n_experts=4, top_k=2, moe_impl='dropless', mlp_dim=32)
+    y, aux = DroplessMoE(cfg, nnx.Rngs(0))(x)      # x [b, s, dim]
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.models._annotate import constrain
+from shardax.models._layers import param
+from shardax.models.remat import checkpoint_name
+
+if TYPE_CHECKING:
+    from shardax.models.configs import LlamaConfig
+
+__all__ = ["DroplessMoE", "route"]
+
+_normal = nnx.initializers.normal
+
+
+def route(logits: jax.Array, top_k: int, normalize: bool
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(weights [t, k], experts [t, k], aux)`` from router logits [t, n_experts]: softmax in
+    float32, top-k, renormalised over the k when ``normalize``; ``aux`` the load-balancing
+    loss.
+
+    Example::
+
+        w, e, aux = route(x @ router, top_k=2, normalize=True)
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    n = logits.shape[-1]
+    counts = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+    aux = n * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
+    return weights, experts, aux
+
+
+class DroplessMoE(nnx.Module):
+    """``moe(x [b, s, dim]) -> (y, load_balancing_loss)``; ``y`` excludes the residual."""
+
+    def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
+        std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
+        e, pd = c.n_experts, c.param_dtype
+        self.config = c
+        self.router = param(rngs.params(), _normal(std), (c.dim, e), ("embed", None), pd)
+        self.w_gate = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
+                            ("expert", "embed", "mlp"), pd)
+        self.w_up = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
+                          ("expert", "embed", "mlp"), pd)
+        self.w_down = param(rngs.params(), _normal(out_std), (e, c.mlp_dim, c.dim),
+                            ("expert", "mlp", "embed"), pd)
+        if c.shared_expert_dim:
+            f = c.shared_expert_dim
+            self.shared_gate = param(rngs.params(), _normal(std), (c.dim, f), ("embed", "mlp"),
+                                     pd)
+            self.shared_up = param(rngs.params(), _normal(std), (c.dim, f), ("embed", "mlp"), pd)
+            self.shared_down = param(rngs.params(), _normal(out_std), (f, c.dim),
+                                     ("mlp", "embed"), pd)
+            self.shared_router = param(rngs.params(), _normal(std), (c.dim, 1), ("embed", None),
+                                       pd)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c, dt = self.config, self.config.dtype
+        b, s, d = x.shape
+        tokens = x.reshape(b * s, d)
+        logits = tokens @ self.router[...].astype(dt)
+        weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk)
+        # Sort the (token, expert) pairs by expert: each expert's rows are contiguous.
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = order // c.top_k
+        sizes = jnp.bincount(flat, length=c.n_experts).astype(jnp.int32)
+        xs = jnp.take(tokens, rows, axis=0)
+        gate = jax.lax.ragged_dot(xs, self.w_gate[...].astype(dt), sizes)
+        up = jax.lax.ragged_dot(xs, self.w_up[...].astype(dt), sizes)
+        h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        ys = jax.lax.ragged_dot(h, self.w_down[...].astype(dt), sizes)
+        ys = ys.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
+        y = jnp.zeros((b * s, d), jnp.float32).at[rows].add(ys).astype(dt)
+        if c.shared_expert_dim:
+            hs = jax.nn.silu(tokens @ self.shared_gate[...].astype(dt)) * (
+                tokens @ self.shared_up[...].astype(dt))
+            shared = hs @ self.shared_down[...].astype(dt)
+            y = y + jax.nn.sigmoid(tokens @ self.shared_router[...].astype(dt)) * shared
+        y = constrain(y.reshape(b, s, d), ("batch", "length", "embed"))
+        return checkpoint_name(y, "mlp_out"), aux
