@@ -109,6 +109,9 @@ class TrainConfig:
     """seed of the initial parameters and of the data order, in [0, 2**32)"""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     """adamw (clipped at norm 1, weight decay 0.01) or plain sgd"""
+    offload_optimizer: bool = False
+    """keep the optimizer state in pinned host memory between steps (device memory drops by
+    its size; each step moves it to the device and back)"""
     tp_mode: Literal["none", "sync", "async", "async_bidi"] = "none"
     """tensor parallelism over 'tp': none (XLA, from --rules), sync (Megatron), async /
     async_bidi (collective matmul; implies --sequence-parallel)"""

@@ -169,6 +169,7 @@ def train_step(
     param_rules: Any = None,
     fsdp_mode: str = "xla",
     end_id: int | None = None,
+    offload_optimizer: bool = False,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
@@ -180,7 +181,11 @@ def train_step(
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
     batch's targets that do not start a new document (``shardax.train.packing``). None: the
-    rows are one stream."""
+    rows are one stream.
+
+    ``offload_optimizer``: the optimizer state comes in (and, by the caller's
+    ``out_shardings``, goes back) in pinned host memory; it is moved to the device for the
+    update."""
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
     inputs, targets = batch
@@ -209,7 +214,10 @@ def train_step(
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
         loss = loss / grad_accum
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    opt_state = state.opt_state
+    if offload_optimizer:
+        opt_state = jax.device_put(opt_state, jax.memory.Space.Device)
+    updates, opt_state = tx.update(grads, opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
