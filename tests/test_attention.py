@@ -331,9 +331,11 @@ def test_llama_blockwise_temporaries_grow_linearly(stack):
     assert temp(4096, "blockwise") <= 10 * temp(512, "blockwise")
 
 
-@pytest.mark.parametrize("policy", ["dots", "names:q,k,v,attn_out,mlp_hidden", "offload:q,k"])
-def test_remat_by_name_matches_no_remat(policy):
-    base = _tiny(scan_layers=True)
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "list"])
+@pytest.mark.parametrize("policy", ["full", "dots", "names:q,k,v,attn_out,mlp_hidden",
+                                    "offload:q,k"])
+def test_remat_by_name_matches_no_remat(policy, scan):
+    base = _tiny(scan_layers=scan)
     params = nnx.state(_model(base), nnx.Param)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 17)), jnp.int32)
     graphdefs = {r: nnx.graphdef(nnx.eval_shape(lambda r=r: models.create(
@@ -348,6 +350,31 @@ def test_remat_by_name_matches_no_remat(policy):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  out[policy][1], out["none"][1])
     assert remat_policy(policy) is not None
+
+
+def test_list_layer_remat_holds_only_layer_inputs():
+    """Full remat of unrolled (list) layers: each extra layer adds about its saved input to
+    the compiled temporaries, not its activations. Plain ``jax.checkpoint`` in a Python loop
+    lost this on XLA's CPU compiler (the recomputation was merged back into the forward: the
+    same temporaries as no remat); ``checkpoint_in_order`` ties it to the backward."""
+    seq, dim = 512, models.get_config("llama-small").dim
+
+    def temp(n_layers, remat):
+        cfg = models.get_config("llama-small", n_layers=n_layers, max_seq_len=seq, remat=remat)
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
+                                     nnx.Param)
+        tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
+
+        def loss(p, t):
+            return nnx.merge(graphdef, p).training_loss(t[:, :-1], t[:, 1:])[0]
+
+        c = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+        return c.memory_analysis().temp_size_in_bytes
+
+    layer_input = seq * dim * 4
+    per_layer = {r: (temp(4, r) - temp(2, r)) / 2 for r in ("none", "full")}
+    assert per_layer["full"] <= 4 * layer_input, per_layer      # measured 2x
+    assert per_layer["none"] >= 10 * layer_input, per_layer     # measured ~20x: activations
 
 
 def test_remat_policy_errors():

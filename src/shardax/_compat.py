@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 __all__ = ["AUTO", "make_mesh", "set_mesh", "mesh_context", "abstract_mesh", "is_tracer",
-           "uses_mesh", "preemption_service_running", "sync_processes"]
+           "varying_axes", "uses_mesh", "preemption_service_running", "sync_processes"]
 
 AUTO = AxisType.Auto
 
@@ -58,6 +58,16 @@ def mesh_context(mesh: Mesh) -> Any:
 def is_tracer(x: Any) -> bool:
     """True for a value being traced by a JAX transformation (jit, grad, vmap, eval_shape...)."""
     return isinstance(x, jax.core.Tracer)
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` varies inside ``shard_map`` (empty outside).
+    JAX 0.10 keeps them on the type's ``manual_axis_type``; other versions as ``vma``."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
 
 
 def abstract_mesh() -> Any | None:

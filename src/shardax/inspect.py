@@ -38,6 +38,7 @@ class PlanRow:
     dtype: str
     spec: str
     bytes_per_device: int
+    memory_kind: str | None = None  # None: the device's default memory
 
 
 def _spec_text(sharding: Any, ndim: int) -> str:
@@ -52,8 +53,29 @@ def _spec_text(sharding: Any, ndim: int) -> str:
 def _row(kind: str, path: str, shape: tuple, dtype: Any, sharding: Any) -> PlanRow:
     if sharding is None:  # an input the compiled program does not use
         return PlanRow(kind, path, tuple(shape), str(dtype), "unused", 0)
+    kind_of_memory = getattr(sharding, "memory_kind", None)
     return PlanRow(kind, path, tuple(shape), str(dtype), _spec_text(sharding, len(shape)),
-                   array_nbytes(sharding.shard_shape(tuple(shape)), dtype))
+                   array_nbytes(sharding.shard_shape(tuple(shape)), dtype),
+                   None if kind_of_memory in (None, "device") else kind_of_memory)
+
+
+def _separate_host_memory(memory: dict[str, int], rows: list[PlanRow]) -> dict[str, int]:
+    """``memory`` with the inputs and outputs placed in host memory (``HostOffloadRule``)
+    counted as host bytes. Backends whose ``memory_analysis()`` has no host figures (CPU,
+    where both memories are the same RAM) count them as device arguments and outputs."""
+    host = {k: sum(r.bytes_per_device for r in rows if r.kind == k and r.memory_kind)
+            for k in ("input", "output")}
+    if not memory or not any(host.values()) or memory.get("host_argument_size_in_bytes"):
+        return memory
+    out = dict(memory)
+    out["argument_size_in_bytes"] -= host["input"]
+    out["host_argument_size_in_bytes"] = host["input"]
+    out["output_size_in_bytes"] -= host["output"]
+    out["host_output_size_in_bytes"] = host["output"]
+    aliased = min(host["input"], host["output"], out.get("alias_size_in_bytes", 0))
+    out["alias_size_in_bytes"] = out.get("alias_size_in_bytes", 0) - aliased  # donated state
+    out["host_alias_size_in_bytes"] = aliased
+    return out
 
 
 def _human(n: float) -> str:
@@ -119,7 +141,7 @@ class ShardingPlan:
             argument_bytes_per_device=sum(r.bytes_per_device for r in rows if r.kind == "input"),
             output_bytes_per_device=sum(r.bytes_per_device for r in rows if r.kind == "output"),
             collective_ops=ops,
-            memory=memory_bytes(compiled),
+            memory=_separate_host_memory(memory_bytes(compiled), rows),
             hlo=hlo,
         )
 
@@ -171,4 +193,7 @@ class ShardingPlan:
             lines.append("compiled memory per device: " + ", ".join(
                 f"{k.removesuffix('_size_in_bytes')} {_human(self.memory[k])}"
                 for k in keys if k in self.memory))
+            if self.memory.get("host_argument_size_in_bytes"):
+                lines.append("in host memory per device: " + _human(
+                    self.memory["host_argument_size_in_bytes"]) + " (inputs placed there)")
         return "\n".join(lines)

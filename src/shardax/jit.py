@@ -38,7 +38,7 @@ from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
 from shardax.frameworks.nnx import InPlace, in_place_for
 from shardax.inspect import ShardingPlan
-from shardax.rules import LogicalAxisRules, ShardingRule, match_specs_flat
+from shardax.rules import LogicalAxisRules, ShardingRule, match_shardings_flat
 from shardax.utils import tree_path_to_string
 
 __all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]
@@ -277,11 +277,10 @@ class ShardedFunction:
             arg_specs: list[Any] = [None] * n_args
         else:
             rules = self._per_arg(self.in_shardings, dyn_args, "in_shardings")
-            _, _, arg_specs = match_specs_flat(
+            arg_specs = match_shardings_flat(
                 rules, dyn_args, mesh, what="in_shardings", paths=paths[:n_args]
             )
-        in_specs = arg_specs + [None] * n_kwargs
-        in_shardings = [None if s is None else NamedSharding(mesh, s) for s in in_specs]
+        in_shardings = arg_specs + [None] * n_kwargs
         args_treedef = jax.tree_util.tree_structure(dyn_args)
         arg_shardings = jax.tree_util.tree_unflatten(args_treedef, in_shardings[:n_args])
 
@@ -315,11 +314,10 @@ class ShardedFunction:
             else:
                 in_place = None  # reads its NNX arguments, or returns new ones: nothing to do
         if self.out_shardings is not None:
-            _, _, out_specs = match_specs_flat(self.out_shardings, out_shape, mesh,
-                                               what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(out_shape),
-                [None if s is None else NamedSharding(mesh, s) for s in out_specs],
+                match_shardings_flat(self.out_shardings, out_shape, mesh,
+                                     what="out_shardings"),
             )
         jit_out = out_shardings
         if in_place is not None:  # an updated Variable keeps the sharding it came in with

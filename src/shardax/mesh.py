@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec
 from shardax import _compat, _context, constraints
 from shardax.context import ShardingContext
 from shardax.jit import ShardedFunction, sjit
-from shardax.rules import ShardingRule, match_specs, specs_to_shardings
+from shardax.rules import ShardingRule, match_shardings
 from shardax.utils import named_tree_map
 
 __all__ = [
@@ -262,7 +262,7 @@ class MeshShardingHelper:
         ``sharding_rules`` is a tree prefix of ``pytree`` whose leaves are ``ShardingRule``s,
         ``PartitionSpec``s or None. Specs are checked against the mesh and the leaf shapes.
         """
-        return specs_to_shardings(match_specs(sharding_rules, pytree, self.mesh), self.mesh)
+        return match_shardings(sharding_rules, pytree, self.mesh)
 
     def make_shard_and_gather_fns(
         self, pytree: Any, sharding_rule: ShardingRule | PartitionSpec | Any

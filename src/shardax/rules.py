@@ -28,8 +28,11 @@ __all__ = [
     "FSDPShardingRule",
     "TreePathShardingRule",
     "PolicyShardingRule",
+    "HostOffloadRule",
     "LogicalAxisRules",
     "match_specs",
+    "match_shardings",
+    "match_shardings_flat",
     "specs_to_shardings",
     "check_spec",
 ]
@@ -202,6 +205,29 @@ class PolicyShardingRule(ShardingRule):
         return _map_leaves(self.policy, pytree)
 
 
+class HostOffloadRule(ShardingRule):
+    """``rule``'s specs, with the leaves kept in another memory of each device: by default
+    ``'pinned_host'`` (host RAM the accelerator reads directly), e.g. optimizer state that
+    only the update touches. A step that computes on such leaves moves them to the device
+    first (``jax.device_put(x, jax.memory.Space.Device)``); its ``out_shardings`` put the
+    results back.
+
+    >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> [s.memory_kind for s in match_shardings_flat(
+    ...     HostOffloadRule(PartitionSpec("fsdp")), [np.zeros(8)], mesh)]
+    ['pinned_host']
+    """
+
+    def __init__(self, rule: ShardingRule | PartitionSpec, memory_kind: str = "pinned_host"):
+        self.rule = rule
+        self.memory_kind = memory_kind
+
+    def apply(self, pytree: Any) -> Any:
+        if isinstance(self.rule, PartitionSpec):
+            return _map_leaves(lambda _, __: self.rule, pytree)
+        return self.rule.apply(pytree)
+
+
 class LogicalAxisRules(ShardingRule):
     """Maps logical axis names (``"embed"``, ``"mlp"``...) to mesh axes, in priority order.
 
@@ -322,11 +348,14 @@ def match_specs_flat(
     *,
     what: str = "sharding",
     paths: list[str] | None = None,
+    memory_kinds: list[str | None] | None = None,
 ) -> tuple[list[str], list[Any], list[PartitionSpec | None]]:
     """Paths, leaves and checked specs (None = unspecified) for every leaf of ``pytree``.
 
     ``rules`` is a tree prefix of ``pytree`` whose leaves are rules, specs or None. Error
     messages say ``what`` was being matched and name leaves by ``paths`` (default: tree paths).
+    ``memory_kinds``, when given, is extended with each leaf's memory kind (a
+    :class:`HostOffloadRule`'s, else None: the default memory).
     """
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(pytree)
     if paths is None:
@@ -344,6 +373,8 @@ def match_specs_flat(
     with _context.resolving_on(mesh):
         for rule, subtree in zip(rule_leaves, subtrees):
             count = len(jax.tree_util.tree_leaves(subtree))
+            if memory_kinds is not None:
+                memory_kinds.extend([getattr(rule, "memory_kind", None)] * count)
             if rule is None or isinstance(rule, PartitionSpec):
                 specs.extend([rule] * count)
                 continue
@@ -370,6 +401,28 @@ def match_specs(rules: Any, pytree: Any, mesh: Any = None) -> Any:
         raise ValueError("match_specs needs a mesh: pass one or call it inside a mesh context")
     _, _, specs = match_specs_flat(rules, pytree, mesh)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pytree), specs)
+
+
+def match_shardings_flat(rules: Any, pytree: Any, mesh: Any, **kwargs: Any
+                         ) -> list[NamedSharding | None]:
+    """:func:`match_specs_flat`'s specs as ``NamedSharding``s (None stays None), each in the
+    memory kind its rule asks for."""
+    kinds: list[str | None] = []
+    _, _, specs = match_specs_flat(rules, pytree, mesh, memory_kinds=kinds, **kwargs)
+    return [None if s is None else NamedSharding(mesh, s, memory_kind=k)
+            for s, k in zip(specs, kinds)]
+
+
+def match_shardings(rules: Any, pytree: Any, mesh: Any) -> Any:
+    """The ``NamedSharding`` tree (None where unspecified) for ``pytree``, memory kinds
+    included.
+
+    >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    >>> match_shardings({"w": PartitionSpec("fsdp")}, {"w": np.zeros(8)}, mesh)["w"].spec
+    PartitionSpec('fsdp',)
+    """
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pytree),
+                                        match_shardings_flat(rules, pytree, mesh))
 
 
 def specs_to_shardings(spec_tree: Any, mesh: Any) -> Any:

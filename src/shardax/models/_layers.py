@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models.remat import remat_policy
+from shardax.parallel.remat import checkpoint_in_order
 
 __all__ = ["LAYERS", "cross_entropy", "make_layers", "param", "remat_policy", "run_layers",
            "stack_states", "token_nll"]
@@ -71,14 +72,14 @@ def run_layers(
     With ``scan`` the body is traced once, so compile time does not grow with depth.
     """
     policy = remat_policy(remat)
+    if not scan:
+        for layer in layers:
+            x = call(layer, x) if remat == "none" else _remat_layer(call, layer, x, policy)
+        return x
     body = call
     if remat != "none":
         # Inside scan the loop already keeps XLA from CSE-ing the recomputation away.
-        body = nnx.remat(call, policy=policy, prevent_cse=not scan)
-    if not scan:
-        for layer in layers:
-            x = body(layer, x)
-        return x
+        body = nnx.remat(call, policy=policy, prevent_cse=False)
 
     @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
               transform_metadata={nnx.PARTITION_NAME: LAYERS})
@@ -86,6 +87,14 @@ def run_layers(
         return body(layer, h)
 
     return step(layers, x)
+
+
+def _remat_layer(call, layer, x, policy):
+    """``call(layer, x)`` under ``policy``, its recomputation tied to the backward pass
+    (:func:`shardax.parallel.remat.checkpoint_in_order`: an unrolled loop of plain
+    ``jax.checkpoint`` layers is merged back into the forward by XLA)."""
+    graphdef, state = nnx.split(layer)
+    return checkpoint_in_order(lambda s, h: call(nnx.merge(graphdef, s), h), policy)(state, x)
 
 
 def stack_states(states: Sequence[Any]) -> dict[str, Any]:

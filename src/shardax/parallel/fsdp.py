@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardax.parallel._stages import to_microbatches
 from shardax.parallel.axes import axis_size, manual_axes, mesh_or_context
+from shardax.parallel.remat import checkpoint_in_order
 
 __all__ = ["Gather", "fsdp_dim", "loop_layers", "scan_layers", "value_and_grad"]
 
@@ -209,7 +210,9 @@ def loop_layers(
     def one(p, h):
         return layer_fn(gather(p), h)
 
-    one = jax.checkpoint(one, policy=policy)
+    # Unrolled, plain jax.checkpoint would be merged back into the forward by XLA (every
+    # gathered layer kept): tie each recomputation to its layer's backward.
+    one = checkpoint_in_order(one, policy=policy)
     for p in params:
         x = one(p, x)
     return x

@@ -42,7 +42,8 @@ __all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
                "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
-               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack")
+               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
+               "offload_optimizer")
 # Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
 # 'names:'/'offload:' policy keeps only some activations: counted as recomputing all (an
 # upper bound).
@@ -110,6 +111,9 @@ class Estimate:
             f"{_human(m['output_size_in_bytes'])} ({_human(m['alias_size_in_bytes'])} aliased), "
             f"temporaries {_human(m['temp_size_in_bytes'])}; peak {_human(c.peak_bytes)} of "
             f"{_human(self.hbm_bytes)}: " + ("fits" if self.fits else "DOES NOT FIT"),
+            *([f"in host memory per device: {_human(m['host_argument_size_in_bytes'])} "
+               "(--offload-optimizer: the optimizer state, moved to the device and back each "
+               "step; not in the peak)"] if m.get("host_argument_size_in_bytes") else []),
             "collectives per step: " + (", ".join(
                 f"{k} x{v['count']} ({_human(v['bytes'])})" for k, v in used.items()) or "none"),
             f"pipeline bubble: {self.bubble:.1%}",
@@ -175,7 +179,7 @@ def compile_config(run: Resolved) -> Compiled:
     start = time.perf_counter()
     config = run.config
     graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
-    shardings = run.mesh.match_sharding_rule(run.rules, state_shape)
+    shardings = run.mesh.match_sharding_rule(run.state_rules, state_shape)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state_shape, shardings)
     batch = (jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32),) * 2

@@ -43,9 +43,10 @@ def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
                 grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode,
                 end_id=end_id if run.config.pack == "documents" else None,
-                skip_nonfinite=run.config.on_nan == "skip"),
-        in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
-        out_shardings=(rules, None),
+                skip_nonfinite=run.config.on_nan == "skip",
+                offload_optimizer=run.config.offload_optimizer),
+        in_shardings=(run.state_rules, rules.spec_for(("batch", "length"), mesh.mesh)),
+        out_shardings=(run.state_rules, None),
         donate_argnums=0,
     )
 
@@ -65,7 +66,8 @@ def create_from_hf(run: Resolved) -> TrainState:
     except ValueError as e:
         raise UsageError(f"--init-from {run.config.init_from}: {e}") from None
     _, params, rest = nnx.split(nnx.merge(graphdef, loaded), nnx.Param, ...)
-    opt_state = mesh.sjit(run.tx.init, in_shardings=(rules,), out_shardings=rules)(params)
+    opt_state = mesh.sjit(run.tx.init, in_shardings=(rules,),
+                          out_shardings=run.state_rules.opt_state)(params)
     step = jax.device_put(jax.numpy.int32(0),
                           jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()))
     return TrainState(params, rest, opt_state, step)

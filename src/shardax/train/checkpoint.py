@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shardax import _compat
@@ -230,6 +231,46 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 _fingerprints_jit = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
 
 
+def _on_host(x: jax.Array) -> bool:
+    return getattr(x.sharding, "memory_kind", None) not in (None, "device")
+
+
+def _host_fingerprint(x: jax.Array) -> int:
+    """`_leaf_fingerprint` of a leaf kept in host memory (``--offload-optimizer``), computed
+    with numpy from this process's shards (no device memory, no device program), summed over
+    processes. Same bits as the device version: uint32 arithmetic wraps alike."""
+    u32 = np.uint32
+    total = 0
+    for shard in x.addressable_shards:
+        if shard.replica_id:
+            continue
+        data = np.asarray(shard.data)
+        size = data.dtype.itemsize
+        if data.dtype == np.bool_:
+            w = data.astype(u32)
+        elif size >= 4:
+            w = np.ascontiguousarray(data).view(u32).reshape(
+                data.shape + ((size // 4,) if size > 4 else ()))
+        else:
+            w = np.ascontiguousarray(data).view(np.dtype(f"uint{8 * size}")).astype(u32)
+        shape = x.shape + w.shape[data.ndim:]
+        starts = [s.start or 0 for s in shard.index] + [0] * (w.ndim - data.ndim)
+        index = np.zeros(w.shape, u32)
+        for d in range(w.ndim):
+            coord = np.arange(starts[d], starts[d] + w.shape[d], dtype=u32).reshape(
+                [-1 if k == d else 1 for k in range(w.ndim)])
+            index = index * u32(shape[d]) + coord
+        h = w ^ (index * u32(0x9E3779B1))
+        h = (h ^ (h >> u32(16))) * u32(0x85EBCA6B)
+        h = (h ^ (h >> u32(13))) * u32(0xC2B2AE35)
+        h = h ^ (h >> u32(16))
+        total = (total + int(np.sum(h, dtype=u32))) % 2**32
+    if jax.process_count() > 1:
+        total = int(np.sum(multihost_utils.process_allgather(np.asarray(total, u32)),
+                           dtype=u32))
+    return total
+
+
 def fingerprints(tree: Any) -> dict[str, int]:
     """A 32-bit, position-sensitive fingerprint of every array leaf of ``tree`` (keyed by its
     path), the same on any mesh and process count: what a checkpoint verifies its arrays
@@ -241,6 +282,8 @@ def fingerprints(tree: Any) -> dict[str, int]:
         groups.setdefault(frozenset(v.sharding.device_set), []).append(k)
     out = {}
     for keys in groups.values():
+        out.update({k: _host_fingerprint(flat[k]) for k in keys if _on_host(flat[k])})
+        keys = [k for k in keys if not _on_host(flat[k])]
         values = _fingerprints_jit([flat[k] for k in keys])
         # Outputs are replicated: read this process's copy (works across processes too).
         for k, v in zip(keys, values, strict=True):

@@ -121,6 +121,9 @@ class TrainConfig:
     """decoupled weight decay (default 0.01; 0 for sgd)"""
     clip_grad_norm: float | None = None
     """clip the global gradient norm to this (default 1.0; off for sgd; 0: off)"""
+    offload_optimizer: bool = False
+    """keep the optimizer state in pinned host memory between steps (device memory drops by
+    its size; each step moves it to the device and back)"""
     tp_mode: Literal["none", "sync", "async", "async_bidi"] = "none"
     """tensor parallelism over 'tp': none (XLA, from --rules), sync (Megatron), async /
     async_bidi (collective matmul; implies --sequence-parallel)"""

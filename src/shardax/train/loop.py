@@ -141,7 +141,7 @@ def _initial_state(p: Prepared, state_shape: Any, shardings: Any
     if run.config.init_from is not None:
         return 0, build.create_from_hf(run)
     init = run.mesh.sjit(lambda: build.create(run.model_config, run.tx, run.config.seed)[1],
-                         out_shardings=run.rules)
+                         out_shardings=run.state_rules)
     return 0, init()
 
 
@@ -296,11 +296,12 @@ class _Steps:
 
 def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     run, run_dir, inputs = p.run, p.run_dir, p.inputs
-    config, mesh, rules = run.config, run.mesh, run.rules
+    config, mesh = run.config, run.mesh
     is_main = jax.process_index() == 0
     graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     metrics_log = report.MetricsLog(run_dir.metrics)
-    start, state = _initial_state(p, state_shape, mesh.match_sharding_rule(rules, state_shape))
+    start, state = _initial_state(p, state_shape,
+                                  mesh.match_sharding_rule(run.state_rules, state_shape))
     records = metrics_log.read(up_to=start, quiet=not is_main) if config.resume else []
     if state is None:
         _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
@@ -314,7 +315,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     end_id = inputs.tokenizer.eos_id if config.pack == "documents" else None
     step_fn = build.step_function(run, graphdef, end_id=end_id)
     evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy, end_id=end_id),
-                         in_shardings=(rules, inputs.sharding.spec))
+                         in_shardings=(run.state_rules, inputs.sharding.spec))
     first = inputs.batch(start)
     plan = step_fn.plan(state, first)
     per_token, peak = flops_per_token(run.model_config, config.seq_len), _peak_flops(config)

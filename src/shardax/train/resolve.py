@@ -31,9 +31,9 @@ from shardax.mesh import MeshShardingHelper
 from shardax.models.attention import resolve_implementation
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
-from shardax.rules import LogicalAxisRules
+from shardax.rules import HostOffloadRule, LogicalAxisRules
 from shardax.train.config import DEFAULT_LR, TrainConfig, UsageError, flag, hf_dir
-from shardax.train.step import make_optimizer, make_schedule
+from shardax.train.step import TrainState, make_optimizer, make_schedule
 
 __all__ = ["Resolved", "fsdp_mode", "make_mesh", "model_config", "optimizer", "resolve"]
 
@@ -167,6 +167,13 @@ class Resolved:
     bubble: float
     #: the Hugging Face model directory of ``--init-from hf:DIR`` (None without it)
     init_dir: Path | None = None
+
+    @property
+    def state_rules(self) -> TrainState:
+        """The train state's rules: ``rules`` everywhere, the optimizer state in pinned host
+        memory under ``--offload-optimizer``."""
+        opt = HostOffloadRule(self.rules) if self.config.offload_optimizer else self.rules
+        return TrainState(self.rules, self.rules, opt, self.rules)
 
     def fsdp_summary(self) -> str:
         """One line for the train plan: which FSDP mode is active."""

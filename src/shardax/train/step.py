@@ -296,6 +296,7 @@ def train_step(
     fsdp_mode: str = "xla",
     end_id: int | None = None,
     skip_nonfinite: bool = False,
+    offload_optimizer: bool = False,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
@@ -311,7 +312,11 @@ def train_step(
 
     ``metrics["finite"]`` says whether the loss and the gradient norm are finite; with
     ``skip_nonfinite`` a step where they are not leaves the parameters and the optimizer
-    state as they were (only ``step`` advances: ``--on-nan skip``)."""
+    state as they were (only ``step`` advances: ``--on-nan skip``).
+
+    ``offload_optimizer``: the optimizer state comes in (and, by the caller's
+    ``out_shardings``, goes back) in pinned host memory; it is moved to the device for the
+    update."""
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
     inputs, targets = batch
@@ -340,13 +345,16 @@ def train_step(
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
         loss = loss / grad_accum
         grads = jax.tree.map(lambda g: g / grad_accum, grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    old_opt_state = state.opt_state
+    if offload_optimizer:
+        old_opt_state = jax.device_put(old_opt_state, jax.memory.Space.Device)
+    updates, opt_state = tx.update(grads, old_opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if skip_nonfinite:  # a select, not a branch: the step's program stays one
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                         (params, opt_state), (state.params, state.opt_state))
+                                         (params, opt_state), (state.params, old_opt_state))
     new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1)
     return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 

@@ -1,0 +1,122 @@
+"""``jax.checkpoint`` for layers run in a Python loop, with the recomputation tied to the
+backward pass so the compiler can neither merge it with the forward nor run it early.
+
+Why: a checkpointed layer's backward recomputes its forward from the saved inputs. In a
+``lax.scan`` the loop keeps that recomputation inside the layer's backward step. In an
+unrolled Python loop nothing does: XLA's CPU compiler drops ``jax.checkpoint``'s optimization
+barriers and common-subexpression elimination merges the recomputation back into the forward,
+so ``remat='full'`` holds every layer's activations, exactly like no remat (the compiled
+``memory_analysis()`` of a list-layer Llama shows the same temporaries for both); explicit
+FSDP's per-layer gathers are all hoisted to the start. Here each layer is a
+``jax.custom_vjp`` whose values are tied with ``v + 0 * other[0]`` (bit-identical for finite
+values; a NaN or inf in the tying element spreads, as it would through the gradient anyway):
+its inputs to each other in the forward (parameter gathers wait for the layer's input), its
+saved residuals to the incoming cotangent in the backward (the recomputation runs only once
+that cotangent exists, and never equals a forward value), and its gradients to each other
+(a layer's parameter gradients are finished before the layer below starts).
+
+Example::
+
+    layer = checkpoint_in_order(block, policy=jax.checkpoint_policies.nothing_saveable)
+    for p in layer_params:
+        x = layer(p, x)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from shardax import _compat
+
+__all__ = ["checkpoint_in_order"]
+
+
+def _floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _zero_from(cotangent: Any) -> jax.Array | None:
+    """A float32 zero computed from one element of the cotangent (None if it has no floats)."""
+    leaves = [g for g in jax.tree.leaves(cotangent) if _floating(g) and g.size]
+    if not leaves:
+        return None
+    return leaves[0].ravel()[0].astype(jnp.float32) * 0
+
+
+def _zero_from_all(tree: Any) -> jax.Array | None:
+    """A float32 zero computed from one element of every floating leaf of ``tree``."""
+    firsts = [g.ravel()[0].astype(jnp.float32) for g in jax.tree.leaves(tree)
+              if _floating(g) and g.size]
+    return sum(firsts) * 0 if firsts else None
+
+
+def _tie(tree: Any, zero: jax.Array | None) -> Any:
+    """Every floating leaf of ``tree`` plus ``zero`` (now depending on it). Inside
+    ``shard_map`` a leaf that varies over fewer manual axes than ``zero`` gets it summed over
+    the others first (a scalar psum), so no leaf changes its type."""
+    if zero is None:
+        return tree
+    zeros: dict[frozenset, jax.Array] = {}
+
+    def tie(x):
+        if not _floating(x):
+            return x
+        extra = _compat.varying_axes(zero) - _compat.varying_axes(x)
+        if extra not in zeros:
+            zeros[extra] = lax.psum(zero, tuple(sorted(extra))) if extra else zero
+        return x + zeros[extra].astype(x.dtype)
+
+    return jax.tree.map(tie, tree)
+
+
+def checkpoint_in_order(
+    fn: Callable[..., Any], policy: Callable[..., bool] | None = None
+) -> Callable[..., Any]:
+    """``jax.checkpoint(fn, policy=policy)`` whose recomputation waits for its cotangent.
+
+    Same values and gradients as ``jax.checkpoint``; use it for layers unrolled in Python
+    (inside ``lax.scan`` plain ``jax.checkpoint`` already keeps its place). ``fn`` may close
+    over traced values (segment ids, positions): they are hoisted into arguments.
+
+    Example::
+
+        y = checkpoint_in_order(lambda p, x: jnp.tanh(x @ p), policy=None)(w, x)
+    """
+
+    def run(*args: Any) -> Any:
+        closed, consts = jax.closure_convert(fn, *args)
+        remat = jax.checkpoint(closed, policy=policy)
+
+        @jax.custom_vjp
+        def layer(*inputs: Any) -> Any:
+            return closed(*inputs)
+
+        def forward(*inputs: Any) -> tuple[Any, Any]:
+            # Every input waits for all of them, so a layer's parameter gathers (explicit
+            # FSDP) cannot all be hoisted to the start of the forward. The pullback keeps
+            # the untied inputs (same values), not copies of them.
+            tied = _tie(inputs, _zero_from_all(inputs))
+            out, pullback = jax.vjp(remat, *tied)
+            untie = {id(t): x for t, x in zip(jax.tree.leaves(tied), jax.tree.leaves(inputs))}
+            residuals, tree = jax.tree.flatten(pullback)
+            return out, jax.tree.unflatten(tree, [untie.get(id(r), r) for r in residuals])
+
+        def backward(pullback: Any, cotangent: Any) -> tuple[Any, ...]:
+            zero = _zero_from(cotangent)
+            if zero is None:
+                return pullback(cotangent)
+            residuals, tree = jax.tree.flatten(pullback)
+            grads = jax.tree.unflatten(tree, _tie(residuals, zero))(cotangent)
+            # Each gradient waits for all of them, so the layer's parameter gradients (and
+            # their reduce-scatters) are done before the layer below starts its backward.
+            return _tie(grads, _zero_from_all(grads))
+
+        layer.defvjp(forward, backward)
+        return layer(*args, *consts)
+
+    return run
