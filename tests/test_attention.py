@@ -23,6 +23,7 @@ from shardax.models import loss as loss_mod
 from shardax.models._layers import cross_entropy
 from shardax.models.decode import generate
 from shardax.models.remat import check_remat, remat_policy
+from shardax.parallel.remat import checkpoint_in_order
 from shardax.rules import LogicalAxisRules
 from shardax.sharding import MeshShardingHelper
 
@@ -375,6 +376,47 @@ def test_list_layer_remat_holds_only_layer_inputs():
     per_layer = {r: (temp(4, r) - temp(2, r)) / 2 for r in ("none", "full")}
     assert per_layer["full"] <= 4 * layer_input, per_layer      # measured 2x
     assert per_layer["none"] >= 10 * layer_input, per_layer     # measured ~20x: activations
+
+
+def test_checkpoint_in_order_recomputes_in_the_backward():
+    """8 unrolled tanh-MLP layers: ``checkpoint_in_order`` holds one layer's activations at
+    a time, with the gradients of ``jax.checkpoint`` (bit for bit). Plain ``jax.checkpoint``
+    compiled here (XLA 0.10, CPU) to the temporaries of no remat: the recomputation merged
+    back into the forward."""
+    n, rows, dim, hidden = 8, 256, 64, 1024
+
+    def block(p, x):
+        return x + jnp.tanh(jnp.tanh(x @ p[0]) @ p[1]) @ p[2]
+
+    def loss(wrap):
+        def f(ps, x):
+            for p in ps:
+                x = wrap(block)(p, x)
+            return (x ** 2).mean()
+        return f
+
+    nothing = jax.checkpoint_policies.nothing_saveable
+    wraps = {"none": lambda f: f,
+             "jax.checkpoint": lambda f: jax.checkpoint(f, policy=nothing),
+             "in order": lambda f: checkpoint_in_order(f, policy=nothing)}
+    keys = jax.random.split(jax.random.key(0), 3 * n + 1)
+    shapes = ((dim, hidden), (hidden, hidden), (hidden, dim))
+    ps = [tuple(jax.random.normal(keys[3 * i + j], s) / s[0] ** 0.5
+                for j, s in enumerate(shapes)) for i in range(n)]
+    x = jax.random.normal(keys[-1], (rows, dim))
+    temps, grads = {}, {}
+    for name, wrap in wraps.items():
+        fn = jax.jit(jax.grad(loss(wrap)))
+        temps[name] = fn.lower(ps, x).compile().memory_analysis().temp_size_in_bytes
+        grads[name] = fn(ps, x)
+    activations = 2 * rows * hidden * 4  # the two tanh outputs a layer keeps without remat
+    # One layer's working set at a time (measured 1.5x a layer's activations; no remat and
+    # plain jax.checkpoint: 5x, XLA reusing some buffers across the 8 layers).
+    assert temps["in order"] <= 3 * activations < temps["none"], temps
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b),
+                 grads["in order"], grads["jax.checkpoint"])
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+                 grads["in order"], grads["none"])
 
 
 def test_remat_policy_errors():

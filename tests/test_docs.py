@@ -162,8 +162,11 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_examples.py::test_example_runs_and_trains",
     ("docs/sharded_init.md", "state = mesh.sjit(lambda: init_state(create_model, tx)[1]"):
         "tests/test_init.py::test_init_is_bit_identical_on_any_mesh",
-    ("docs/precision_remat_accumulation.md", "layer_fn = nnx.remat(lambda layer, x: layer(x),"):
-        "tests/test_models.py::test_remat_policies_match_no_remat",
+    ("docs/precision_remat_accumulation.md",
+     "from shardax.parallel.remat import checkpoint_in_order"):
+        "tests/test_attention.py::test_checkpoint_in_order_recomputes_in_the_backward",
+    ("docs/precision_remat_accumulation.md", "from shardax.rules import HostOffloadRule"):
+        "tests/test_offload.py::test_host_offload_rule_places_leaves_in_pinned_host",
     ("docs/tensor_parallel.md", "shardax train --mesh fsdp=4,tp=2 --tp-mode sync"):
         "tests/test_parallel_train.py::test_sync_tensor_parallel_block_is_megatron",
     ("docs/tensor_parallel.md", "shardax train --mesh fsdp=4,tp=2 --sequence-parallel"):

@@ -212,7 +212,7 @@ def loop_layers(
 
     # Unrolled, plain jax.checkpoint would be merged back into the forward by XLA (every
     # gathered layer kept): tie each recomputation to its layer's backward.
-    one = checkpoint_in_order(one, policy=policy)
+    one = checkpoint_in_order(one, policy=policy, tie_params=True)
     for p in params:
         x = one(p, x)
     return x

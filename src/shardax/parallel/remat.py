@@ -75,13 +75,22 @@ def _tie(tree: Any, zero: jax.Array | None) -> Any:
 
 
 def checkpoint_in_order(
-    fn: Callable[..., Any], policy: Callable[..., bool] | None = None
+    fn: Callable[..., Any],
+    policy: Callable[..., bool] | None = None,
+    *,
+    tie_params: bool = False,
 ) -> Callable[..., Any]:
     """``jax.checkpoint(fn, policy=policy)`` whose recomputation waits for its cotangent.
 
-    Same values and gradients as ``jax.checkpoint``; use it for layers unrolled in Python
-    (inside ``lax.scan`` plain ``jax.checkpoint`` already keeps its place). ``fn`` may close
-    over traced values (segment ids, positions): they are hoisted into arguments.
+    ``fn(*params, x)``: its last argument is the layer's input activation. Same values and
+    gradients as ``jax.checkpoint``; use it for layers unrolled in Python (inside
+    ``lax.scan`` plain ``jax.checkpoint`` already keeps its place). ``fn`` may close over
+    traced values (segment ids, positions): they are hoisted into arguments.
+    ``tie_params``: the parameters are tied too (each forward use waits for ``x``, each
+    backward recomputation for the cotangent): for parameters that are gathered inside the
+    layer (explicit FSDP), where the gathers would otherwise be hoisted or merged. It costs a
+    pass over the (sharded) parameters; without it the backward only ties ``x`` and the
+    saved activations.
 
     Example::
 
@@ -91,30 +100,40 @@ def checkpoint_in_order(
     def run(*args: Any) -> Any:
         closed, consts = jax.closure_convert(fn, *args)
         remat = jax.checkpoint(closed, policy=policy)
+        n = len(args)
+        tie_mask: list[bool] = []  # per residual leaf, set when the forward is traced
 
         @jax.custom_vjp
         def layer(*inputs: Any) -> Any:
             return closed(*inputs)
 
         def forward(*inputs: Any) -> tuple[Any, Any]:
-            # Every input waits for all of them, so a layer's parameter gathers (explicit
-            # FSDP) cannot all be hoisted to the start of the forward. The pullback keeps
-            # the untied inputs (same values), not copies of them.
-            tied = _tie(inputs, _zero_from_all(inputs))
-            out, pullback = jax.vjp(remat, *tied)
-            untie = {id(t): x for t, x in zip(jax.tree.leaves(tied), jax.tree.leaves(inputs))}
+            params, x = inputs[: n - 1], inputs[n - 1]
+            if tie_params:  # the layer's parameter gathers wait for its input
+                params = _tie(params, _zero_from_all(x))
+            used = (*params, x, *inputs[n:])
+            out, pullback = jax.vjp(remat, *used)
+            # The pullback keeps the untied inputs (the same values), not copies of them.
+            kinds = {}
+            for i, (u, v) in enumerate(zip(used, inputs)):
+                for tu, tv in zip(jax.tree.leaves(u), jax.tree.leaves(v)):
+                    kinds[id(tu)] = (tv, i == n - 1 or (tie_params and i < n - 1))
             residuals, tree = jax.tree.flatten(pullback)
-            return out, jax.tree.unflatten(tree, [untie.get(id(r), r) for r in residuals])
+            tie_mask[:] = [kinds.get(id(r), (r, True))[1] for r in residuals]
+            residuals = [kinds.get(id(r), (r, True))[0] for r in residuals]
+            return out, jax.tree.unflatten(tree, residuals)
 
         def backward(pullback: Any, cotangent: Any) -> tuple[Any, ...]:
             zero = _zero_from(cotangent)
             if zero is None:
                 return pullback(cotangent)
             residuals, tree = jax.tree.flatten(pullback)
-            grads = jax.tree.unflatten(tree, _tie(residuals, zero))(cotangent)
-            # Each gradient waits for all of them, so the layer's parameter gradients (and
-            # their reduce-scatters) are done before the layer below starts its backward.
-            return _tie(grads, _zero_from_all(grads))
+            residuals = [_tie(r, zero) if tie else r for r, tie in zip(residuals, tie_mask)]
+            grads = jax.tree.unflatten(tree, residuals)(cotangent)
+            # The input's gradient waits for the parameter gradients, so they (and their
+            # reduce-scatters) are done before the layer below starts its backward.
+            zero_all = _zero_from_all(grads[: n - 1])
+            return (*grads[: n - 1], _tie(grads[n - 1], zero_all), *grads[n:])
 
         layer.defvjp(forward, backward)
         return layer(*args, *consts)
