@@ -145,6 +145,9 @@ class TrainConfig:
     must hold the tokenizer's"""
     text_field: str = "text"
     """the text field of .jsonl records and column of .parquet files"""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """chat data (.jsonl records with 'messages', rendered with the tokenizer's chat
+    template): learn the assistant turns only, or every token"""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """integer type of .bin token files (.u8/.u16/.u32 files say it by name)"""
     log_to: str = "jsonl"
