@@ -73,6 +73,7 @@ class LlamaConfig:
     top_k: int = 2
     capacity_factor: float = 1.25
     moe_aux_weight: float = 0.01
+    lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -169,6 +170,7 @@ class GPT2Config:
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "auto"
+    lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
         if self.dim % self.n_heads:

@@ -33,6 +33,7 @@ from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
 from shardax.models import Llama
 from shardax.models._layers import remat_policy
+from shardax.models.lora import trainable
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
 from shardax.train import packing
@@ -83,7 +84,9 @@ def make_optimizer(
 def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformation):
     """``(graphdef, state)`` of a fresh model and optimizer. Call it inside ``sjit`` (with the
     rules as ``out_shardings``) to create the state directly in its sharded layout."""
-    graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
+    model = create()
+    # Under LoRA only the adapters train: the frozen base joins the model's other state.
+    graphdef, params, rest = nnx.split(model, trainable(getattr(model, "config", None)), ...)
     return graphdef, TrainState(params, rest, tx.init(params), jnp.int32(0))
 
 
