@@ -188,6 +188,9 @@ def test_cli_trains_on_chat_data(tmp_path):
     assert "longer than --seq-len truncated" in r.stdout
     losses = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses and all(np.isfinite(m["loss"]) for m in losses if "loss" in m)
+    r = _shardax("export", "--out", str(out), "--to", str(tmp_path / "x"), "--adapter-only")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "was not trained with LoRA" in r.stderr
 
 
 def test_cli_chat_data_needs_a_template_tokenizer(tmp_path):

@@ -42,7 +42,8 @@ __all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
                "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
-               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack")
+               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
+               "lora_rank", "lora_alpha", "lora_targets")
 # Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
 # 'names:'/'offload:' policy keeps only some activations: counted as recomputing all (an
 # upper bound).
