@@ -94,6 +94,10 @@ def test_targets_and_settings_are_checked():
     model = models.create(TINY, nnx.Rngs(0))
     add_lora(model, LoRA(2, targets=r"attn/wq$"), nnx.Rngs(0))
     assert sorted(lora_weights(model)) == [f"layers/{i}/attn/wq" for i in range(TINY.n_layers)]
+    moe = models.create(dataclasses.replace(models.CONFIGS["llama-moe-tiny"], lora=SETTINGS),
+                        nnx.Rngs(0))
+    adapted = lora_weights(moe)
+    assert adapted and all("/attn/" in path for path in adapted)  # expert weights stay frozen
 
 
 def test_only_adapters_train_and_hold_optimizer_state():

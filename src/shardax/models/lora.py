@@ -8,7 +8,8 @@ unchanged at step 0). The model's code reads a weight as ``self.w[...]``, which 
 `LoRAWeight` answers with the merged weight, so every parallel mode (tensor, pipeline, FSDP by
 the partitioner) runs unchanged; the factors carry the base's logical axis names on their
 own dims (None on the rank), so the same rules shard them. A weight's input dims are its
-first dim when that is 'embed' (q/k/v, gate/up), else all but its last (o, down). Training
+first dim when that is 'embed' (q/k/v, gate/up), else all but its last (o, down); the
+stacked expert weights of a mixture of experts are left frozen. Training
 differentiates only ``nnx.LoRAParam`` (`trainable`): the base gets no gradient and no
 optimizer state. `merge_lora` folds the adapters back into plain parameters (export,
 generation).
@@ -131,6 +132,8 @@ def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:
         for part in path[:-1]:
             parent = parent[part] if isinstance(part, int) else getattr(parent, part)
         names = tuple(node.get_metadata().get("out_sharding") or ())
+        if "expert" in names:  # experts' stacked weights are not adapted (they stay frozen)
+            continue
         stacked = names[:1] == ("layers",)
         setattr(parent, path[-1], LoRAWeight(node, _n_in(names, stacked) if names else 1,
                                              settings, rngs.params(), stacked))
