@@ -195,6 +195,9 @@ def test_cli_lora_resumes_on_another_mesh_and_exports(tmp_path):
         r = _shardax("export", "--out", str(out), "--to", str(to), *extra)
         assert r.returncode == 0, r.stderr[-2000:]
     assert (adapter / "adapter_config.json").is_file()
+    r = _shardax("train", *common, "--steps", "3", "--resume", "--lora-rank", "2")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
+    assert "--lora-rank" in r.stderr
     # The base stayed frozen: every weight LoRA does not target is the imported one.
     got = _read(merged / "model.safetensors")
     for name in got:
