@@ -135,6 +135,19 @@ def test_lora_step_keeps_the_base_bit_identical(lora_state):
         assert float(jnp.abs(g).max()) > 0
 
 
+def test_lora_step_with_stacked_layers(lora_state):
+    """Scanned (stacked) layers under jit and grad: the frozen base passes nnx.scan."""
+    config, _, _, batch, _, _ = lora_state
+    stacked = dataclasses.replace(config, scan_layers=True)
+    graphdef, state = init_state(lambda: models.create(stacked, nnx.Rngs(0)), _KEEP_GRADS)
+    plain_graphdef, plain = init_state(lambda: models.create(
+        dataclasses.replace(stacked, lora=None), nnx.Rngs(0)), _KEEP_GRADS)
+    new, metrics = jax.jit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS))(state, batch)
+    _, want = jax.jit(partial(train_step, graphdef=plain_graphdef, tx=_KEEP_GRADS))(plain, batch)
+    assert float(metrics["loss"]) == float(want["loss"])  # B = 0: the base model, exactly
+    assert float(jnp.abs(new.opt_state["layers"]["attn"]["wq"]["lora_b"][...]).max()) > 0
+
+
 def test_lora_step_sharded_equals_one_device(lora_state):
     config, graphdef, state, batch, want, loss = lora_state
     mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")

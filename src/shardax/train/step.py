@@ -94,6 +94,9 @@ def _loss(params, rest, graphdef, inputs, targets, policy: Policy, weights=None,
           segment_ids=None, end_id: int | None = None):
     """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss. Every
     shardax language model has ``training_loss`` (``shardax.models``)."""
+    # Fresh Variables for the non-differentiated state (LoRA's frozen base) at this trace
+    # level, as the differentiated ones are: nnx.scan refuses Variables of an outer trace.
+    rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
     inputs, targets, kwargs = _with_positions(inputs, targets, weights, end_id, segment_ids)
     return model.training_loss(inputs, targets, cast=policy.cast_to_output, **kwargs)
