@@ -28,6 +28,9 @@ from shardax.hf.peft import save_adapters
 from shardax.mesh import MeshShardingHelper
 from shardax.models.lora import LoRA, add_lora, lora_weights, merge_lora
 from shardax.rules import LogicalAxisRules
+from shardax.train import build
+from shardax.train.config import TrainConfig, check
+from shardax.train.resolve import resolve
 from shardax.train.step import init_state, train_step
 
 HERE = Path(__file__).parent
@@ -112,6 +115,24 @@ def test_only_adapters_train_and_hold_optimizer_state():
     assert 2 * adapter_bytes <= opt_bytes <= 2 * adapter_bytes + 64  # adam's mu, nu (+ count)
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(state.rest))
     assert base_bytes > 10 * adapter_bytes
+
+
+def test_plan_shows_adapter_sized_optimizer_state():
+    """What `shardax train` / `shardax plan` compile: per device, Adam's state is twice the
+    adapters and the frozen base is an input without optimizer state."""
+    run = resolve(check(TrainConfig(lora_rank=4, batch_size=8, seq_len=32, mesh="fsdp=8")))
+    graphdef, shape = build.abstract(run.model_config, run.tx, 0, run.mesh)
+    batch = (jax.ShapeDtypeStruct((8, 32), jnp.int32),) * 2
+    rows = [r for r in build.step_function(run, graphdef, end_id=0).plan(shape, batch).rows
+            if r.kind == "input"]
+
+    def total(part):
+        return sum(r.bytes_per_device for r in rows if r.path.startswith(f"state/{part}/"))
+
+    assert 0 < total("params") < total("rest")
+    assert 2 * total("params") <= total("opt_state") <= 2 * total("params") + 64
+    assert not [r for r in rows if r.path.startswith("state/opt_state/")
+                and "lora_" not in r.path and r.shape]
 
 
 @pytest.fixture(scope="module")
