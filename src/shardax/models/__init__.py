@@ -29,6 +29,7 @@ from shardax.models.configs import (
 )
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama, check_mesh
+from shardax.models.lora import add_lora
 from shardax.models.mlp import MLP
 from shardax.models.presets import PRESETS
 
@@ -52,12 +53,17 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
 
 
 def create(config: LlamaConfig | GPT2Config, rngs: nnx.Rngs) -> Llama | GPT2:
-    """Build the model a config describes."""
+    """Build the model a config describes (with LoRA adapters when ``config.lora`` is set:
+    ``shardax.models.lora``)."""
     if isinstance(config, LlamaConfig):
-        return Llama(config, rngs)
-    if isinstance(config, GPT2Config):
-        return GPT2(config, rngs)
-    raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
+        model = Llama(config, rngs)
+    elif isinstance(config, GPT2Config):
+        model = GPT2(config, rngs)
+    else:
+        raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
+    if config.lora is not None:
+        add_lora(model, config.lora, rngs)
+    return model
 
 
 def param_count(config: LlamaConfig | GPT2Config) -> int:

@@ -106,6 +106,7 @@ class LlamaConfig:
     moe_impl: str = "capacity"
     moe_norm_topk: bool = True
     shared_expert_dim: int = 0
+    lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
         if self.head_dim_override is None and self.dim % self.n_heads:
@@ -264,6 +265,7 @@ class GPT2Config:
     scan_layers: bool = False
     remat: str = "none"
     attention: str = "auto"
+    lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
         if self.dim % self.n_heads:

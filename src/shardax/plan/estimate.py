@@ -43,7 +43,7 @@ __all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
                "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
                "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
-               "offload_optimizer")
+               "offload_optimizer", "lora_rank", "lora_alpha", "lora_targets")
 # Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
 # 'names:'/'offload:' policy keeps only some activations: counted as recomputing all (an
 # upper bound).

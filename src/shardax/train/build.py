@@ -15,6 +15,7 @@ reads the config's strings or the training data.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from flax import nnx
 
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
+from shardax.models.lora import add_lora, trainable
 from shardax.train.config import UsageError
 from shardax.train.resolve import Resolved
 from shardax.train.step import TrainState, init_state, train_step
@@ -60,12 +62,23 @@ def create_from_hf(run: Resolved) -> TrainState:
     """The train state of step 0 with the parameters of ``--init-from hf:DIR``, read straight
     into their sharding under the run's rules (each process reads only its devices' slices)
     and the optimizer state created sharded alike."""
-    mesh, rules = run.mesh, run.rules
+    mesh, rules, config = run.mesh, run.rules, run.model_config
     try:
-        graphdef, loaded = hf.load_params(run.init_dir, run.model_config, mesh, rules)
+        graphdef, loaded = hf.load_params(run.init_dir, dataclasses.replace(config, lora=None),
+                                          mesh, rules)
     except ValueError as e:
         raise UsageError(f"--init-from {run.config.init_from}: {e}") from None
-    _, params, rest = nnx.split(nnx.merge(graphdef, loaded), nnx.Param, ...)
+    if config.lora is not None:  # the adapters, created sharded around the loaded weights
+        base_graphdef = graphdef
+
+        def adapt(state):
+            model = nnx.merge(base_graphdef, state)
+            add_lora(model, config.lora, nnx.Rngs(run.config.seed))
+            return nnx.state(model)
+
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.create(config, nnx.Rngs(0))))
+        loaded = mesh.sjit(adapt, in_shardings=(rules,), out_shardings=rules)(loaded)
+    _, params, rest = nnx.split(nnx.merge(graphdef, loaded), trainable(config), ...)
     opt_state = mesh.sjit(run.tx.init, in_shardings=(rules,),
                           out_shardings=run.state_rules.opt_state)(params)
     step = jax.device_put(jax.numpy.int32(0),

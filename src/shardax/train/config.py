@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 
 from shardax import models
 from shardax.mesh import parse_mesh_string
+from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
 from shardax.train.profiler import parse_profile_steps
@@ -167,6 +168,9 @@ class TrainConfig:
     one, else bytes)"""
     text_field: str = "text"
     """the text field of .jsonl records and column of .parquet files"""
+    loss_on: Literal["assistant", "all"] = "assistant"
+    """chat data (.jsonl records with 'messages', rendered with the tokenizer's chat
+    template): learn the assistant turns only, or every token"""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """integer type of .bin token files (.u8/.u16/.u32 files say it by name)"""
     log_to: str = "jsonl"
@@ -177,6 +181,14 @@ class TrainConfig:
     10:13 (steps count from 1)"""
     peak_tflops: float = 0.0
     """peak TFLOP/s per device for MFU (0: from the device table; MFU is n/a on CPU)"""
+    lora_rank: int = 0
+    """LoRA: train rank-R adapters on the --lora-targets weights, the rest frozen (no
+    gradient, no optimizer state); 0: train every parameter"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the update is (alpha / rank) * A @ B"""
+    lora_targets: str = DEFAULT_TARGETS
+    """LoRA: regular expression over parameter paths (default: the attention and MLP
+    projections)"""
 
     def to_json(self) -> dict[str, Any]:
         """The config as a JSON-ready dict (what ``config.json`` holds)."""
@@ -222,6 +234,9 @@ class ExportConfig:
     """largest safetensors file in MiB (bigger models are split, with an index)"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype of the written tensors (auto: the run's parameter dtype)"""
+    adapter_only: bool = False
+    """a LoRA run: write just its adapters as a PEFT directory (adapter_config.json +
+    adapter_model.safetensors) instead of the merged full weights"""
 
 
 @dataclass
@@ -403,6 +418,14 @@ def check(config: TrainConfig) -> TrainConfig:
            "device table)")
     if config.init_from is not None:
         hf_dir(config.init_from, "--init-from")
+    _usage(config.lora_rank >= 0, f"--lora-rank {config.lora_rank}: must be >= 0 (0: no LoRA)")
+    _usage(math.isfinite(config.lora_alpha) and config.lora_alpha > 0,
+           f"--lora-alpha {config.lora_alpha}: must be a finite number > 0")
+    if config.lora_rank:
+        try:
+            LoRA(config.lora_rank, config.lora_alpha, config.lora_targets)
+        except ValueError as e:
+            raise UsageError(f"--lora-targets: {e}") from None
     _usage(config.model in models.CONFIGS,
            f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
     _usage(config.rules in models.PRESETS,

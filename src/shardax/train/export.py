@@ -1,4 +1,5 @@
-"""``shardax export``: a run's checkpoint -> a Hugging Face model directory.
+"""``shardax export``: a run's checkpoint -> a Hugging Face model directory (a LoRA run:
+its merged weights, or with ``--adapter-only`` a PEFT adapter directory).
 
 The checkpoint is read (read-only) sharded over every device by the ``fsdp`` rules, then
 written with ``shardax.hf.save_params``: each safetensors file by one process, tensor by tensor
@@ -21,6 +22,8 @@ import numpy as np
 from flax import nnx
 
 from shardax import hf, models
+from shardax.hf.peft import save_adapters
+from shardax.models.lora import merge_lora
 from shardax.train.config import ExportConfig, UsageError
 from shardax.train.generate import restore_model
 from shardax.train.rundir import RunDir, check_run
@@ -43,12 +46,23 @@ def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path
     dtype = config.dtype
     out_dtype = None if dtype == "auto" else np.dtype(dtype if dtype != "bfloat16" else
                                                       jax.numpy.bfloat16)
+    if config.adapter_only and model_config.lora is None:
+        raise UsageError(f"--adapter-only: run {config.out} was not trained with LoRA "
+                         "(--lora-rank); export its full weights without --adapter-only")
     try:
         tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
     except ValueError as e:
         raise UsageError(f"--out {config.out}: {e}") from None
     try:
+        if config.adapter_only:
+            init = run_dir.saved.init_from
+            try:
+                return [save_adapters(model, config.to, dtype=out_dtype,
+                                      base_model=init.removeprefix("hf:") if init else "")]
+            except ValueError as e:
+                raise UsageError(f"--adapter-only: {e}") from None
         ids = _write_tokenizer(tokenizer, Path(config.to), model_config.max_seq_len)
+        merge_lora(model)  # LoRA: the merged weights W + (alpha / rank) A @ B
         return hf.save_params(model_config, nnx.state(model, nnx.Param), config.to,
                               max_shard_bytes=config.max_shard_mb * 2**20, dtype=out_dtype,
                               config_extra=ids)

@@ -23,6 +23,7 @@ from flax import nnx
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
+from shardax.models.lora import merge_lora
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
@@ -102,6 +103,7 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
         except ValueError as e:
             raise UsageError(f"--out {config.out}: {e}") from None
         _, model, _ = restore_model(run_dir, config.step, attention=config.attention)
+        merge_lora(model)  # LoRA adapters folded in once, not per token
     return _sample(model, tokenizer, prompts, config.max_tokens, config.temperature,
                    config.seed, stats)
 

@@ -24,6 +24,8 @@ import jax
 from shardax import models
 from shardax.distributed import batch_part
 from shardax.train import data as data_lib
+from shardax.train.chat import ChatTemplate, is_chat_file, read_chats
+from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
@@ -41,7 +43,7 @@ class Inputs:
     empty: no evaluation)."""
 
     tokenizer: Tokenizer
-    train: data_lib.TokenBatches
+    train: data_lib.TokenBatches | ChatBatches
     val: list
     sharding: jax.sharding.NamedSharding
     rows: int
@@ -156,10 +158,51 @@ def _load_tokens(config: TrainConfig, tokenizer: Tokenizer) -> tuple[Any, Any]:
     return train, val
 
 
+def _chat_inputs(config: TrainConfig, tokenizer: Tokenizer, part: int, parts: int
+                 ) -> tuple[ChatBatches, list]:
+    """Train and validation batches of chat data (every 10th conversation is held out; with
+    fewer than 10, validation reuses the training conversations, with a note)."""
+    directory = getattr(tokenizer, "directory", None)
+    if directory is None:
+        raise UsageError("--data: chat records ('messages') are rendered with the tokenizer's "
+                         "chat template: pass --tokenizer DIR (a Hugging Face tokenizer with "
+                         "a chat_template in tokenizer_config.json)")
+    log = print if jax.process_index() == 0 else (lambda *a: None)
+    try:
+        template = ChatTemplate(directory)
+        chats = [c for path in config.data for c in read_chats(path)]
+        held = chats[9::10] if len(chats) >= 10 else []
+        train = [c for i, c in enumerate(chats) if i % 10 != 9] if held else chats
+        rows = pack_chats(train, template, config.seq_len, tokenizer.eos_id, config.loss_on)
+        val_rows = (pack_chats(held, template, config.seq_len, tokenizer.eos_id,
+                               config.loss_on) if held else rows)
+        if rows.tokens.max() >= tokenizer.vocab_size:
+            raise ValueError(f"--data: token id {rows.tokens.max()} is outside the vocabulary "
+                             f"of {tokenizer.vocab_size}")
+        batches = ChatBatches(rows, config.batch_size, config.seed, part, parts)
+        val = chat_val_batches(val_rows, config.batch_size, VAL_BATCHES, part, parts)
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    log(f"chat data: {len(chats)} conversations packed into {len(rows.tokens)} rows of "
+        f"{config.seq_len + 1} tokens (loss on {config.loss_on} tokens); "
+        f"{rows.truncated + (val_rows.truncated if held else 0)} longer than --seq-len "
+        "truncated")
+    if not held:
+        log("note: fewer than 10 conversations: the validation loss is on the training "
+            "conversations")
+    return batches, val
+
+
 def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
     """The tokenizer and batches of a resolved run (nothing is written but the token cache)."""
     config, mesh = run.config, run.mesh
     tokenizer = _tokenizer(config, run_dir, run.model_config.vocab_size)
+    if config.data and all(is_chat_file(p) for p in config.data):
+        sharding = jax.sharding.NamedSharding(
+            mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))
+        part, parts = batch_part(sharding, (config.batch_size, config.seq_len))
+        train, val = _chat_inputs(config, tokenizer, part, parts)
+        return Inputs(tokenizer, train, val, sharding, config.batch_size)
     train_tokens, val_tokens = _load_tokens(config, tokenizer)
     sharding = jax.sharding.NamedSharding(
         mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))

@@ -189,6 +189,12 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
           f"{run.mesh.shape}, rules {config.rules!r}, precision {run.policy}")
     print(_tokenizer_summary(p))
     print(run.optimizer_summary())
+    lora = run.model_config.lora
+    if lora is not None:
+        frozen = sum(x.size for x in jax.tree.leaves(state_shape.rest))
+        print(f"lora: rank {lora.rank}, alpha {lora.alpha:g} on --lora-targets "
+              f"{lora.targets!r}: {n_params:,} trainable parameters; {frozen:,} frozen (no "
+              "gradient, no optimizer state)")
     print(run.attention_summary())
     if run.mesh.shape.get("fsdp", 1) > 1:
         print(run.fsdp_summary())

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["PACK_MODES", "Documents", "documents", "loss_weights"]
+__all__ = ["PACK_MODES", "Documents", "documents", "loss_weights", "segment_positions"]
 
 PACK_MODES = ("documents", "concat")
 
@@ -46,6 +46,20 @@ def documents(inputs: jax.Array, end_id: int) -> Documents:
     starts = jnp.pad(is_end[:, :-1], ((0, 0), (1, 0)), constant_values=True)
     first = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
     return Documents(segment_ids, index - first, ~is_end)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Each token's position within its segment, for rows [b, s] of non-decreasing segment
+    ids (packed conversations, `shardax.train.chat_data`).
+
+    >>> segment_positions(jnp.array([[0, 0, 1, 1, 1, 2]])).tolist()
+    [[0, 1, 0, 1, 2, 0]]
+    """
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1], dtype=jnp.int32),
+                             segment_ids.shape)
+    starts = jnp.pad(segment_ids[:, 1:] != segment_ids[:, :-1], ((0, 0), (1, 0)),
+                     constant_values=True)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 def loss_weights(mask: jax.Array) -> jax.Array:

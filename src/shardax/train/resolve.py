@@ -29,6 +29,7 @@ import optax
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
 from shardax.models.attention import resolve_implementation
+from shardax.models.lora import LoRA
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import HostOffloadRule, LogicalAxisRules
@@ -78,13 +79,21 @@ def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = No
         if config.seq_len > c.max_seq_len:
             raise UsageError(f"--seq-len {config.seq_len} exceeds the model's "
                              f"max_position_embeddings {c.max_seq_len} ({config.init_from})")
-        return c
+        return _with_lora(c, config)
     preset = models.CONFIGS[config.model]
-    return models.get_config(
+    return _with_lora(models.get_config(
         config.model, remat=config.remat, attention=config.attention, dtype=policy.compute,
         param_dtype=policy.params,
         max_seq_len=max(config.seq_len, preset.max_seq_len),
-        scan_layers=scan or preset.scan_layers)
+        scan_layers=scan or preset.scan_layers), config)
+
+
+def _with_lora(model_config: Any, config: TrainConfig) -> Any:
+    """The model config with ``--lora-rank/--lora-alpha/--lora-targets`` (none at rank 0)."""
+    if not config.lora_rank:
+        return model_config
+    return dataclasses.replace(model_config, lora=LoRA(config.lora_rank, config.lora_alpha,
+                                                       config.lora_targets))
 
 
 def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
@@ -137,6 +146,9 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
                             + (" / --sequence-parallel" if model_config.sp else "")
                             + " (explicit TP blocks cannot nest in the FSDP shard_map under "
                             "JAX 0.10; --tp-mode none shards 'tp' by --rules)")
+        if model_config.lora is not None:
+            blockers.append("--lora-rank (the frozen base weights stay sharded by the "
+                            "partitioner)")
         for axis, what in (("pp", "pipeline"), ("cp", "ring attention"), ("ep", "experts")):
             if mesh_shape.get(axis, 1) > 1:
                 blockers.append(f"a '{axis}' mesh axis ({what} runs its own shard_map)")

@@ -44,7 +44,7 @@ PROFILE_DIR = "profile"
 #: the global batch into ``grad_accum`` microbatches may change, and ``steps`` may grow).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
                    "lr", "precision", "tokenizer", "text_field", "token_dtype", "scan_layers",
-                   "pack")
+                   "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets")
 
 
 @dataclass

@@ -35,6 +35,7 @@ from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
 from shardax.models import Llama
 from shardax.models._layers import remat_policy
+from shardax.models.lora import trainable
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
 from shardax.train import packing
@@ -209,26 +210,48 @@ def _like(box: Any, x: Any) -> Any:
 def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformation):
     """``(graphdef, state)`` of a fresh model and optimizer. Call it inside ``sjit`` (with the
     rules as ``out_shardings``) to create the state directly in its sharded layout."""
-    graphdef, params, rest = nnx.split(create(), nnx.Param, ...)
+    model = create()
+    # Under LoRA only the adapters train: the frozen base joins the model's other state.
+    graphdef, params, rest = nnx.split(model, trainable(getattr(model, "config", None)), ...)
     return graphdef, TrainState(params, rest, tx.init(params), jnp.int32(0))
 
 
 def _loss(params, rest, graphdef, inputs, targets, policy: Policy, weights=None,
-          end_id: int | None = None):
+          segment_ids=None, end_id: int | None = None):
     """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss. Every
     shardax language model has ``training_loss`` (``shardax.models``)."""
+    # Fresh Variables for the non-differentiated state (LoRA's frozen base) at this trace
+    # level, as the differentiated ones are: nnx.scan refuses Variables of an outer trace.
+    rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    inputs, targets, kwargs = _with_positions(inputs, targets, weights, end_id)
+    inputs, targets, kwargs = _with_positions(inputs, targets, weights, end_id, segment_ids)
     return model.training_loss(inputs, targets, cast=policy.cast_to_output, **kwargs)
 
 
-def _with_positions(inputs, targets, weights=None, end_id: int | None = None) -> tuple:
+def _with_weights(batch: tuple, end_id: int | None) -> tuple:
+    """``(inputs, targets, *extra)``: a packed-conversation batch ``(inputs, targets,
+    segment_ids, loss_mask)`` becomes ``(inputs, targets, weights, segment_ids)``; packed
+    documents (``end_id``) get the weights of the whole batch; else the batch is unchanged."""
+    inputs, targets = batch[:2]
+    if len(batch) == 4:
+        return inputs, targets, packing.loss_weights(batch[3]), batch[2]
+    if end_id is not None:  # weights of the whole batch: any split of it averages to its mean
+        return inputs, targets, packing.loss_weights(packing.documents(inputs, end_id)[2])
+    return tuple(batch)
+
+
+def _with_positions(inputs, targets, weights=None, end_id: int | None = None,
+                    segment_ids=None) -> tuple:
     """``(inputs, targets, kwargs)``, ``kwargs`` the rest of ``training_loss``'s arguments:
     RoPE ``positions`` and ``load_balanced``, and with packed documents (``end_id``: the
     end-of-text id) ``segment_ids`` and ``loss_weights`` (``weights``, else those of these
-    rows alone); with a 'cp' axis, all in ring attention's load-balanced order."""
+    rows alone), or with packed conversations the given ``segment_ids`` and ``weights``; with
+    a 'cp' axis, all in ring attention's load-balanced order."""
     cp = axis_size("cp")
-    if end_id is None:
+    if segment_ids is not None:
+        positions = packing.segment_positions(segment_ids)
+        docs = {"segment_ids": segment_ids, "loss_weights": weights}
+    elif end_id is None:
         positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
         docs = {}
     else:
@@ -269,7 +292,8 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
                                     x, policy=policy_)
 
-        inputs, targets, kwargs = _with_positions(inputs, targets, *weights, end_id=end_id)
+        inputs, targets, kwargs = _with_positions(inputs, targets, *weights[:1], end_id=end_id,
+                                                  segment_ids=(weights[1:] or (None,))[0])
         return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
                                    **kwargs)[0]
 
@@ -286,7 +310,7 @@ def _key(path) -> str:
 
 def train_step(
     state: TrainState,
-    batch: tuple[jax.Array, jax.Array],
+    batch: tuple[jax.Array, ...],
     *,
     graphdef: Any,
     tx: optax.GradientTransformation,
@@ -298,8 +322,10 @@ def train_step(
     skip_nonfinite: bool = False,
     offload_optimizer: bool = False,
 ) -> tuple[TrainState, dict]:
-    """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
-    microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
+    """One optimizer step over ``batch = (inputs, targets)`` (or packed conversations
+    ``(inputs, targets, segment_ids, loss_mask)``: `shardax.train.chat_data`), optionally in
+    ``grad_accum`` microbatches accumulated in the parameter dtype and (with
+    ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
     (a dense llama; ``param_rules`` give the parameters' sharding; gradients
@@ -319,9 +345,7 @@ def train_step(
     update."""
     if fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
-    inputs, targets = batch
-    if end_id is not None:  # weights of the whole batch: any split of it averages to its mean
-        batch = (inputs, targets, packing.loss_weights(packing.documents(inputs, end_id)[2]))
+    batch = _with_weights(batch, end_id)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     if fsdp_mode == "explicit":
         loss, grads = _explicit_fsdp(state, batch, graphdef, policy, grad_accum, param_rules,
@@ -363,4 +387,6 @@ def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef
               policy: Policy = FULL_PRECISION, end_id: int | None = None) -> jax.Array:
     """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss);
     ``end_id`` as for `train_step`."""
-    return _loss(state.params, state.rest, graphdef, *batch, policy, end_id=end_id)[1]
+    batch = _with_weights(batch, end_id)
+    return _loss(state.params, state.rest, graphdef, *batch[:2], policy, *batch[2:],
+                 end_id=end_id)[1]

@@ -1,0 +1,170 @@
+"""LoRA adapters on a model's weight parameters: ``W + (alpha / rank) * A @ B``, base frozen.
+
+`add_lora` replaces each parameter whose path matches ``targets`` (a regular expression over
+'/'-joined paths such as ``layers/0/attn/wq``) by a `LoRAWeight`: the frozen base (an
+``nnx.Param``) and two ``nnx.LoRAParam`` factors, ``lora_a`` [in..., rank] (uniform in
+±1/sqrt(fan-in), as PEFT's Kaiming init) and ``lora_b`` [rank, out...] (zeros, so the model is
+unchanged at step 0). The model's code reads a weight as ``self.w[...]``, which a
+`LoRAWeight` answers with the merged weight, so every parallel mode (tensor, pipeline, FSDP by
+the partitioner) runs unchanged; the factors carry the base's logical axis names on their
+own dims (None on the rank), so the same rules shard them. A weight's input dims are its
+first dim when that is 'embed' (q/k/v, gate/up), else all but its last (o, down); the
+stacked expert weights of a mixture of experts are left frozen. Training
+differentiates only ``nnx.LoRAParam`` (`trainable`): the base gets no gradient and no
+optimizer state. `merge_lora` folds the adapters back into plain parameters (export,
+generation).
+
+Example::
+
+    model = models.create(dataclasses.replace(cfg, lora=LoRA(rank=8, alpha=16)), nnx.Rngs(0))
+    graphdef, adapters, rest = nnx.split(model, trainable(model.config), ...)
+    merge_lora(model)                  # plain parameters again, W + (alpha / rank) A @ B
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = ["DEFAULT_TARGETS", "LoRA", "LoRAWeight", "add_lora", "lora_weights", "merge_lora",
+           "trainable"]
+
+#: attention and MLP projections of the Llama and GPT-2 models
+DEFAULT_TARGETS = r"attn/w[qkvo]$|mlp/w_(gate|up|down|fc|proj)$"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """LoRA settings of a model config (``config.lora``): ``rank``, ``alpha`` (the update is
+    scaled by ``alpha / rank``) and ``targets``, a regular expression over parameter paths."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: str = DEFAULT_TARGETS
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {self.rank}")
+        try:
+            re.compile(self.targets)
+        except re.error as e:
+            raise ValueError(f"LoRA targets {self.targets!r}: not a regular expression "
+                             f"({e})") from None
+
+
+class LoRAWeight(nnx.Module):
+    """A frozen weight with a low-rank update; ``self[...]`` is the merged weight.
+
+    ``stacked``: the base has a leading 'layers' axis (scanned layers); the factors get it too.
+    """
+
+    def __init__(self, base: nnx.Param, n_in: int, settings: LoRA, key: jax.Array,
+                 stacked: bool = False):
+        names = tuple(base.get_metadata().get("out_sharding") or (None,) * base.ndim)
+        lead = int(stacked)
+        shape = base.shape
+        ins, outs = shape[lead:lead + n_in], shape[lead + n_in:]
+        r = settings.rank
+        bound = 1.0 / math.sqrt(math.prod(ins))
+
+        def uniform(key, shape, dtype):
+            return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+        def make(init, shape, axes):
+            init = nnx.with_partitioning(init, axes, eager_sharding=False)
+            return nnx.LoRAParam(init(key, shape, base.dtype))
+
+        self.base = base
+        self.lora_a = make(uniform, (*shape[:lead], *ins, r), (*names[:lead + n_in], None))
+        self.lora_b = make(nnx.initializers.zeros, (*shape[:lead], r, *outs),
+                           (*names[:lead], None, *names[lead + n_in:]))
+        self.n_in = n_in
+        self.scale = settings.alpha / r
+
+    def delta(self) -> jax.Array:
+        """``(alpha / rank) * A @ B`` in the base's shape (and dtype)."""
+        a, b = self.lora_a[...], self.lora_b[...]
+        lead = a.shape[:a.ndim - self.n_in - 1]
+        ins, outs = a.shape[len(lead):-1], b.shape[len(lead) + 1:]
+        d = jnp.matmul(a.reshape(*lead, math.prod(ins), a.shape[-1]),
+                       b.reshape(*lead, b.shape[len(lead)], math.prod(outs)))
+        return (self.scale * d).reshape(*lead, *ins, *outs).astype(self.base.dtype)
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        return (self.base[...] + self.delta())[key]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.base.dtype
+
+
+def _n_in(names: tuple, stacked: bool) -> int:
+    names = names[int(stacked):]
+    return 1 if names[:1] == ("embed",) else len(names) - 1
+
+
+def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:
+    """Wraps every parameter of ``model`` whose path matches ``settings.targets`` in a
+    `LoRAWeight` (in place); returns the wrapped paths. Raises ValueError when none matches.
+
+    Example::
+
+        add_lora(model, LoRA(rank=4), nnx.Rngs(1))   # ['layers/0/attn/wq', ...]
+    """
+    pattern = re.compile(settings.targets)
+    found = []
+    for path, node in list(nnx.iter_graph(model)):
+        name = "/".join(map(str, path))
+        if not (isinstance(node, nnx.Param) and not isinstance(node, nnx.LoRAParam)
+                and node.ndim >= 2 and pattern.search(name)):
+            continue
+        parent = model
+        for part in path[:-1]:
+            parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+        names = tuple(node.get_metadata().get("out_sharding") or ())
+        if "expert" in names:  # experts' stacked weights are not adapted (they stay frozen)
+            continue
+        stacked = names[:1] == ("layers",)
+        setattr(parent, path[-1], LoRAWeight(node, _n_in(names, stacked) if names else 1,
+                                             settings, rngs.params(), stacked))
+        found.append(name)
+    if not found:
+        raise ValueError(f"LoRA targets {settings.targets!r} match no weight of the model")
+    return found
+
+
+def lora_weights(model: nnx.Module) -> dict[str, LoRAWeight]:
+    """``{path: LoRAWeight}`` of a model's adapted weights ('/'-joined paths)."""
+    return {"/".join(map(str, p)): n for p, n in nnx.iter_graph(model)
+            if isinstance(n, LoRAWeight)}
+
+
+def merge_lora(model: nnx.Module) -> nnx.Module:
+    """Folds every `LoRAWeight` into a plain ``nnx.Param`` holding ``W + (alpha / rank) A @ B``
+    (in place); the model then has the layout of one built without LoRA. Returns it."""
+    for name, weight in lora_weights(model).items():
+        path = name.split("/")
+        parent = model
+        for part in path[:-1]:
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        merged = weight[...]
+        base = weight.base
+        base[...] = merged
+        setattr(parent, path[-1], base)
+    return model
+
+
+def trainable(config: Any) -> Any:
+    """The NNX filter of what training updates: the adapters under LoRA, else every
+    parameter."""
+    return nnx.LoRAParam if getattr(config, "lora", None) is not None else nnx.Param
