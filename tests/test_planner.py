@@ -8,6 +8,7 @@ search test compiles two tiny layouts once (an on-disk cache serves the second s
 the memory limit between their peaks.
 """
 
+import importlib
 import json
 import os
 import subprocess
@@ -132,3 +133,23 @@ def test_bad_plan_input_is_one_line_and_exit_code_2(flags, needle):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardax plan: error: "), proc.stderr
     assert needle in lines[0]
+
+
+def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypatch):
+    """XLA CHECK failures abort the process: the first compile's worker aborts (as a crashing
+    compiler would), and the search reports it and goes on, with --jobs 1."""
+    search_mod = importlib.import_module("shardax.plan.search")  # the module, not search()
+    marker, script = tmp_path / "crashed", tmp_path / "crashing_worker.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        f"marker = {str(marker)!r}\n"
+        "if not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        "    os.abort()\n"
+        "runpy.run_module('shardax.plan.worker', run_name='__main__')\n")
+    monkeypatch.setattr(search_mod, "WORKER", [sys.executable, str(script)])
+    result = search(TrainConfig(**TINY), H100, 1e12, max_compiles=3, jobs=1, cache=None)
+    assert marker.exists()
+    assert len(result.failed) == 1 and "could not compile: killed by SIGABRT" in \
+        result.failed[0], result.failed
+    assert result.compiled == 2 and len(result.ranked) == 2

@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,8 +44,6 @@ from shardax.plan.estimate import (
     STEP_FIELDS,
     Compiled,
     Estimate,
-    compile_config,
-    config_from_dict,
     estimate,
     remat_factor,
 )
@@ -60,6 +59,8 @@ REMAT = ("none", "save_dots", "full")
 GRAD_ACCUM = (1, 2, 4)
 MAX_TP = 8  # one node's fast links
 PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
+# The compile worker's command line (+ fields JSON, output path); tests replace it.
+WORKER = [sys.executable, "-m", "shardax.plan.worker"]
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
 
 
@@ -231,18 +232,26 @@ def _store(cache: Path | None, key: str, compiled: Compiled) -> None:
         tmp.replace(cache / f"{key}.json")
 
 
-def _compile_worker(fields: dict[str, Any]) -> tuple[dict | None, str]:
-    """Runs in a worker process: compile one configuration; ``(Compiled as dict, error)``."""
-    try:
-        return dataclasses.asdict(compile_config(resolve(config_from_dict(fields)))), ""
-    except Exception as e:  # a layout XLA or the model refuses is reported, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+def _why(returncode: int, stderr: str) -> str:
+    """The first informative line of a failed worker: its own message, XLA's CHECK line
+    (glog ``F...``/``E...``), else the signal or exit code."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    line = next((ln for ln in lines if ln.startswith("shardax plan worker:")), None)
+    if line is not None:
+        return line.removeprefix("shardax plan worker:").strip()[:200]
+    line = next((ln for ln in lines if ln[:1] in "FE" and ln[1:5].isdigit()), None)
+    if line is None and returncode < 0:
+        try:
+            line = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            line = f"killed by signal {-returncode}"
+    return (line or f"exit code {returncode}")[:200]
 
 
 class _Workers:
-    """Compiles in ``jobs`` fresh processes (``python -m shardax.plan.worker``), so a layout
-    that crashes the compiler costs only its own process; they inherit XLA_FLAGS (the device
-    count) and JAX_PLATFORMS."""
+    """Compiles in ``jobs`` fresh processes (`WORKER`), also with ``jobs=1``, so a layout that
+    crashes the compiler (an XLA CHECK aborts the whole process) costs only its own process;
+    they inherit XLA_FLAGS (the device count) and JAX_PLATFORMS."""
 
     def __init__(self, jobs: int, tmp: Path):
         self.jobs, self.tmp, self.running, self.n = jobs, tmp, [], 0
@@ -255,8 +264,8 @@ class _Workers:
         out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
         fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
         with open(err, "w") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", "shardax.plan.worker", fields,
-                                     str(out)], stdout=subprocess.DEVNULL, stderr=stderr)
+            proc = subprocess.Popen([*WORKER, fields, str(out)], stdout=subprocess.DEVNULL,
+                                    stderr=stderr)
         self.running.append((proc, config, out, err))
 
     def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
@@ -268,9 +277,8 @@ class _Workers:
             if proc.returncode == 0 and out.exists():
                 done.append((config, json.loads(out.read_text()), ""))
             else:
-                lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
-                why = next((ln for ln in lines if ln.startswith(("F", "E", "shardax"))), "")
-                done.append((config, None, f"exit code {proc.returncode}: {why[:200]}"))
+                why = _why(proc.returncode, err.read_text(errors="replace"))
+                done.append((config, None, f"could not compile: {why}"))
         self.running = still
         return done
 
@@ -326,14 +334,12 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     pending = iter(order)
     launched = 0
     skipped = 0
-    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-"))) if jobs > 1 \
-        else None
+    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-")))
     try:
         while True:
             over_time = time.perf_counter() - start > budget_s
             # Launch (or compile inline) the next candidates that still look like they fit.
-            while launched < max_compiles and not over_time and (
-                    workers is None or workers.free()):
+            while launched < max_compiles and not over_time and workers.free():
                 item = next(pending, None)
                 if item is None:
                     break
@@ -351,13 +357,9 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                 if hit is not None:
                     cached += 1
                     take(config, hit)
-                elif workers is None:
-                    fields, error = _compile_worker({k: getattr(config, k) for k in STEP_FIELDS})
-                    _collect(config, fields, error, take, failed, cache, devices)
-                    over_time = time.perf_counter() - start > budget_s
                 else:
                     workers.submit(config)
-            if workers is None or not workers.running:
+            if not workers.running:
                 break
             for config, fields, error in workers.finished():
                 _collect(config, fields, error, take, failed, cache, devices)
@@ -366,8 +368,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                 break
             time.sleep(0.2)
     finally:
-        if workers is not None:
-            workers.stop()
+        workers.stop()
     estimates = [estimate(resolved[id(config)], compiled, device, hbm)
                  for config, compiled in results]
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
