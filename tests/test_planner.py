@@ -23,10 +23,11 @@ from shardax.cli import main
 from shardax.devices import device_spec
 from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
+from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
 from shardax.plan.estimate import across_bytes, train_command
 from shardax.plan.search import axes_across_hosts
-from shardax.train.config import TrainConfig, check
+from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.resolve import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -217,3 +218,22 @@ def test_replica_groups_in_every_spelling():
     assert across_bytes(ops, 4) == {"1": 20 + 7 + 5, "2": 7 + 5}
     assert axes_across_hosts("pp=2,fsdp=4,tp=2", 8) == {"pp"}
     assert axes_across_hosts("pp=2,fsdp=4,tp=2", 4) == {"pp", "fsdp"}
+
+
+def test_calibration_moves_estimates_toward_measured_step_times(real_run, capsys, monkeypatch):
+    config, _ = real_run
+    out = Path(config.out)
+    device, (fit,) = calibrate([out], H100)
+    assert fit.measured_s > 0 and fit.compute_at_peak_s > 0
+    assert abs(fit.after_s - fit.measured_s) < abs(fit.before_s - fit.measured_s)
+    assert fit.after_s == pytest.approx(fit.measured_s, rel=0.01)  # one run: matched
+    assert device.flops_fraction < H100.flops_fraction  # a CPU is far from an H100's peak
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = main(["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32",
+                 "--mesh", "fsdp=4,tp=2", "--remat", "full", "--target", "h100",
+                 "--calibrate", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "calibration from 1 run(s)" in text and str(out) in text
+    assert f"x {device.flops_fraction:.2f} achievable" in text.split("assumptions:")[1]
+    with pytest.raises(UsageError, match="checkpoints: no config.json"):
+        calibrate([out / "checkpoints"], H100)

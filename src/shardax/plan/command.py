@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 
 from shardax.devices import DeviceSpec, device_spec
+from shardax.plan.calibrate import calibrate
 from shardax.plan.estimate import assumptions, plan_config, seconds, train_command
 from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.config import PlanConfig, TrainConfig, UsageError
@@ -91,6 +92,15 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
         hbm = parse_bytes(args.hbm) if args.hbm else device.hbm_bytes
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.calibrate:
+        fitted, fits = calibrate([Path(d) for d in args.calibrate], device)
+        print(f"calibration from {len(fits)} run(s): achievable fraction of peak FLOP/s "
+              f"{fitted.flops_fraction:.3g} (the table's: {device.flops_fraction:.2f})"
+              + ("; --flops-fraction given, so not used" if args.flops_fraction else ""))
+        for fit in fits:
+            print(fit.line())
+        if not args.flops_fraction:
+            device = fitted
     print(assumptions(device, hbm))
     if args.search:
         cache = None if args.cache == "none" else Path(args.cache or DEFAULT_CACHE)

@@ -242,6 +242,9 @@ class PlanConfig:
     pipeline: bool = False
     """--search pipeline layouts within a host too (by default only where each stage is whole
     hosts, or when nothing else fits)"""
+    calibrate: list[str] = field(default_factory=list)
+    """run directories of past shardax train runs on the target: their measured step times
+    fit the achievable fraction of peak FLOP/s (an explicit --flops-fraction wins)"""
 
 
 def flag(name: str) -> str:
