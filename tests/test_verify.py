@@ -74,6 +74,12 @@ def test_bad_verify_input_is_one_line_and_exit_code_2(args, needle):
     assert needle in lines[0]
 
 
+def test_rules_naming_an_axis_no_layout_has_are_a_usage_error():
+    step = load_step(f"{STEPS}:make_step")  # its rules name 'fsdp' and 'tp'
+    with pytest.raises(UsageError, match="the rules do not apply: .*unknown mesh axis 'fsdp'"):
+        verify(step, parse_layouts("dp=2"), steps=1)
+
+
 def test_layouts_parse():
     assert parse_layouts("fsdp=8; dp=2,tp=4;") == [{"fsdp": 8}, {"dp": 2, "tp": 4}]
     with pytest.raises(UsageError, match="no -1"):

@@ -204,7 +204,11 @@ def _run(step: Step, mesh: jax.sharding.Mesh, steps: int, lr: float, seed: int
          ) -> tuple[list[float], list[Any], Any, Any, Any]:
     """``(losses, grads per step, final params, compiled step, param shardings)``."""
     params = step.init_fn(jax.random.key(seed))
-    specs = match_specs(step.rules, params, mesh)
+    try:
+        specs = match_specs(step.rules, params, mesh)
+    except ValueError as e:  # an axis no layout has, a size the mesh cannot divide
+        layout = _text({k: v for k, v in mesh.shape.items() if v > 1}) or "one device"
+        raise UsageError(f"layout {layout}: the rules do not apply: {e}") from None
     param_sh = jax.tree.map(lambda s: NamedSharding(mesh, s if s is not None else
                                                     PartitionSpec()), specs,
                             is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
