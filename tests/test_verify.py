@@ -50,6 +50,13 @@ def test_explicit_shard_map_step_passes_and_missing_psum_fails_naming_the_leaf()
     assert "fsdp=2 (2 devices): same" in proc.stdout  # no 'tp' axis: nothing to forget
 
 
+def test_an_nnx_step_matches_one_device():
+    report = verify(load_step(f"{STEPS}:make_nnx_step"), parse_layouts("fsdp=4;fsdp=2"))
+    assert report.ok, [r.line() for r in report.layouts]
+    assert "kernel" in report.layouts[0].grad_leaf + report.layouts[0].param_leaf or \
+        "bias" in report.layouts[0].grad_leaf + report.layouts[0].param_leaf
+
+
 def test_a_large_leaf_left_replicated_is_a_warning_naming_it():
     report = verify(load_step(f"{STEPS}:make_replicated_step"), parse_layouts("fsdp=4"),
                     steps=1)
