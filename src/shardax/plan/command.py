@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from shardax.train.config import PlanConfig, TrainConfig, UsageError
 
 __all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]
 
-log = logging.getLogger("shardax.plan")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
