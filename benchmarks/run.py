@@ -34,7 +34,7 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
 SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp",
-            "data_memory", "hf", "planner", "attention", "moe")
+            "data_memory", "hf", "planner", "attention", "moe", "published")
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0}  # seconds, over --timeout
@@ -160,6 +160,7 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     import overhead
     import peers
     import planner
+    import published
 
     def ok(name: str) -> dict | None:
         return outcomes.get(name, {}).get("result")
@@ -205,6 +206,11 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
         summary += moe.summary(ok("moe"))
     elif "moe" in outcomes:
         parts.append(_failed("12. Mixture of experts", outcomes["moe"]))
+    if ok("published"):
+        parts.append(published.render(ok("published")))
+        summary += published.summary(ok("published"))
+    elif "published" in outcomes:
+        parts.append(_failed("13. Planner: against published runs", outcomes["published"]))
 
     head = [
         "# Benchmark results",

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^([ \t]*)```(\w*)\n(.*?)^[ \t]*```", re.MULTILINE | re.DOTALL)
 NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->\s*$")
-HIDDEN = re.compile(r"\bshardax (train|plan|generate|export|launch)\s")
+HIDDEN = re.compile(r"\bshardax (train|plan|generate|export|launch|verify)\s")
 COMMAND = re.compile(r"^(?:\.venv/bin/)?(shardax \w+|python3?)(\s|$)")  # not "shardax train: ..."
 
 # (doc, first line of the snippet or command) -> the test that runs the same thing.
@@ -156,6 +156,15 @@ COVERED: dict[tuple[str, str], str] = {
                          "--precision params=float32,compute=bfloat16 --devices 64 --hbm 80GiB "
                          "--search --jobs 2"):
         "tests/test_planner.py::test_search_returns_only_fitting_layouts",
+    ("docs/planning.md", "shardax train --model llama-tiny --steps 20 --log-every 2 "
+                         "--out runs/cal"):
+        "tests/test_planner.py::test_calibration_moves_estimates_toward_measured_step_times",
+    ("docs/planning.md", "shardax plan --model llama-tiny --mesh fsdp=8 --target h100 "
+                         "--calibrate runs/cal"):
+        "tests/test_planner.py::test_calibration_moves_estimates_toward_measured_step_times",
+    ("docs/planning.md", "shardax verify tests/fixtures/verify_steps.py:make_step --layouts "
+                         "\"fsdp=8;fsdp=4,tp=2;dp=2,fsdp=2,tp=2\" --steps 3 --json cert.json"):
+        "tests/test_verify.py::test_a_correct_step_matches_one_device_on_every_layout",
     ("docs/scaling_a_train_step.md", "plan = train_step.plan(state, batch)"):
         "tests/test_plan.py::test_rows_cover_every_input_and_output_leaf",
     ("docs/sharded_init.md", "from shardax.sharding import MeshShardingHelper, LogicalAxisRules"):

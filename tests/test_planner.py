@@ -8,6 +8,8 @@ search test compiles two tiny layouts once (an on-disk cache serves the second s
 the memory limit between their peaks.
 """
 
+import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -19,14 +21,18 @@ from _reference import TINY_TRAIN
 
 from shardax.cli import main
 from shardax.devices import device_spec
+from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
+from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
-from shardax.plan.estimate import train_command
-from shardax.train.config import TrainConfig, check
+from shardax.plan.estimate import across_bytes, train_command
+from shardax.plan.search import axes_across_hosts
+from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.resolve import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 H100 = device_spec("h100")
+BARE = dataclasses.replace(H100, reserved_bytes=0)  # memory limits of tiny layouts, in bytes
 TINY = dict(model="llama-tiny", batch_size=TINY_TRAIN["batch_size"], seq_len=TINY_TRAIN["seq_len"])
 
 
@@ -51,7 +57,8 @@ def test_plan_memory_equals_the_real_runs_compiled_memory(real_run):
     assert est.fits and est.bubble == 0.0
     # Roofline: the compute term is the model FLOPs (x 8/6 on the layers under full remat)
     # split over fsdp x tp = 8 devices, at the H100's peak.
-    assert 0 < est.compute_s < est.flops_per_device / H100.peak_flops * 1.01
+    assert 0 < est.compute_s < est.flops_per_device / (H100.peak_flops * H100.flops_fraction) \
+        * 1.01
     assert est.comm_s > 0 and est.step_s == est.compute_s + est.comm_s
 
 
@@ -61,10 +68,16 @@ def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, mo
     config, real = real_run
     code = main(["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32",
                  "--mesh", "fsdp=4,tp=2", "--remat", "full", "--hbm", "1MiB", "--target",
-                 "a100", "--json", str(tmp_path / "plan.json")])
+                 "a100", "--json", str(tmp_path / "plan.json"), "--host-link-gbps", "12.5",
+                 "--devices-per-host", "4", "--flops-fraction", "0.3"])
     out = capsys.readouterr().out
     assert code == 0
     assert "DOES NOT FIT" in out and "A100" in out  # a few MiB over a 1 MiB limit
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("assumptions: ")]
+    for needle in ("A100, 312 TFLOP/s peak bf16 x 0.30 achievable", "4 devices per host",
+                   "300 GB/s within a host and 12.5 GB/s across hosts", "x 0.75 achievable",
+                   "no overlap"):
+        assert needle in line, line
     assert "train it: shardax train --model llama-tiny --mesh fsdp=4,tp=2" in out
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["memory"] == real["memory"] and saved["fits"] is False
@@ -73,12 +86,12 @@ def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, mo
 def test_search_returns_only_fitting_layouts(tmp_path):
     base = TrainConfig(**TINY)
     cache = tmp_path / "cache"
-    first = search(base, H100, 1e12, max_compiles=2, cache=cache)
+    first = search(base, BARE, 1e12, max_compiles=2, cache=cache)
     assert first.compiled == 2 and first.cached == 0 and len(first.ranked) == 2
     peaks = sorted(e.compiled.peak_bytes for e in first.ranked)
     assert peaks[0] < peaks[1], "the test needs two layouts of different peak memory"
     limit = (peaks[0] + peaks[1]) / 2
-    second = search(base, H100, limit, max_compiles=2, cache=cache)
+    second = search(base, BARE, limit, max_compiles=2, cache=cache)
     assert second.cached >= 1  # the layout that fits again, from the cache
     big = max(first.ranked, key=lambda e: e.compiled.peak_bytes).config
     assert big not in [e.config for e in second.ranked]
@@ -92,15 +105,17 @@ def test_search_returns_only_fitting_layouts(tmp_path):
 
 
 def test_search_prunes_by_formula_before_compiling(tmp_path):
-    result = search(TrainConfig(**TINY), H100, 1024, max_compiles=2, cache=tmp_path)
-    assert result.ranked == [] and result.compiled == 0
-    assert result.pruned_memory == result.enumerated > 0
+    result = search(TrainConfig(**TINY), BARE, 1024, max_compiles=2, cache=tmp_path)
+    # All but plain FSDP with full remat, which is always compiled (and here does not fit);
+    # then the search tries again with pipelines, as nothing fits.
+    assert result.ranked == [] and result.compiled + result.cached == 1
+    assert result.pruned_memory == result.enumerated - 1 > 0
 
 
 def test_candidates_are_valid_train_configurations():
-    configs = candidates(TrainConfig(**TINY), 8)
+    configs = candidates(TrainConfig(**TINY), 8, pipeline=True)
     meshes = {c.mesh for c in configs}
-    assert {"dp=8", "fsdp=8", "fsdp=4,tp=2", "fsdp=4,pp=2", "cp=8"} <= meshes
+    assert {"dp=8", "fsdp=8", "fsdp=4,tp=2", "pp=2,fsdp=4", "cp=8"} <= meshes
     assert not any("ep=" in m for m in meshes)  # llama-tiny has no experts
     assert not any("tp=4" in m or "tp=8" in m for m in meshes)  # 2 KV heads
     for config in configs[:: max(len(configs) // 40, 1)]:  # a spread of them, checked fully
@@ -132,3 +147,93 @@ def test_bad_plan_input_is_one_line_and_exit_code_2(flags, needle):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardax plan: error: "), proc.stderr
     assert needle in lines[0]
+
+
+def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypatch):
+    """XLA CHECK failures abort the process: the first compile's worker aborts (as a crashing
+    compiler would), and the search reports it and goes on, with --jobs 1."""
+    search_mod = importlib.import_module("shardax.plan.search")  # the module, not search()
+    marker, script = tmp_path / "crashed", tmp_path / "crashing_worker.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        f"marker = {str(marker)!r}\n"
+        "if not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        "    os.abort()\n"
+        "runpy.run_module('shardax.plan.worker', run_name='__main__')\n")
+    monkeypatch.setattr(search_mod, "WORKER", [sys.executable, str(script)])
+    result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
+    assert marker.exists()
+    assert len(result.failed) == 1 and "could not compile: killed by SIGABRT" in \
+        result.failed[0], result.failed
+    assert result.compiled == 2 and len(result.ranked) == 2
+
+
+def test_pipelines_only_across_hosts_unless_asked():
+    base = TrainConfig(model="llama-small", batch_size=16, seq_len=128)
+    assert not any("pp=" in c.mesh for c in candidates(base, 8))  # one host of 8
+    across = {c.mesh for c in candidates(base, 8, devices_per_host=4)}
+    assert "pp=2,fsdp=4" in across and "pp=4,fsdp=2" not in across  # stages of whole hosts
+    assert "pp=4,fsdp=2" in {c.mesh for c in candidates(base, 8, pipeline=True)}
+    remats = {c.remat for c in candidates(base, 8)}
+    assert {"none", "full", "save_dots"} <= remats and any(r.startswith("names:") for r in remats)
+    long = {c.attention for c in candidates(dataclasses.replace(base, seq_len=1024), 8)}
+    assert long == {"auto", "xla"}
+
+
+def test_llama_small_on_8_devices_fits_plain_fsdp_with_full_remat():
+    base = TrainConfig(model="llama-small", batch_size=16, seq_len=128)
+    result = search(base, H100, max_compiles=2, cache=None)
+    assert any(e.config["mesh"] == "fsdp=8" and e.config["remat"] == "full"
+               for e in result.ranked), [e.config for e in result.ranked]
+
+
+def test_collectives_over_an_axis_spanning_hosts_use_the_slower_tier(real_run):
+    config, _ = real_run  # fsdp=4,tp=2: 'tp' groups of 2 neighbours, 'fsdp' groups stride 2
+    one_host = plan_config(config, H100)
+    assert one_host.across_s == 0
+    two_hosts = plan_config(config, dataclasses.replace(H100, devices_per_host=4))
+    across = two_hosts.compiled.across["4"]
+    assert 0 < across < sum(v["bytes"] * 2 for v in two_hosts.compiled.collectives.values())
+    assert two_hosts.across_s == pytest.approx(across / (H100.host_link_bytes_per_s * 0.75))
+    assert two_hosts.comm_s > one_host.comm_s
+    tp_only = plan_config(dataclasses.replace(config, mesh="fsdp=4,tp=2"),
+                          dataclasses.replace(H100, devices_per_host=2))
+    assert tp_only.compiled.across["2"] == across  # the same groups: 'tp' stays inside
+
+
+def test_replica_groups_in_every_spelling():
+    assert replica_groups("replica_groups={{0,2},{1,3}}, to_apply=%a") == ((0, 2), (1, 3))
+    assert replica_groups("replica_groups={}, to_apply=%a") is None
+    assert replica_groups("replica_groups=[4,2]<=[2,4]T(1,0), x") == (
+        (0, 4), (1, 5), (2, 6), (3, 7))
+    mesh = "replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, u"
+    assert replica_groups(mesh) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, d") == (
+        (0, 4), (1, 5), (2, 6), (3, 7))
+    assert replica_groups("source_target_pairs={{0,1},{1,0}}") == ((0, 1), (1, 0))
+    ops = [CollectiveOp("a", "all-reduce", "f32", 10, 1, "main", ((0, 1), (2, 3))),
+           CollectiveOp("g", "all-gather", "f32", 7, 1, "main", ((0, 2), (1, 3))),
+           CollectiveOp("p", "all-gather", "f32", 5, 1, "main", None)]
+    assert across_bytes(ops, 4) == {"1": 20 + 7 + 5, "2": 7 + 5}
+    assert axes_across_hosts("pp=2,fsdp=4,tp=2", 8) == {"pp"}
+    assert axes_across_hosts("pp=2,fsdp=4,tp=2", 4) == {"pp", "fsdp"}
+
+
+def test_calibration_moves_estimates_toward_measured_step_times(real_run, capsys, monkeypatch):
+    config, _ = real_run
+    out = Path(config.out)
+    device, (fit,) = calibrate([out], H100)
+    assert fit.measured_s > 0 and fit.compute_at_peak_s > 0
+    assert abs(fit.after_s - fit.measured_s) < abs(fit.before_s - fit.measured_s)
+    assert fit.after_s == pytest.approx(fit.measured_s, rel=0.01)  # one run: matched
+    assert device.flops_fraction < H100.flops_fraction  # a CPU is far from an H100's peak
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    code = main(["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32",
+                 "--mesh", "fsdp=4,tp=2", "--remat", "full", "--target", "h100",
+                 "--calibrate", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "calibration from 1 run(s)" in text and str(out) in text
+    assert f"x {device.flops_fraction:.2f} achievable" in text.split("assumptions:")[1]
+    with pytest.raises(UsageError, match="checkpoints: no config.json"):
+        calibrate([out / "checkpoints"], H100)

@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveOp",
     "CollectiveStats",
     "hlo_collectives",
+    "replica_groups",
     "summarize_collectives",
     "memory_bytes",
 ]
@@ -59,6 +60,52 @@ class CollectiveOp:
     bytes: int
     multiplier: int
     computation: str
+    groups: tuple[tuple[int, ...], ...] | None = None  # device ids that talk; None: all
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """``[2,4]`` and ``T(1,0)`` of an iota device list -> the ids in that order."""
+    shape = [int(d) for d in dims.split(",") if d]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+
+
+def replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device groups of a collective's attributes, in any of XLA's spellings: explicit
+    ``replica_groups={{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, the mesh form
+    ``mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}``, and a permute's
+    ``source_target_pairs`` (each pair a group). None: all devices, or a form not known.
+
+    >>> replica_groups("replica_groups=[2,2]<=[4]")
+    ((0, 1), (2, 3))
+    """
+    pairs = re.search(r"source_target_pairs=\{(\{[\d,{}]*\})\}", attrs)
+    if pairs:
+        return tuple(tuple(int(i) for i in g.split(",")) for g in
+                     re.findall(r"\{([\d,]+)\}", pairs.group(1)))
+    explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
+    if explicit:
+        groups = tuple(tuple(int(i) for i in g.split(",") if i) for g in
+                       re.findall(r"\{([\d,]*)\}", explicit.group(1)))
+        return groups if groups and groups[0] else None
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                     attrs)
+    if iota:
+        ids = _iota(iota.group(3), iota.group(4)).reshape(int(iota.group(1)),
+                                                          int(iota.group(2)))
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\]"
+                     r"(?:T\(([\d,]+)\))?\))?\s*\{([^}]*)\}", attrs)
+    if mesh:
+        axes = re.findall(r"'([^']+)'=(\d+)", mesh.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        ids = (_iota(mesh.group(2), mesh.group(3)) if mesh.group(2)
+               else np.arange(int(np.prod(sizes)))).reshape(sizes)
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(4))]
+        rest = [i for i in range(len(names)) if i not in over]
+        ids = ids.transpose(rest + over).reshape(-1, int(np.prod([sizes[i] for i in over])))
+        return tuple(tuple(int(i) for i in row) for row in ids)
+    return None
 
 
 @dataclass
@@ -166,7 +213,7 @@ def hlo_collectives(hlo: str) -> list[CollectiveOp]:
                     out_bytes = in_bytes  # no done op found: the start's type repeats inputs
                 ops.append(CollectiveOp(name, base, in_dtype or out_dtype,
                                         max(in_bytes, out_bytes) * multiplier, multiplier,
-                                        computation))
+                                        computation, replica_groups(attrs)))
             trip = _TRIP_COUNT.search(attrs)
             for kind, callee in _CALLEE.findall(attrs):
                 loop_body = opcode == "while" and kind == "body" and trip

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 from pathlib import Path
 
 import jax
 
 from shardax.devices import DeviceSpec, device_spec
-from shardax.plan.estimate import plan_config, seconds, train_command
+from shardax.plan.calibrate import calibrate
+from shardax.plan.estimate import assumptions, plan_config, seconds, train_command
 from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.config import PlanConfig, TrainConfig, UsageError
 
 __all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]
 
-log = logging.getLogger("shardax.plan")
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10,
           "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -39,10 +38,15 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2).lower()]
 
 
-def target_device(name: str | None, peak_tflops: float = 0.0,
-                  link_gbps: float = 0.0) -> DeviceSpec:
+def target_device(name: str | None, peak_tflops: float = 0.0, link_gbps: float = 0.0,
+                  **overrides: float) -> DeviceSpec:
     """The device the estimate is for: ``name`` from the table (default: the local
-    accelerator if the table knows it, else H100), with the overrides applied."""
+    accelerator if the table knows it, else H100), with the overrides applied (``overrides``:
+    `DeviceSpec` fields; zeros keep the table's value).
+
+    >>> target_device("h100", devices_per_host=4).devices_per_host
+    4
+    """
     if name:
         spec = device_spec(name)
         if spec is None:
@@ -54,7 +58,15 @@ def target_device(name: str | None, peak_tflops: float = 0.0,
         spec = dataclasses.replace(spec, peak_flops=peak_tflops * 1e12)
     if link_gbps:
         spec = dataclasses.replace(spec, link_bytes_per_s=link_gbps * 1e9)
-    return spec
+    return dataclasses.replace(spec, **{k: v for k, v in overrides.items() if v})
+
+
+def _hardware(config: TrainConfig, args: PlanConfig) -> DeviceSpec:
+    """The target with every ``shardax plan`` override applied."""
+    return target_device(args.target, config.peak_tflops, args.link_gbps,
+                         host_link_bytes_per_s=args.host_link_gbps * 1e9,
+                         devices_per_host=args.devices_per_host,
+                         flops_fraction=args.flops_fraction, link_fraction=args.link_fraction)
 
 
 def check_device_flags(args: PlanConfig) -> None:
@@ -74,21 +86,32 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
     run; ``args``: the plan-only flags); bad input is a UsageError. Call it with
     ``jax.device_count()`` devices already set up (``shardax.cli`` emulates ``--devices``)."""
     try:
-        device = target_device(args.target, config.peak_tflops, args.link_gbps)
+        device = _hardware(config, args)
         hbm = parse_bytes(args.hbm) if args.hbm else device.hbm_bytes
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.calibrate:
+        fitted, fits = calibrate([Path(d) for d in args.calibrate], device)
+        print(f"calibration from {len(fits)} run(s): achievable fraction of peak FLOP/s "
+              f"{fitted.flops_fraction:.3g} (the table's: {device.flops_fraction:.2f})"
+              + ("; --flops-fraction given, so not used" if args.flops_fraction else ""))
+        for fit in fits:
+            print(fit.line())
+        if not args.flops_fraction:
+            device = fitted
+    print(assumptions(device, hbm))
     if args.search:
         cache = None if args.cache == "none" else Path(args.cache or DEFAULT_CACHE)
         result = search(config, device, hbm, max_compiles=args.max_compiles,
-                        budget_s=args.time_budget, jobs=args.jobs, cache=cache, top=args.top)
+                        budget_s=args.time_budget, jobs=args.jobs, cache=cache, top=args.top,
+                        pipeline=args.pipeline)
         print(f"searched {result.enumerated} layouts on {jax.device_count()} devices in "
               f"{result.seconds:.0f} s: {result.pruned_memory} over {hbm / 2**30:.1f} GiB "
               f"by formula, {result.compiled} compiled ({result.cached} from the cache), "
               f"{result.over_hbm} over by compiled memory, {len(result.failed)} refused, "
               f"{result.skipped_budget} left out of the time budget")
         for reason in result.failed:
-            log.info("refused: %s", reason)
+            print(f"refused: {reason}")
         if not result.ranked:
             print("no layout fits: try a smaller --batch-size or --seq-len, bf16 parameters, "
                   "more --devices or a larger --max-compiles / --time-budget")

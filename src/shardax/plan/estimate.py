@@ -8,10 +8,12 @@ estimate reads the compiled program:
   arguments + outputs - aliased (donated) + temporaries);
 - collectives per step: the optimized HLO (``shardax.hlo.hlo_collectives``), loop trip
   counts included;
-- step time, a roofline: ``compute_s + comm_s`` with
-  ``compute_s = model FLOPs per device x remat factor / peak FLOP/s / (1 - pipeline bubble)``
-  and ``comm_s = sum(bytes of each collective x (2 for all-reduce, else 1)) / link bandwidth``
-  (no overlap of compute and communication assumed).
+- step time, a roofline on the target's hardware model (`shardax.devices.DeviceSpec`):
+  ``compute_s + comm_s`` with ``compute_s = model FLOPs per device x remat factor /
+  (peak FLOP/s x achievable fraction) / (1 - pipeline bubble)`` and ``comm_s`` = the bytes of
+  each collective (x 2 for all-reduce) over the achievable bandwidth of its tier: within a host,
+  or across hosts where one of its device groups spans hosts (no overlap of compute and
+  communication assumed).
 
 >>> est = plan_config(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
 >>> print(est.summary())  # doctest: +SKIP
@@ -36,8 +38,9 @@ from shardax.train.config import TrainConfig
 from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
 
-__all__ = ["Compiled", "Estimate", "plan_config", "compile_config", "estimate",
-           "work_split", "remat_factor", "seconds", "train_command"]
+__all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",
+           "compile_config", "estimate", "plan_config", "remat_factor", "seconds",
+           "train_command", "work_split"]
 
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
@@ -45,8 +48,8 @@ STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "
                "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
                "offload_optimizer", "lora_rank", "lora_alpha", "lora_targets")
 # Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
-# 'names:'/'offload:' policy keeps only some activations: counted as recomputing all (an
-# upper bound).
+# 'names:'/'offload:' policy recomputes the matmuls whose outputs it does not save
+# (`_names_factor`).
 _REMAT_FACTOR = {"none": 1.0, "dots": 1.0, "save_dots": 1.0, "offload": 1.0, "full": 8 / 6}
 
 
@@ -59,6 +62,9 @@ class Compiled:
     devices: int
     mesh: dict[str, int]
     compile_s: float
+    # str(devices per host) -> collective bytes (x 2 for all-reduce) whose device groups span
+    # hosts of that size; a host size not listed: none cross (one host) or all do.
+    across: dict[str, int] = field(default_factory=dict)
 
     @property
     def peak_bytes(self) -> int:
@@ -81,9 +87,11 @@ class Estimate:
     comm_s: float
     notes: list[str] = field(default_factory=list)
 
+    across_s: float = 0.0  # the part of comm_s spent on links across hosts
+
     @property
     def fits(self) -> bool:
-        return self.compiled.peak_bytes <= self.hbm_bytes
+        return self.compiled.peak_bytes + self.device.reserved_bytes <= self.hbm_bytes
 
     @property
     def step_s(self) -> float:
@@ -96,7 +104,9 @@ class Estimate:
                 "hbm_bytes": self.hbm_bytes, "fits": self.fits,
                 "collectives": self.compiled.collectives, "bubble": self.bubble,
                 "flops_per_device": self.flops_per_device, "compute_s": self.compute_s,
-                "comm_s": self.comm_s, "step_s": self.step_s, "device": self.device.name,
+                "comm_s": self.comm_s, "across_hosts_s": self.across_s,
+                "step_s": self.step_s, "device": self.device.name,
+                "hardware": dataclasses.asdict(self.device),
                 "compile_s": self.compiled.compile_s}
 
     def summary(self) -> str:
@@ -109,8 +119,9 @@ class Estimate:
             f"grad accum {self.config['grad_accum']}",
             f"memory per device: arguments {_human(m['argument_size_in_bytes'])}, outputs "
             f"{_human(m['output_size_in_bytes'])} ({_human(m['alias_size_in_bytes'])} aliased), "
-            f"temporaries {_human(m['temp_size_in_bytes'])}; peak {_human(c.peak_bytes)} of "
-            f"{_human(self.hbm_bytes)}: " + ("fits" if self.fits else "DOES NOT FIT"),
+            f"temporaries {_human(m['temp_size_in_bytes'])}; peak {_human(c.peak_bytes)} + "
+            f"{_human(self.device.reserved_bytes)} reserved of {_human(self.hbm_bytes)}: "
+            + ("fits" if self.fits else "DOES NOT FIT"),
             *([f"in host memory per device: {_human(m['host_argument_size_in_bytes'])} "
                "(--offload-optimizer: the optimizer state, moved to the device and back each "
                "step; not in the peak)"] if m.get("host_argument_size_in_bytes") else []),
@@ -118,12 +129,53 @@ class Estimate:
                 f"{k} x{v['count']} ({_human(v['bytes'])})" for k, v in used.items()) or "none"),
             f"pipeline bubble: {self.bubble:.1%}",
             f"estimated step time on {self.device.name}: {seconds(self.step_s)} = compute "
-            f"{seconds(self.compute_s)} ({self.flops_per_device:.3g} FLOPs per device at "
-            f"{self.device.peak_flops / 1e12:.0f} TFLOP/s) + communication "
-            f"{seconds(self.comm_s)} (at {self.device.link_bytes_per_s / 1e9:.0f} GB/s)",
+            f"{seconds(self.compute_s)} ({self.flops_per_device:.3g} FLOPs per device) + "
+            f"communication {seconds(self.comm_s)} ({seconds(self.across_s)} of it across "
+            "hosts)",
             f"train it: {train_command(self.config)}",
         ]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+
+def assumptions(device: DeviceSpec, hbm_bytes: float) -> str:
+    """The hardware model an estimate rests on, as printed by ``shardax plan``."""
+    d = device
+    return (f"assumptions: {d.name}, {d.peak_flops / 1e12:.0f} TFLOP/s peak bf16 x "
+            f"{d.flops_fraction:.2f} achievable; {_human(hbm_bytes)} per device, "
+            f"{_human(d.reserved_bytes)} of it reserved outside the program; "
+            f"{d.devices_per_host} devices per host; links {d.link_bytes_per_s / 1e9:.0f} GB/s "
+            f"within a host and {d.host_link_bytes_per_s / 1e9:.1f} GB/s across hosts per "
+            f"device, x {d.link_fraction:.2f} achievable; no overlap of compute and "
+            "communication; memory from a CPU compile of the same program (GPU/TPU temporaries "
+            "differ: keep a few GiB spare)")
+
+
+def across_bytes(ops: list[Any], devices: int) -> dict[str, int]:
+    """For each host size that divides ``devices`` (below it): the collective bytes (x 2 for
+    all-reduce) whose device groups span hosts; ``ops``: `shardax.hlo.CollectiveOp`."""
+    out = {}
+    for per_host in (d for d in range(1, devices) if devices % d == 0):
+        total = 0
+        for op in ops:
+            groups = op.groups if op.groups is not None else (tuple(range(devices)),)
+            if any(len({i // per_host for i in g}) > 1 for g in groups):
+                total += op.bytes * (2 if op.kind == "all-reduce" else 1)
+        out[str(per_host)] = total
+    return out
+
+
+def comm_seconds(compiled: Compiled, device: DeviceSpec) -> tuple[float, float]:
+    """``(total, across hosts)`` seconds of a compiled step's collectives on ``device``."""
+    moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
+                for k, v in compiled.collectives.items())
+    per_host = device.devices_per_host
+    if compiled.devices <= per_host:
+        across = 0
+    else:
+        across = compiled.across.get(str(per_host), moved)
+    across_s = across / (device.host_link_bytes_per_s * device.link_fraction)
+    return (moved - across) / (device.link_bytes_per_s * device.link_fraction) + across_s, \
+        across_s
 
 
 def seconds(s: float) -> str:
@@ -155,10 +207,28 @@ def train_command(config: dict[str, Any]) -> str:
 def remat_factor(model_config: Any, seq_len: int) -> float:
     """Executed FLOPs / model FLOPs under the model's remat policy (layers only: the output
     head is not rematerialised)."""
-    factor = _REMAT_FACTOR.get(model_config.remat, _REMAT_FACTOR["full"])
+    policy = model_config.remat
+    factor = _REMAT_FACTOR.get(policy) or (
+        _names_factor(model_config, policy, seq_len) if policy.startswith(("names:", "offload:"))
+        else _REMAT_FACTOR["full"])
     total = flops_per_token(model_config, seq_len)
     head = 6.0 * model_config.vocab_size * model_config.dim
     return (head + (total - head) * factor) / total
+
+
+def _names_factor(c: Any, policy: str, seq_len: int) -> float:
+    """Executed / model FLOPs of a layer under a policy that saves some named activations:
+    the forward work whose outputs are not saved runs again (``mlp_out``, the layer's output,
+    is never needed by the backward pass)."""
+    saved = set(policy.split(":", 1)[1].split(","))
+    d, m, heads = c.dim, getattr(c, "mlp_dim", 4 * c.dim), c.n_heads * c.head_dim
+    kv = getattr(c, "n_kv_heads", c.n_heads) * c.head_dim
+    forward = {"q": 2 * d * heads, "k": 2 * d * kv, "v": 2 * d * kv,
+               "attn_out": 4 * heads * seq_len, "attn_proj": 2 * heads * d,
+               "mlp_gate": 2 * d * m, "mlp_up": 2 * d * m, "mlp_hidden": 0, "mlp_out": 0}
+    total = sum(forward.values()) + 2 * d * m  # + the down projection (mlp_out)
+    redone = sum(v for k, v in forward.items() if k not in saved)
+    return 1.0 + redone / total / 3.0  # forward is a third of forward + backward
 
 
 def work_split(run: Resolved) -> int:
@@ -186,7 +256,8 @@ def compile_config(run: Resolved) -> Compiled:
     plan = step_function(run, graphdef, end_id=0).plan(state, batch)  # any id: same program
     collectives = {k: {"count": v.count, "bytes": v.bytes} for k, v in plan.collectives.items()}
     return Compiled(plan.memory, collectives, jax.device_count(), dict(run.mesh.shape),
-                    time.perf_counter() - start)
+                    time.perf_counter() - start,
+                    across_bytes(plan.collective_ops, jax.device_count()))
 
 
 def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
@@ -197,17 +268,16 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
     flops = flops_per_token(run.model_config, config.seq_len) * tokens
     flops *= remat_factor(run.model_config, config.seq_len) / work_split(run)
     bubble = run.bubble
-    compute_s = flops / device.peak_flops / (1.0 - bubble)
-    moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
-                for k, v in compiled.collectives.items())
+    compute_s = flops / (device.peak_flops * device.flops_fraction) / (1.0 - bubble)
+    comm_s, across_s = comm_seconds(compiled, device)
     notes = []
     if not isinstance(run.model_config, models.LlamaConfig):
         notes.append("bubble and parallel axes apply to llama models only")
     return Estimate(
         config={k: getattr(config, k) for k in STEP_FIELDS}, compiled=compiled, device=device,
         hbm_bytes=hbm_bytes if hbm_bytes is not None else device.hbm_bytes, bubble=bubble,
-        flops_per_device=flops, compute_s=compute_s,
-        comm_s=moved / device.link_bytes_per_s, notes=notes)
+        flops_per_device=flops, compute_s=compute_s, comm_s=comm_s, notes=notes,
+        across_s=across_s)
 
 
 def plan_config(config: TrainConfig, device: DeviceSpec,

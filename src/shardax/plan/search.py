@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
+import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,12 +42,11 @@ import jax
 
 from shardax import models
 from shardax.devices import DeviceSpec
+from shardax.models.attention import BLOCKWISE_MIN_LEN
 from shardax.plan.estimate import (
     STEP_FIELDS,
     Compiled,
     Estimate,
-    compile_config,
-    config_from_dict,
     estimate,
     remat_factor,
 )
@@ -56,10 +58,15 @@ __all__ = ["SearchResult", "candidates", "search", "analytic"]
 
 log = logging.getLogger("shardax.plan")
 AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
-REMAT = ("none", "save_dots", "full")
+# 'names:' saves the attention's projections and output and recomputes the MLP (selective
+# activation checkpointing, as torchtitan and MaxText's presets do).
+REMAT = ("none", "save_dots", "names:q,k,v,attn_out", "full")
+MESH_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")  # outermost (across hosts) first
 GRAD_ACCUM = (1, 2, 4)
 MAX_TP = 8  # one node's fast links
 PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
+# The compile worker's command line (+ fields JSON, output path); tests replace it.
+WORKER = [sys.executable, "-m", "shardax.plan.worker"]
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
 
 
@@ -100,14 +107,18 @@ def _preset(sizes: dict[str, int]) -> str:
 
 
 def _mesh_text(sizes: dict[str, int]) -> str:
-    kept = {a: s for a, s in sizes.items() if s > 1} or {"dp": 1}
+    """Axes outermost first: 'tp' innermost, within a host; 'pp' outermost, across hosts."""
+    kept = {a: sizes[a] for a in MESH_ORDER if sizes.get(a, 1) > 1} or {"dp": 1}
     return ",".join(f"{a}={s}" for a, s in kept.items())
 
 
-def candidates(base: TrainConfig, devices: int) -> list[TrainConfig]:
-    """Every layout of ``base``'s model and batch over ``devices`` that the model allows."""
+def candidates(base: TrainConfig, devices: int, *, devices_per_host: int = 8,
+               pipeline: bool = False) -> list[TrainConfig]:
+    """Every layout of ``base``'s model and batch over ``devices`` that the model allows.
+    Pipeline layouts only where each stage is whole hosts, unless ``pipeline``."""
     c = models.get_config(base.model)
     llama = isinstance(c, models.LlamaConfig)
+    attentions = ("auto", "xla") if llama and base.seq_len >= BLOCKWISE_MIN_LEN else ("auto",)
     out = []
     for sizes_t in _factorizations(devices, len(AXES)):
         sizes = dict(zip(AXES, sizes_t))
@@ -117,7 +128,7 @@ def candidates(base: TrainConfig, devices: int) -> list[TrainConfig]:
             continue
         if not llama and (pp > 1 or cp > 1 or ep > 1):
             continue
-        if pp > 1 and c.n_layers % pp:
+        if pp > 1 and (c.n_layers % pp or not pipeline and (devices // pp) % devices_per_host):
             continue
         if cp > 1 and base.seq_len % (2 * cp):
             continue
@@ -127,18 +138,32 @@ def candidates(base: TrainConfig, devices: int) -> list[TrainConfig]:
         scans = (True,) if pp > 1 or c.n_layers > 12 else (False, True)
         schedules = [("gpipe", 0)] if pp == 1 else [
             (s, m) for s in ("gpipe", "1f1b") for m in (pp, 2 * pp)]
-        for remat in REMAT:
-            for scan in scans:
-                for accum in (GRAD_ACCUM if pp == 1 else (1,)):
-                    for schedule, micro in schedules:
-                        per_micro = base.batch_size // (accum * max(micro, 1))
-                        if base.batch_size % (accum * max(micro, 1)) or per_micro % batch_split:
-                            continue
-                        out.append(dataclasses.replace(
-                            base, mesh=_mesh_text(sizes), rules=_preset(sizes), remat=remat,
-                            scan_layers=scan, grad_accum=accum, pp_schedule=schedule,
-                            microbatches=micro, tp_mode="none", sequence_parallel=False,
-                            virtual_stages=1))
+        accums = GRAD_ACCUM if pp == 1 else (1,)
+        for remat, scan, attention, accum, (schedule, micro) in itertools.product(
+                REMAT, scans, attentions, accums, schedules):
+            per_micro = base.batch_size // (accum * max(micro, 1))
+            if base.batch_size % (accum * max(micro, 1)) or per_micro % batch_split:
+                continue
+            out.append(dataclasses.replace(
+                base, mesh=_mesh_text(sizes), rules=_preset(sizes), remat=remat,
+                scan_layers=scan, grad_accum=accum, pp_schedule=schedule, microbatches=micro,
+                tp_mode="none", sequence_parallel=False, virtual_stages=1, attention=attention))
+    return out
+
+
+def axes_across_hosts(mesh: str, devices_per_host: int) -> set[str]:
+    """The axes of a mesh string whose device groups span hosts (the last axis varies
+    fastest over the devices, which are numbered host by host).
+
+    >>> sorted(axes_across_hosts("pp=2,fsdp=8", 8))
+    ['pp']
+    """
+    sizes = [(a, int(v)) for a, v in (p.split("=") for p in mesh.split(","))]
+    out, stride = set(), 1
+    for axis, size in reversed(sizes):
+        if size > 1 and stride * size > devices_per_host:
+            out.add(axis)
+        stride *= size
     return out
 
 
@@ -167,23 +192,26 @@ def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[flo
     pp_micro = config.microbatches or sizes["pp"]
     bubble = (sizes["pp"] - 1) / (pp_micro + sizes["pp"] - 1)
     shard_bytes = n * param_bytes / (sizes["tp"] * sizes["pp"])
-    comm = 0.0
-    if batch_split > 1:
-        comm += 2 * shard_bytes  # gradient all-reduce (or reduce-scatter + all-gather)
+    comm: dict[str, float] = dict.fromkeys(AXES, 0.0)  # bytes moved over each axis
+    if batch_split > 1:  # gradient all-reduce (or reduce-scatter + all-gather)
+        comm["fsdp" if sizes["fsdp"] > 1 else "dp"] += 2 * shard_bytes
     if sizes["fsdp"] > 1:
-        comm += shard_bytes * config.grad_accum * (2 if config.remat == "full" else 1)
+        comm["fsdp"] += shard_bytes * config.grad_accum * (2 if config.remat == "full" else 1)
     rows = config.batch_size // batch_split
     act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
     layers = c.n_layers / sizes["pp"]
     if sizes["tp"] > 1:  # 2 all-reduces forward, 2 backward, of the [rows, seq, dim] stream
-        comm += 2 * 4 * layers * rows * config.seq_len * c.dim * act
+        comm["tp"] += 2 * 4 * layers * rows * config.seq_len * c.dim * act
     if sizes["cp"] > 1:  # ring attention: K and V go round the ring, forward and backward
         kv = getattr(c, "n_kv_heads", c.n_heads) * c.head_dim
-        comm += 3 * layers * (sizes["cp"] - 1) * 2 * rows * config.seq_len / sizes["cp"] \
-            * kv * act
+        comm["cp"] += 3 * layers * (sizes["cp"] - 1) * 2 * rows * config.seq_len \
+            / sizes["cp"] * kv * act
     if sizes["pp"] > 1:  # each microbatch's activations cross each stage boundary twice
-        comm += 2 * rows * config.seq_len / sizes["cp"] * c.dim * act
-    step = flops / device.peak_flops / (1 - bubble) + comm / device.link_bytes_per_s
+        comm["pp"] += 2 * rows * config.seq_len / sizes["cp"] * c.dim * act
+    spans = axes_across_hosts(config.mesh, device.devices_per_host)
+    comm_s = sum(b / ((device.host_link_bytes_per_s if a in spans else device.link_bytes_per_s)
+                      * device.link_fraction) for a, b in comm.items())
+    step = flops / (device.peak_flops * device.flops_fraction) / (1 - bubble) + comm_s
     return state, step
 
 
@@ -191,7 +219,9 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
                       batch_split: int) -> float:
     """Activations saved for the backward pass per device (Korthikanti et al. 2022, without
     dropout: ~30·s·b·h + 5·a·s²·b bytes per layer in 16 bits with no remat; the inputs of the
-    matmuls under save_dots; the layer input only under full remat), plus the logits."""
+    matmuls under save_dots; the named activations and the layer input under 'names:'; the
+    layer input only under full remat), plus the logits. The s² scores term only where the
+    attention materialises them ('xla', or 'auto' below the blockwise length)."""
     pp, cp, tp = sizes["pp"], sizes["cp"], sizes["tp"]
     micro = config.microbatches or pp
     in_flight = 1 if pp == 1 else micro if config.pp_schedule == "gpipe" else min(micro, pp)
@@ -199,17 +229,29 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
     tokens = rows * config.seq_len / cp
     act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
     h = c.dim
-    per_layer = {
-        "none": tokens * (30 * h + 5 * c.n_heads * config.seq_len / cp) * act / 2 / tp,
-        "save_dots": tokens * (4 * h + 3 * c.mlp_dim) * act / tp,
-    }.get("save_dots" if config.remat == "dots" else config.remat, tokens * h * act)
+    scores = config.attention == "xla" or (config.attention == "auto"
+                                           and config.seq_len < BLOCKWISE_MIN_LEN)
+    heads, kv = c.n_heads * c.head_dim, getattr(c, "n_kv_heads", c.n_heads) * c.head_dim
+    named = {"q": heads, "k": kv, "v": kv, "attn_out": heads, "attn_proj": h,
+             "mlp_gate": c.mlp_dim, "mlp_up": c.mlp_dim, "mlp_hidden": c.mlp_dim, "mlp_out": h}
+    if config.remat.startswith(("names:", "offload:")):
+        kept = h + sum(named.get(n, 0) for n in config.remat.split(":", 1)[1].split(","))
+        if config.remat.startswith("offload:"):
+            kept = h
+        per_layer = tokens * kept * act / tp
+    else:
+        per_layer = {
+            "none": tokens * (30 * h + 5 * c.n_heads * config.seq_len / cp * scores)
+            * act / 2 / tp,
+            "save_dots": tokens * (4 * h + 3 * c.mlp_dim) * act / tp,
+        }.get("save_dots" if config.remat == "dots" else config.remat, tokens * h * act)
     logits = 2 * tokens * c.vocab_size * 4 / tp
     return per_layer * c.n_layers / pp * in_flight + logits
 
 
 def _key(config: TrainConfig, devices: int) -> str:
     text = json.dumps({"config": {k: getattr(config, k) for k in STEP_FIELDS},
-                       "devices": devices, "jax": jax.__version__,
+                       "devices": devices, "jax": jax.__version__, "format": 2,
                        "backend": jax.default_backend()}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -231,18 +273,26 @@ def _store(cache: Path | None, key: str, compiled: Compiled) -> None:
         tmp.replace(cache / f"{key}.json")
 
 
-def _compile_worker(fields: dict[str, Any]) -> tuple[dict | None, str]:
-    """Runs in a worker process: compile one configuration; ``(Compiled as dict, error)``."""
-    try:
-        return dataclasses.asdict(compile_config(resolve(config_from_dict(fields)))), ""
-    except Exception as e:  # a layout XLA or the model refuses is reported, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+def _why(returncode: int, stderr: str) -> str:
+    """The first informative line of a failed worker: its own message, XLA's CHECK line
+    (glog ``F...``/``E...``), else the signal or exit code."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    line = next((ln for ln in lines if ln.startswith("shardax plan worker:")), None)
+    if line is not None:
+        return line.removeprefix("shardax plan worker:").strip()[:200]
+    line = next((ln for ln in lines if ln[:1] in "FE" and ln[1:5].isdigit()), None)
+    if line is None and returncode < 0:
+        try:
+            line = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            line = f"killed by signal {-returncode}"
+    return (line or f"exit code {returncode}")[:200]
 
 
 class _Workers:
-    """Compiles in ``jobs`` fresh processes (``python -m shardax.plan.worker``), so a layout
-    that crashes the compiler costs only its own process; they inherit XLA_FLAGS (the device
-    count) and JAX_PLATFORMS."""
+    """Compiles in ``jobs`` fresh processes (`WORKER`), also with ``jobs=1``, so a layout that
+    crashes the compiler (an XLA CHECK aborts the whole process) costs only its own process;
+    they inherit XLA_FLAGS (the device count) and JAX_PLATFORMS."""
 
     def __init__(self, jobs: int, tmp: Path):
         self.jobs, self.tmp, self.running, self.n = jobs, tmp, [], 0
@@ -255,8 +305,8 @@ class _Workers:
         out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
         fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
         with open(err, "w") as stderr:
-            proc = subprocess.Popen([sys.executable, "-m", "shardax.plan.worker", fields,
-                                     str(out)], stdout=subprocess.DEVNULL, stderr=stderr)
+            proc = subprocess.Popen([*WORKER, fields, str(out)], stdout=subprocess.DEVNULL,
+                                    stderr=stderr)
         self.running.append((proc, config, out, err))
 
     def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
@@ -268,9 +318,8 @@ class _Workers:
             if proc.returncode == 0 and out.exists():
                 done.append((config, json.loads(out.read_text()), ""))
             else:
-                lines = [ln for ln in err.read_text().splitlines() if ln.strip()]
-                why = next((ln for ln in lines if ln.startswith(("F", "E", "shardax"))), "")
-                done.append((config, None, f"exit code {proc.returncode}: {why[:200]}"))
+                why = _why(proc.returncode, err.read_text(errors="replace"))
+                done.append((config, None, f"could not compile: {why}"))
         self.running = still
         return done
 
@@ -284,31 +333,41 @@ class _Workers:
 
 def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None, *,
            max_compiles: int = 16, budget_s: float = 600.0, jobs: int = 1,
-           cache: Path | None = DEFAULT_CACHE, top: int | None = None) -> SearchResult:
+           cache: Path | None = DEFAULT_CACHE, top: int | None = None,
+           pipeline: bool = False) -> SearchResult:
     """Searches layouts of ``base`` (its model, batch, sequence, precision and optimizer) over
-    ``jax.device_count()`` devices; returns the fitting ones ranked by estimated step time.
+    ``jax.device_count()`` devices; returns the fitting ones ranked by estimated step time
+    (near-ties, within 2%, by fewer mesh axes).
 
+    Plain FSDP over all devices with full remat is always compiled first (the layout an
+    engineer tries first). Pipeline layouts are searched only where each stage is whole hosts,
+    unless ``pipeline``, or when nothing else fits (the search then runs again with them).
     The analytic memory is calibrated as results come in: once a compiled layout shows the
     formula underestimated its peak by a factor r, layouts whose formula memory x r is over
     the limit are no longer compiled."""
     start = time.perf_counter()
     hbm = hbm_bytes if hbm_bytes is not None else device.hbm_bytes
+    usable = hbm - device.reserved_bytes
     devices = jax.device_count()
-    every = candidates(base, devices)
+    every = candidates(base, devices, devices_per_host=device.devices_per_host,
+                       pipeline=pipeline)
     scored = []
     pruned = 0
+    baseline = _baseline(every, devices)
     for config in every:
         memory, step = analytic(config, devices, device)
-        if memory > hbm * PRUNE_MARGIN:
+        if memory > usable * PRUNE_MARGIN and config is not baseline:
             pruned += 1
             continue
         scored.append((step, memory, config))
     scored.sort(key=lambda x: x[0])
-    # The analytically best layout of each mesh first, then the runners-up: the compile budget
-    # goes to different meshes before variants of one (remat, accumulation) that rank together.
+    # Plain FSDP first; then the analytically best layout of each mesh, then the runners-up:
+    # the compile budget goes to different meshes before variants of one (remat,
+    # accumulation) that rank together.
     seen: set[str] = set()
     firsts = [i for i, (_, _, c) in enumerate(scored) if not (c.mesh in seen or seen.add(c.mesh))]
     order = [scored[i] for i in firsts + sorted(set(range(len(scored))) - set(firsts))]
+    order.sort(key=lambda item: item[2] is not baseline)  # stable: the rest keep their order
     log.info("search: %d layouts, %d over %.0f GiB by formula; compiling up to %d, "
              "analytically fastest first", len(every), pruned, hbm / 2**30, max_compiles)
     results: list[tuple[TrainConfig, Compiled]] = []
@@ -326,19 +385,17 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     pending = iter(order)
     launched = 0
     skipped = 0
-    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-"))) if jobs > 1 \
-        else None
+    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-")))
     try:
         while True:
             over_time = time.perf_counter() - start > budget_s
             # Launch (or compile inline) the next candidates that still look like they fit.
-            while launched < max_compiles and not over_time and (
-                    workers is None or workers.free()):
+            while launched < max_compiles and not over_time and workers.free():
                 item = next(pending, None)
                 if item is None:
                     break
                 _, memory, config = item
-                if memory * scale > hbm:
+                if memory * scale > usable and config is not baseline:
                     calibrated += 1
                     continue
                 try:
@@ -351,13 +408,9 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                 if hit is not None:
                     cached += 1
                     take(config, hit)
-                elif workers is None:
-                    fields, error = _compile_worker({k: getattr(config, k) for k in STEP_FIELDS})
-                    _collect(config, fields, error, take, failed, cache, devices)
-                    over_time = time.perf_counter() - start > budget_s
                 else:
                     workers.submit(config)
-            if workers is None or not workers.running:
+            if not workers.running:
                 break
             for config, fields, error in workers.finished():
                 _collect(config, fields, error, take, failed, cache, devices)
@@ -366,17 +419,36 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                 break
             time.sleep(0.2)
     finally:
-        if workers is not None:
-            workers.stop()
+        workers.stop()
     estimates = [estimate(resolved[id(config)], compiled, device, hbm)
                  for config, compiled in results]
-    fitting = sorted((e for e in estimates if e.fits), key=lambda e: e.step_s)
+    fitting = sorted((e for e in estimates if e.fits), key=_rank)
     over = sorted((e for e in estimates if not e.fits), key=lambda e: e.compiled.peak_bytes)
+    if not fitting and not pipeline and budget_s > time.perf_counter() - start:
+        log.info("search: nothing fits without pipeline parallelism; searching pipelines too")
+        again = search(base, device, hbm_bytes, max_compiles=max_compiles, jobs=jobs,
+                       budget_s=budget_s - (time.perf_counter() - start), cache=cache, top=top,
+                       pipeline=True)
+        again.failed[:0] = failed
+        again.seconds = time.perf_counter() - start
+        return again
     return SearchResult(
         ranked=fitting[:top] if top else fitting, enumerated=len(every),
         pruned_memory=pruned + calibrated, compiled=len(results) - cached, cached=cached,
         over_hbm=len(over), failed=failed, skipped_budget=skipped,
         seconds=time.perf_counter() - start, closest_over=over[:3])
+
+
+def _baseline(configs: list[TrainConfig], devices: int) -> TrainConfig | None:
+    """Plain FSDP over all devices, full remat, no accumulation, default attention."""
+    return next((c for c in configs if c.mesh == f"fsdp={devices}" and c.remat == "full"
+                 and c.grad_accum == 1 and c.attention == "auto"), None)
+
+
+def _rank(est: Estimate) -> tuple[float, int, float]:
+    """Estimated step time; within 2% of each other, fewer mesh axes first."""
+    return (round(math.log(est.step_s) / math.log(1.02)) if est.step_s > 0 else -math.inf,
+            sum(v > 1 for v in est.compiled.mesh.values()), est.step_s)
 
 
 def _collect(config: TrainConfig, fields: dict | None, error: str, take: Any,

@@ -249,7 +249,17 @@ class PlanConfig:
     hbm: str | None = None
     """memory per device, e.g. 80GiB or 94GB (default: the target's)"""
     link_gbps: float = 0.0
-    """one-way link bandwidth per device in GB/s (0: the target's)"""
+    """one-way link bandwidth per device within a host (NVLink, ICI) in GB/s (0: the
+    target's)"""
+    host_link_gbps: float = 0.0
+    """one-way bandwidth per device across hosts (its NIC; DCN for TPUs) in GB/s (0: the
+    target's)"""
+    devices_per_host: int = 0
+    """devices one host (NVLink domain, TPU slice) holds (0: the target's)"""
+    flops_fraction: float = 0.0
+    """fraction of peak FLOP/s a step achieves (0: the target's, or --calibrate's fit)"""
+    link_fraction: float = 0.0
+    """fraction of link bandwidth a collective achieves (0: the target's)"""
     search: bool = False
     """search meshes, remat, scan and microbatching for the fastest layout that fits (model,
     batch, sequence, precision and optimizer stay)"""
@@ -266,6 +276,12 @@ class PlanConfig:
     it)"""
     json: str | None = None
     """also write the result here as JSON"""
+    pipeline: bool = False
+    """--search pipeline layouts within a host too (by default only where each stage is whole
+    hosts, or when nothing else fits)"""
+    calibrate: list[str] = field(default_factory=list)
+    """run directories of past shardax train runs on the target: their measured step times
+    fit the achievable fraction of peak FLOP/s (an explicit --flops-fraction wins)"""
 
 
 def flag(name: str) -> str:
@@ -496,8 +512,16 @@ def check_plan(config: PlanConfig) -> PlanConfig:
     _check_types(config)
     for name in ("top", "max_compiles", "jobs"):
         _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
-    _usage(math.isfinite(config.link_gbps) and config.link_gbps >= 0,
-           f"--link-gbps {config.link_gbps}: must be a finite number >= 0")
+    for name in ("link_gbps", "host_link_gbps"):
+        value = getattr(config, name)
+        _usage(math.isfinite(value) and value >= 0,
+               f"{flag(name)} {value}: must be a finite number >= 0")
+    for name in ("flops_fraction", "link_fraction"):
+        value = getattr(config, name)
+        _usage(math.isfinite(value) and 0 <= value <= 1,
+               f"{flag(name)} {value}: must be a fraction in (0, 1] (0: the target's)")
+    _usage(config.devices_per_host >= 0,
+           f"--devices-per-host {config.devices_per_host}: must be >= 1 (0: the target's)")
     _usage(math.isfinite(config.time_budget) and config.time_budget > 0,
            f"--time-budget {config.time_budget}: must be a finite number > 0")
     return config

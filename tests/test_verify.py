@@ -1,0 +1,93 @@
+"""`shardax verify`: a correct step matches one device on every layout; a shard_map step
+missing its psum fails (exit 1, naming the leaf); a rule leaving a large leaf replicated warns.
+
+The CLI runs as a subprocess (its own emulated device count, as a user runs it)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardax.plan.verify import load_step, parse_layouts, verify
+from shardax.train.config import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ROOT / "tests" / "fixtures" / "verify_steps.py"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.run([sys.executable, "-m", "shardax.cli", "verify", *args], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_a_correct_step_matches_one_device_on_every_layout(tmp_path):
+    proc = _cli(f"{STEPS}:make_step", "--layouts", "fsdp=8;fsdp=4,tp=2;dp=2,fsdp=2,tp=2",
+                "--steps", "3", "--json", str(tmp_path / "cert.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "all 3 layout(s) match one device" in proc.stdout
+    cert = json.loads((tmp_path / "cert.json").read_text())
+    assert cert["ok"] and cert["steps"] == 3 and len(cert["layouts"]) == 3
+    tp = cert["layouts"][1]
+    assert tp["layout"] == "fsdp=4,tp=2" and tp["devices"] == 8
+    assert tp["grad_diff"] <= 1e-4 and tp["param_diff"] <= 1e-4 and tp["loss_diff"] <= 1e-4
+    assert tp["memory"]["argument_size_in_bytes"] > 0
+    assert tp["collectives"]["all-gather"]["count"] + tp["collectives"]["all-reduce"]["count"]
+
+
+def test_explicit_shard_map_step_passes_and_missing_psum_fails_naming_the_leaf():
+    report = verify(load_step(f"{STEPS}:make_tp_step"), parse_layouts("tp=2;fsdp=2,tp=4"))
+    assert report.ok, [r.line() for r in report.layouts]
+    proc = _cli(f"{STEPS}:make_missing_psum_step", "--layouts", "fsdp=2;tp=2")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("shardax verify: error: layout tp=2 differs from one device in ")
+    assert "in grads['w" in line, line  # the leaf the missing reduction corrupts most
+    assert "fsdp=2 (2 devices): same" in proc.stdout  # no 'tp' axis: nothing to forget
+
+
+def test_an_nnx_step_matches_one_device():
+    report = verify(load_step(f"{STEPS}:make_nnx_step"), parse_layouts("fsdp=4;fsdp=2"))
+    assert report.ok, [r.line() for r in report.layouts]
+    assert "kernel" in report.layouts[0].grad_leaf + report.layouts[0].param_leaf or \
+        "bias" in report.layouts[0].grad_leaf + report.layouts[0].param_leaf
+
+
+def test_a_large_leaf_left_replicated_is_a_warning_naming_it():
+    report = verify(load_step(f"{STEPS}:make_replicated_step"), parse_layouts("fsdp=4"),
+                    steps=1)
+    (layout,) = report.layouts
+    assert report.ok
+    assert any("params['table'] (512x512 float32, 1.00 MiB) is replicated on all 4" in w
+               for w in layout.warnings), layout.warnings
+    assert not any("w1" in w for w in layout.warnings)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["nope.py:make_step", "--layouts", "fsdp=2"], "no file nope.py"),
+    ([f"{STEPS}:missing", "--layouts", "fsdp=2"], "has no function missing"),
+    ([f"{STEPS}:make_step", "--layouts", "fsdp=x"], "--layouts 'fsdp=x'"),
+    ([f"{STEPS}:make_step"], "--layouts"),
+])
+def test_bad_verify_input_is_one_line_and_exit_code_2(args, needle):
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardax verify: error: "), proc.stderr
+    assert needle in lines[0]
+
+
+def test_rules_naming_an_axis_no_layout_has_are_a_usage_error():
+    step = load_step(f"{STEPS}:make_step")  # its rules name 'fsdp' and 'tp'
+    with pytest.raises(UsageError, match="the rules do not apply: .*unknown mesh axis 'fsdp'"):
+        verify(step, parse_layouts("dp=2"), steps=1)
+
+
+def test_layouts_parse():
+    assert parse_layouts("fsdp=8; dp=2,tp=4;") == [{"fsdp": 8}, {"dp": 2, "tp": 4}]
+    with pytest.raises(UsageError, match="no -1"):
+        parse_layouts("fsdp=-1")
