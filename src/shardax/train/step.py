@@ -31,7 +31,7 @@ from flax import nnx
 
 from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
-from shardax.models import Llama
+from shardax.models import Llama, embedding
 from shardax.models._layers import remat_policy
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
 from shardax.precision import Policy
@@ -123,10 +123,22 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
     if param_rules is None:
         raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
     rest = state.rest
+    # An untied embedding table stays sharded: each device looks up its own columns of the
+    # tokens of its FSDP group and the rows move (embedding.lookup_manual), not the table. A
+    # tied one is gathered for the head anyway; with grad_accum > 1 the gradients flow through
+    # the gathers' accumulation buffers.
+    untied = "lm_head" in state.params and grad_accum == 1
+    local = ("layers", "embed") if untied else ("layers",)
+    table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
+
+    def lookup(table, tokens):
+        if policy.compute is not None:
+            table = table.astype(policy.compute)
+        return embedding.lookup_manual(table, tokens, "fsdp", table_dim)
 
     def loss_fn(gather, params, inputs, targets, *weights):
         top = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: gather.local(leaf) if _key(path) == "layers" else gather(leaf),
+            lambda path, leaf: gather.local(leaf) if _key(path) in local else gather(leaf),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
         model = nnx.merge(graphdef, top, rest)
         if not isinstance(model, Llama):
@@ -145,7 +157,7 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
 
         inputs, targets, kwargs = _with_positions(inputs, targets, *weights, end_id=end_id)
         return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
-                                   **kwargs)[0]
+                                   lookup=lookup if untied else None, **kwargs)[0]
 
     return fsdp.value_and_grad(
         loss_fn, state.params, param_rules.apply(state.params), *batch,
