@@ -59,6 +59,9 @@ class CollectiveOp:
     bytes: int
     multiplier: int
     computation: str
+    groups: tuple[tuple[int, ...], ...] | None = None
+    """The device ids that communicate, one tuple per group (``replica_groups`` in any of
+    XLA's three spellings; a collective-permute's rings); None where the text names none."""
 
 
 @dataclass
@@ -166,7 +169,7 @@ def hlo_collectives(hlo: str) -> list[CollectiveOp]:
                     out_bytes = in_bytes  # no done op found: the start's type repeats inputs
                 ops.append(CollectiveOp(name, base, in_dtype or out_dtype,
                                         max(in_bytes, out_bytes) * multiplier, multiplier,
-                                        computation))
+                                        computation, _groups(attrs)))
             trip = _TRIP_COUNT.search(attrs)
             for kind, callee in _CALLEE.findall(attrs):
                 loop_body = opcode == "while" and kind == "body" and trip
@@ -179,6 +182,55 @@ def hlo_collectives(hlo: str) -> list[CollectiveOp]:
     if entry is not None:
         visit(entry, 1)
     return ops
+
+
+_LIST_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+def _groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
+    """The device groups of one collective's attributes (see ``CollectiveOp.groups``)."""
+    if m := _LIST_GROUPS.search(attrs):
+        return tuple(tuple(int(d) for d in g.split(",") if d)
+                     for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    if m := _IOTA_GROUPS.search(attrs):  # [G,S]<=[dims]T(perm): iota, reshaped, transposed
+        shape = [int(d) for d in m.group(1).split(",")]
+        dims = [int(d) for d in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        return tuple(tuple(int(d) for d in g) for g in ids.reshape(shape[0], -1))
+    if m := _MESH_GROUPS.search(attrs):  # mesh['a'=2,'b'=4] {'b'}: groups along 'b'
+        axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+        names, sizes = [a for a, _ in axes], [int(n) for _, n in axes]
+        along = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(2))]
+        rest = [i for i in range(len(names)) if i not in along]
+        ids = np.arange(int(np.prod(sizes))).reshape(sizes).transpose(rest + along)
+        return tuple(tuple(int(d) for d in g)
+                     for g in ids.reshape(-1, int(np.prod([sizes[i] for i in along]))))
+    if m := _PAIRS.search(attrs):  # the rings a permute moves along
+        pairs = [tuple(int(d) for d in p) for p in re.findall(r"\{(\d+),(\d+)\}", m.group(1))]
+        return _components(pairs)
+    return None
+
+
+def _components(pairs: list[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+    """Connected components of the devices a set of (source, target) pairs links."""
+    parent: dict[int, int] = {}
+
+    def root(d: int) -> int:
+        while parent.setdefault(d, d) != d:
+            d = parent[d]
+        return d
+
+    for a, b in pairs:
+        parent[root(a)] = root(b)
+    comps: dict[int, list[int]] = {}
+    for d in sorted(parent):
+        comps.setdefault(root(d), []).append(d)
+    return tuple(tuple(c) for c in comps.values())
 
 
 def summarize_collectives(ops: Iterable[CollectiveOp]) -> dict[str, CollectiveStats]:

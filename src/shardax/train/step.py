@@ -125,9 +125,8 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
     rest = state.rest
     # An untied embedding table stays sharded: each device looks up its own columns of the
     # tokens of its FSDP group and the rows move (embedding.lookup_manual), not the table. A
-    # tied one is gathered for the head anyway; with grad_accum > 1 the gradients flow through
-    # the gathers' accumulation buffers.
-    untied = "lm_head" in state.params and grad_accum == 1
+    # tied one is gathered for the head anyway.
+    untied = "lm_head" in state.params
     local = ("layers", "embed") if untied else ("layers",)
     table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
 
@@ -187,7 +186,7 @@ def train_step(
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
     (a dense llama; ``param_rules`` give the parameters' sharding; gradients
-    of the microbatches are summed full-size in float32 and reduce-scattered once).
+    of the microbatches are reduce-scattered one by one into a sharded float32 accumulator).
 
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
