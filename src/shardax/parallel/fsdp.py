@@ -204,22 +204,31 @@ def scan_layers(
     x: PyTree,
     *,
     policy: Callable[..., bool] | None = None,
+    reshard_after_forward: bool = True,
 ) -> PyTree:
     """``x = layer_fn(gather(params[i]), x)`` for each of the stacked layers ``params[i]``.
 
     The gather sits inside ``jax.checkpoint`` (with ``policy``, default: save only the layer's
-    input), so no gathered layer outlives its use: the backward pass gathers it again.
+    input), so no gathered layer outlives its use: the backward pass gathers it again and
+    recomputes the layer. ``reshard_after_forward=False`` (FSDP2's name): no checkpoint, the
+    gathered layers and activations are kept for the backward pass (no second gather, no
+    recomputed forward; the whole model's gathered parameters live at once).
 
     Example::
 
         h = scan_layers(gather, block, params["layers"], h)
     """
+    one = _layer(gather, layer_fn, policy, reshard_after_forward)
+    return lax.scan(lambda h, p: (one(p, h), None), x, params)[0]
+
+
+def _layer(gather, layer_fn, policy, reshard_after_forward):
+    """One layer, gathering its parameters first; checkpointed when it reshards."""
 
     def one(p, h):
         return layer_fn(gather(p), h)
 
-    one = jax.checkpoint(one, policy=policy)
-    return lax.scan(lambda h, p: (one(p, h), None), x, params)[0]
+    return jax.checkpoint(one, policy=policy) if reshard_after_forward else one
 
 
 def loop_layers(
@@ -229,6 +238,7 @@ def loop_layers(
     x: PyTree,
     *,
     policy: Callable[..., bool] | None = None,
+    reshard_after_forward: bool = True,
 ) -> PyTree:
     """:func:`scan_layers` for a list of (unstacked) layers: a Python loop, one gather each.
 
@@ -236,11 +246,7 @@ def loop_layers(
 
         h = loop_layers(gather, block, [params["layers"][i] for i in range(n)], h)
     """
-
-    def one(p, h):
-        return layer_fn(gather(p), h)
-
-    one = jax.checkpoint(one, policy=policy)
+    one = _layer(gather, layer_fn, policy, reshard_after_forward)
     for p in params:
         x = one(p, x)
     return x

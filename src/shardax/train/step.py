@@ -116,7 +116,7 @@ def _with_positions(inputs, targets, weights=None, end_id: int | None = None) ->
 
 
 def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rules,
-                   end_id: int | None):
+                   end_id: int | None, recompute: bool = True):
     """``(loss, grads)`` under explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked
     layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
     in float32; the other parameters (embedding, head, final norm) are gathered once."""
@@ -143,16 +143,18 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
         if not isinstance(model, Llama):
             raise ValueError("fsdp_mode='explicit' needs a llama model")
         c = model.config
-        # Each layer is recomputed in the backward pass (that is what frees its gathered
-        # parameters); a remat policy that saves more (dots) applies within it.
+        # With ``recompute`` each layer is recomputed in the backward pass (that is what
+        # frees its gathered parameters); a remat policy that saves more (dots) applies within
+        # it. Without, the gathered layers are kept from forward to backward.
         policy_ = remat_policy(c.remat) if c.remat not in ("none", "full") else None
         layers = params["layers"]
+        keep = dict(policy=policy_, reshard_after_forward=recompute or c.remat != "none")
 
         def stack(layer_fn, x):
             if c.scan_layers:
-                return fsdp.scan_layers(gather, layer_fn, layers, x, policy=policy_)
+                return fsdp.scan_layers(gather, layer_fn, layers, x, **keep)
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
-                                    x, policy=policy_)
+                                    x, **keep)
 
         inputs, targets, kwargs = _with_positions(inputs, targets, *weights, end_id=end_id)
         return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
@@ -180,6 +182,7 @@ def train_step(
     param_rules: Any = None,
     fsdp_mode: str = "xla",
     end_id: int | None = None,
+    fsdp_recompute: bool = True,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)``, optionally in ``grad_accum``
     microbatches accumulated in the parameter dtype and (with ``param_rules``) sharding.
@@ -187,6 +190,8 @@ def train_step(
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
     (a dense llama; ``param_rules`` give the parameters' sharding; gradients
     of the microbatches are reduce-scattered one by one into a sharded float32 accumulator).
+    ``fsdp_recompute=False`` (explicit, with ``remat='none'``): the gathered layers are kept
+    from forward to backward instead of re-gathered and recomputed (more memory, fewer FLOPs).
 
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
@@ -200,7 +205,7 @@ def train_step(
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     if fsdp_mode == "explicit":
         loss, grads = _explicit_fsdp(state, batch, graphdef, policy, grad_accum, param_rules,
-                                     end_id)
+                                     end_id, fsdp_recompute)
     elif grad_accum == 1:
         (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *batch[:2], policy,
                                    *batch[2:], end_id=end_id)
