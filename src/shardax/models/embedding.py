@@ -56,7 +56,11 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     rows, cols = _fit(rules.spec_for(TABLE_NAMES), table.shape, sizes)
     if not rows and not cols:
         return jnp.take(table, tokens, axis=0)
-    tok = _fit(rules.spec_for(TOKEN_NAMES), tokens.shape, sizes)
+    # The tokens enter split as the looked-up activations leave (a sequence-parallel 'length'
+    # split included: a slice of replicated tokens, no communication), so the rows come out
+    # where the layers want them, with no resharding after the lookup.
+    out = (*tokens.shape, table.shape[1])
+    tok = _fit(rules.spec_for((*TOKEN_NAMES, "embed")), out, sizes)[:2]
     where = {a: k for k, d in enumerate(tok) for a in d}  # axis -> the token dim it splits
     manual = set(rows) | set(cols) | set(where)
 
