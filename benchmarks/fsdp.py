@@ -168,9 +168,10 @@ def peak_ratio(c: dict[str, Any]) -> float:
 
 
 def bytes_ratios(c: dict[str, Any]) -> tuple[float, float]:
-    """(buffer, wire) bytes over ZeRO-3's all-gather 2Ψ·p + reduce-scatter Ψ·p."""
+    """(buffer, wire) bytes over ZeRO-3's all-gather 2Ψ·p + reduce-scatter Ψ·p, per
+    microbatch (each microbatch gathers the layers and reduce-scatters its gradient)."""
     coll = {k: v["bytes"] for k, v in c["collectives"].items()}
-    grads = c["formula"]["psi"] * 4
+    grads = c["formula"]["psi"] * 4 * c.get("grad_accum", 1)
     theory = {"all-gather": 2 * grads, "reduce-scatter": grads}
     buffer = sum(coll.values()) / sum(theory.values())
     wire = (sum(_wire(k, v, N) for k, v in coll.items())
@@ -224,8 +225,12 @@ def render(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Bytes moved per step (optimized HLO, full buffer per device; wire = (N-1)/N for "
-        "all-gather / reduce-scatter, 2(N-1)/N for all-reduce). Theory: all-gather 2Ψ·p + "
-        f"reduce-scatter Ψ·p. Goal ≤ {BYTES_GOAL}.",
+        "all-gather / reduce-scatter, 2(N-1)/N for all-reduce; a collective-permute is one "
+        "hop of a ring, counted as moved). Theory: all-gather 2Ψ·p + reduce-scatter Ψ·p per "
+        "microbatch (grad_accum=2: twice, each microbatch's gradient is reduce-scattered into "
+        "a sharded float32 accumulator). With tp the parameters move as 'fsdp' rings of "
+        "their tp shards (collective-permute, Ψ/tp each) and tp adds its own activation "
+        f"all-reduces (Megatron). Goal ≤ {BYTES_GOAL}.",
         "",
         "| case | collectives | buffer / theory | wire / theory | goal |",
         "|---|---|---|---|---|",

@@ -3,16 +3,18 @@
     python benchmarks/run.py                    # all sections (~30-40 minutes on 2 cores)
     python benchmarks/run.py --only overhead    # some sections; the others keep the last run
 
-Sections: memory + communication (``memory_comm.py``), collective dtypes (the same script
-with XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
+Sections: memory + communication (``memory_comm.py``), collective dtypes (the same script with
+XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time vs depth
 (``compile_depth.py``), peers (``peers.py``, with scalax pip-installed into
-``benchmarks/.peers``), the FSDP modes against ZeRO-3 (``fsdp.py``), the data pipeline's host
-memory (``data_memory.py``), Hugging Face import + KV-cache generation (``hf.py``), the
-planner's ranking vs measured step times (``planner.py``) and attention's temporaries against
-sequence length and step time per implementation (``attention.py``), and the dropless
-mixture of experts against the capacity-based one (``moe.py``). The llama-8b planner searches
-(``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A section
-that fails or times out is reported as such in RESULTS.md.
+``benchmarks/.peers``), the CLI's default step against a hand-written ``jax.jit``
+(``cli_step.py``: compile CPU s and tokens/s per layout), the FSDP modes against ZeRO-3
+(``fsdp.py``), the data pipeline's host memory (``data_memory.py``), Hugging Face import +
+KV-cache generation (``hf.py``), the planner's ranking vs measured step times (``planner.py``),
+attention's temporaries against sequence length and step time per implementation
+(``attention.py``), the dropless mixture of experts against the capacity-based one
+(``moe.py``) and the planner against published runs (``published.py``). The llama-8b planner
+searches (``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A
+section that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
 """
 
@@ -33,11 +35,12 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
-SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "fsdp",
+SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "cli_step", "fsdp",
             "data_memory", "hf", "planner", "attention", "moe", "published")
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
-SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0}  # seconds, over --timeout
+SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0,  # seconds, over --timeout
+                   "cli_step": 1800.0}
 RAW = HERE / ".results.json"  # the last run's raw numbers, for --render-only
 
 
@@ -151,6 +154,7 @@ def main() -> None:
 
 def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -> str:
     import attention
+    import cli_step
     import compile_depth
     import data_memory
     import fsdp
@@ -180,6 +184,7 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     for name, module, title in (("overhead", overhead, "3. Overhead"),
                                 ("compile_depth", compile_depth, "4. Compile time vs depth"),
                                 ("peers", peers, "5. Peers"),
+                                ("cli_step", cli_step, "5b. The CLI's step against jax.jit"),
                                 ("fsdp", fsdp, "7. FSDP: explicit ZeRO-3 against XLA's"),
                                 ("data_memory", data_memory, "8. Data pipeline memory"),
                                 ("hf", hf, "9. Hugging Face import and generation")):

@@ -164,8 +164,10 @@ def test_pipeline_with_experts(schedule, moe_reference, tmp_path, monkeypatch):
                           microbatches=1, pp_schedule=schedule)
     _close(losses, moe_reference)
     # Dispatch and combine all-to-all per layer run (forward, recomputed forward, backward:
-    # 3 x 2) for each of a stage's 2 layers in M + P - 1 = 2 steps; the same for both schedules.
-    assert _count(_ops(plan, "all-to-all")) == 2 * 2 * 3 * 2
+    # 3 x 2) for each of a stage's 2 layers in M + P - 1 = 2 steps; the same for both schedules;
+    # plus the embedding lookup's two (forward and backward: rows move over 'fsdp', not the
+    # table; shardax.models.embedding).
+    assert _count(_ops(plan, "all-to-all")) == 2 * 2 * 3 * 2 + 2
 
 
 def test_async_tensor_parallel_matches_one_device(dense_reference, tmp_path, monkeypatch):
@@ -181,9 +183,12 @@ def test_async_tensor_parallel_matches_one_device(dense_reference, tmp_path, mon
     assert _count(permutes) == 224 + 1
     assert [op.dtype for op in permutes if op.dtype == "pred"] == ["pred"]
     assert _count(_ops(plan, "collective-permute", (8, 4, 64))) == 224
-    # No all-gather of the activations inside the layers (the one full [b, s, dim] gather is
-    # the final norm's output going into the vocabulary-parallel head, as in Megatron-SP).
-    assert _count(_ops(plan, "all-gather", (8, 32, 64))) <= 1
+    # No all-gather of the activations inside the layers (the full [b, s, dim] gathers are
+    # the final norm's output going into the vocabulary-parallel head, as in Megatron-SP, and
+    # the vocabulary-parallel embedding's backward: its forward reduce-scatters the looked-up
+    # rows over the sequence split, so the rows' gradient is all-gathered back;
+    # shardax.models.embedding).
+    assert _count(_ops(plan, "all-gather", (8, 32, 64))) <= 2
 
 
 def test_sequence_parallel_matches_one_device(dense_reference, tmp_path, monkeypatch):
@@ -192,11 +197,13 @@ def test_sequence_parallel_matches_one_device(dense_reference, tmp_path, monkeyp
     # Megatron-SP: per layer 2 all-gathers of [b/fsdp, s, dim] = [2, 32, 64] in front of the
     # column-parallel matmuls and 2 reduce-scatters to [2, s/tp, dim] = [2, 16, 64] after the
     # row-parallel ones; the backward swaps them. The CPU backend emits reduce-scatter only
-    # when asked to, so every one of them is a TP block's: 4 layers x (2 + 2) = 16. One more
-    # all-gather takes the final norm's output into the vocabulary-parallel head.
-    assert _count(_ops(plan, "reduce-scatter")) == 16
-    assert _count(_ops(plan, "reduce-scatter", (2, 16, 64))) == 16
-    assert _count(_ops(plan, "all-gather", (2, 32, 64))) == 16 + 1
+    # when asked to, so every one of them is a TP block's: 4 layers x (2 + 2) = 16, plus the
+    # vocabulary-parallel embedding's (its looked-up rows reduce-scattered onto the sequence
+    # split; shardax.models.embedding). One more all-gather takes the final norm's output into
+    # the vocabulary-parallel head, one the embedding's row gradient back (its backward).
+    assert _count(_ops(plan, "reduce-scatter")) == 16 + 1
+    assert _count(_ops(plan, "reduce-scatter", (2, 16, 64))) == 16 + 1
+    assert _count(_ops(plan, "all-gather", (2, 32, 64))) == 16 + 1 + 1
 
 
 def test_context_parallel_matches_one_device(dense_reference, tmp_path, monkeypatch):
@@ -212,8 +219,10 @@ def test_context_parallel_matches_one_device(dense_reference, tmp_path, monkeypa
 def test_moe_expert_parallel_matches_one_device(moe_reference, tmp_path, monkeypatch):
     losses, plan = _train(tmp_path, monkeypatch, model="llama-moe-tiny", mesh="ep=4,fsdp=2")
     _close(losses, moe_reference)
-    # Dispatch and combine all-to-all per layer, forward and backward: 4 layers x 4 = 16.
-    assert _count(_ops(plan, "all-to-all")) == 16
+    # Dispatch and combine all-to-all per layer, forward and backward: 4 layers x 4 = 16; plus
+    # the embedding lookup's two (forward and backward: the rows move over 'fsdp', not the
+    # table; shardax.models.embedding).
+    assert _count(_ops(plan, "all-to-all")) == 16 + 2
 
 
 def test_sync_tensor_parallel_block_is_megatron():

@@ -157,6 +157,9 @@ def _train_args():
         """print the effective config as JSON and exit"""
         devices: int = 8
         """emulated CPU devices when there is no accelerator"""
+        no_compile_cache: tyro.conf.FlagCreatePairsOff[bool] = False
+        """compile everything afresh: no persistent compilation cache (default: on, in
+        $JAX_COMPILATION_CACHE_DIR or ~/.cache/shardax/jax-cache)"""
 
     return TrainArgs
 
@@ -179,6 +182,9 @@ def _plan_args():
         """a .yaml, .toml or .json file of train settings; flags override it"""
         devices: int = 8
         """emulated CPU devices to plan for (up to hundreds)"""
+        no_compile_cache: tyro.conf.FlagCreatePairsOff[bool] = False
+        """compile everything afresh: no persistent compilation cache (default: on, in
+        $JAX_COMPILATION_CACHE_DIR or ~/.cache/shardax/jax-cache)"""
 
     return PlanArgs
 
@@ -235,6 +241,14 @@ def _start_backend(devices: int) -> None:
             raise _Failure(str(e)) from None
 
 
+def _compile_cache(off: bool) -> None:
+    """The persistent compilation cache, unless ``--no-compile-cache`` (before any compile)."""
+    if not off:
+        from shardax.train.compile_cache import enable
+
+        enable()
+
+
 # ----------------------------------------------------------------------------- commands
 
 
@@ -269,6 +283,7 @@ def _train(argv: list[str]) -> int:
         check_free(Path(config.out))  # "in use" before "holds checkpoints of another run"
     run_dir = check_run_dir(config)  # the run directory, before a backend starts
     _start_backend(args.devices)
+    _compile_cache(args.no_compile_cache)
     import jax
 
     config = _elastic_layout(config)
@@ -348,6 +363,7 @@ def _plan(argv: list[str]) -> int:
     check_device_flags(args.plan)  # --hbm and --target, before a backend starts
     os.environ["JAX_PLATFORMS"] = "cpu"  # planning compiles for emulated devices
     _set_devices(args.devices)
+    _compile_cache(args.no_compile_cache)
     return run_plan(config, args.plan)
 
 

@@ -60,7 +60,9 @@ class CollectiveOp:
     bytes: int
     multiplier: int
     computation: str
-    groups: tuple[tuple[int, ...], ...] | None = None  # device ids that talk; None: all
+    groups: tuple[tuple[int, ...], ...] | None = None
+    """The device ids that communicate, one tuple per group (``replica_groups`` in any of
+    XLA's spellings; a collective-permute's rings); None: all devices, or a form not known."""
 
 
 def _iota(dims: str, perm: str | None) -> np.ndarray:
@@ -74,15 +76,16 @@ def replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
     """The device groups of a collective's attributes, in any of XLA's spellings: explicit
     ``replica_groups={{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, the mesh form
     ``mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}``, and a permute's
-    ``source_target_pairs`` (each pair a group). None: all devices, or a form not known.
+    ``source_target_pairs`` (the rings it moves along: connected devices form a group). None:
+    all devices, or a form not known.
 
     >>> replica_groups("replica_groups=[2,2]<=[4]")
     ((0, 1), (2, 3))
     """
     pairs = re.search(r"source_target_pairs=\{(\{[\d,{}]*\})\}", attrs)
     if pairs:
-        return tuple(tuple(int(i) for i in g.split(",")) for g in
-                     re.findall(r"\{([\d,]+)\}", pairs.group(1)))
+        return _components([tuple(int(i) for i in g.split(",")) for g in
+                            re.findall(r"\{([\d,]+)\}", pairs.group(1))])
     explicit = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attrs)
     if explicit:
         groups = tuple(tuple(int(i) for i in g.split(",") if i) for g in
@@ -226,6 +229,23 @@ def hlo_collectives(hlo: str) -> list[CollectiveOp]:
     if entry is not None:
         visit(entry, 1)
     return ops
+
+
+def _components(pairs: list[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+    """Connected components of the devices a set of (source, target) pairs links."""
+    parent: dict[int, int] = {}
+
+    def root(d: int) -> int:
+        while parent.setdefault(d, d) != d:
+            d = parent[d]
+        return d
+
+    for a, b in pairs:
+        parent[root(a)] = root(b)
+    comps: dict[int, list[int]] = {}
+    for d in sorted(parent):
+        comps.setdefault(root(d), []).append(d)
+    return tuple(tuple(c) for c in comps.values())
 
 
 def summarize_collectives(ops: Iterable[CollectiveOp]) -> dict[str, CollectiveStats]:

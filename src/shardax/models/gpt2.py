@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.models import embedding
 from shardax.models._annotate import constrain
 from shardax.models._layers import make_layers, param, run_layers
 from shardax.models.attention import attention
@@ -197,12 +198,11 @@ class GPT2(nnx.Module):
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
         if tokens.shape[1] > c.max_seq_len:
             raise ValueError(f"length {tokens.shape[1]} exceeds max_seq_len={c.max_seq_len}")
-        table = constrain(self.wte[...], ("vocab", None))  # see Llama: gather 'embed' first
         if positions is None:
             pos = self.wpe[: tokens.shape[1]]
         else:
             pos = jnp.take(self.wpe[...], jnp.clip(positions, 0, c.max_seq_len - 1), axis=0)
-        x = jnp.take(table, tokens, axis=0) + pos
+        x = embedding.lookup(self.wte[...], tokens) + pos  # the table stays put
         return constrain(x.astype(c.dtype), ("batch", "length", "embed"))
 
     def _head(self, x: jax.Array) -> jax.Array:

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.models import embedding
 from shardax.models._annotate import constrain
 from shardax.models._layers import make_layers, param, remat_policy, run_layers
 from shardax.models.attention import attention
@@ -413,7 +414,7 @@ class Llama(nnx.Module):
              *, segment_ids: jax.Array | None = None, load_balanced: bool = False,
              cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
              stack: Callable | None = None, loss_weights: jax.Array | None = None,
-             ) -> tuple[jax.Array, jax.Array]:
+             lookup: Callable | None = None) -> tuple[jax.Array, jax.Array]:
         """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
         ``cast(logits)``, and the MoE load-balancing loss (0 for a dense model).
         ``loss_weights`` [b, s]: each token's cross-entropy is multiplied by its weight before
@@ -428,14 +429,16 @@ class Llama(nnx.Module):
         ``stack(layer_fn, x)``, when given, runs the layers instead of the scan or loop:
         ``layer_fn(layer_state, h)`` is one layer, ``layer_state`` one slice of
         ``nnx.state(self.layers)`` (stacked) or one item of it (list). Explicit FSDP passes
-        its gathering loop here.
+        its gathering loop here. ``lookup(table, tokens)``, when given, looks up the token
+        embeddings instead of `shardax.models.embedding.lookup` (explicit FSDP passes its
+        table shard and `embedding.lookup_manual`).
 
         Example::
 
             ce, aux = model.loss(tokens[:, :-1], tokens[:, 1:])
         """
         c = self.config
-        x, cos, sin = self._embed(tokens, positions)
+        x, cos, sin = self._embed(tokens, positions, lookup)
         if stack is not None and axis_size("pp") > 1:
             raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
                              "pipeline")
@@ -475,7 +478,7 @@ class Llama(nnx.Module):
                       segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
                       stack: Callable | None = None, loss_weights: jax.Array | None = None,
-                      ) -> tuple[jax.Array, jax.Array]:
+                      lookup: Callable | None = None) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
         ``moe_aux_weight`` times the MoE load-balancing loss (the cross-entropy alone for a
         dense model), and the cross-entropy, to report. Arguments as for :meth:`loss`.
@@ -492,7 +495,7 @@ class Llama(nnx.Module):
         if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"):
             ce, aux = self.loss(tokens, targets, positions, segment_ids=segment_ids,
                                 load_balanced=load_balanced, cast=cast, stack=stack,
-                                loss_weights=loss_weights)
+                                loss_weights=loss_weights, lookup=lookup)
             return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
 
         def objective(out, labels, *head):
@@ -501,7 +504,7 @@ class Llama(nnx.Module):
                                      weights=weights)
             return ce + c.moe_aux_weight * self._aux_loss(out), ce
 
-        x, cos, sin = self._embed(tokens, positions)
+        x, cos, sin = self._embed(tokens, positions, lookup)
         return self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids,
                               loss_fn=objective,
                               loss_batch_args=(_labels(targets, loss_weights),),
@@ -518,7 +521,7 @@ class Llama(nnx.Module):
         """The load-balancing loss from the pipeline's outputs (summed over layers per row)."""
         return jnp.mean(out[3]) / self.config.n_layers
 
-    def _embed(self, tokens, positions):
+    def _embed(self, tokens, positions, lookup=None):
         """Token embeddings ``[b, s, dim]`` in the compute dtype, and the RoPE tables."""
         c = self.config
         if tokens.ndim != 2:
@@ -527,9 +530,7 @@ class Llama(nnx.Module):
             raise ValueError(f"length {tokens.shape[1]} exceeds max_seq_len={c.max_seq_len}")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        # Gather the table's 'embed' dim first (as FSDP would); rows stay split by 'vocab'.
-        table = constrain(self.embed[...], ("vocab", None))
-        x = jnp.take(table, tokens, axis=0).astype(c.dtype)
+        x = (lookup or embedding.lookup)(self.embed[...], tokens).astype(c.dtype)
         if c.embed_scale:  # Gemma: the scale rounded to the compute dtype, as transformers
             x = x * jnp.asarray(c.dim ** 0.5, c.dtype)
         x = constrain(x, ("batch", "length", "embed"))

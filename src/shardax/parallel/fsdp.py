@@ -18,8 +18,10 @@ communication is written out, so peak memory and bytes moved follow ZeRO-3 on an
   pass, which gathers it again, and layer ``i``'s gradient is reduce-scattered before layer
   ``i-1``'s backward runs;
 * a subtree gathered once and used twice (a tied embedding) has one gradient reduction;
-* with ``grad_accum > 1`` the microbatches' gradients are summed unreduced (full size, in
-  ``reduce_dtype``) and reduce-scattered once per step: fewer bytes moved, more memory.
+* with ``grad_accum > 1`` each microbatch's gradient is reduce-scattered as it is formed and
+  summed into a float32 accumulator sharded like the parameters (no full-size buffer);
+* a leaf's spec over the other mesh axes (e.g. 'tp' from sharding rules) is kept through its
+  gather and its reduction: a tensor-parallel shard is all-gathered over ``axis`` alone.
 
 Example::
 
@@ -66,19 +68,19 @@ def fsdp_dim(spec: P | None, axis: str = "fsdp") -> int | None:
 
 @jax.tree_util.register_pytree_node_class
 class _Leaf:
-    """A parameter inside the region: its shard, the full-size gradient sink (accumulation
-    only) and, as static data, the sharded dim counted from the end (so it survives slicing
-    off a leading layer axis)."""
+    """A parameter inside the region: its shard and, as static data, the sharded dim counted
+    from the end (so it survives slicing off a leading layer axis) and the spec entries of the
+    other, non-manual mesh axes (one per dim, also read from the end; None: no such axis)."""
 
-    def __init__(self, shard, sink, dim):
-        self.shard, self.sink, self.dim = shard, sink, dim
+    def __init__(self, shard, dim, auto=None):
+        self.shard, self.dim, self.auto = shard, dim, auto
 
     def tree_flatten(self):
-        return (self.shard, self.sink), self.dim
+        return (self.shard,), (self.dim, self.auto)
 
     @classmethod
-    def tree_unflatten(cls, dim, children):
-        return cls(*children, dim)
+    def tree_unflatten(cls, static, children):
+        return cls(*children, *static)
 
 
 def _is_leaf(x) -> bool:
@@ -107,24 +109,28 @@ class Gather:
         if not _is_leaf(leaf):  # no FSDP axis: a plain array, only cast
             return leaf.astype(self.dtype) if self.dtype and _is_float(leaf) else leaf
         dim = None if leaf.dim is None else leaf.shard.ndim + leaf.dim
-        if leaf.sink is None:
-            return _gather_rs(self, dim, leaf.shard)
-        return _gather_acc(self, dim, leaf.shard, leaf.sink)
+        auto = None if leaf.auto is None else P(*leaf.auto[len(leaf.auto) - leaf.shard.ndim:])
+        return _gather_rs(self, dim, auto, leaf.shard)
 
-    def all_gather(self, shard, dim):
-        """Forward: cast, all-gather over ``axis``, vary over the batch axes."""
-        x = shard.astype(self.dtype) if self.dtype and _is_float(shard) else shard
+    def all_gather(self, shard, dim, auto=None):
+        """Forward: cast, all-gather over ``axis``, vary over the batch axes. ``auto``: the
+        spec over the other (non-manual) axes, which the gathered array keeps: a
+        tensor-parallel shard is gathered over ``axis`` alone, never over 'tp'."""
+        x = _keep(shard.astype(self.dtype) if self.dtype and _is_float(shard) else shard, auto)
         manual = (self.axis, *self.batch_axes)
         if dim is not None:
-            x = lax.all_gather(x, self.axis, axis=dim, tiled=True)
+            x = (lax.all_gather(x, self.axis, axis=dim, tiled=True) if auto is None
+                 else _ring_all_gather(x, self.axis, dim, auto))
             return lax.pcast(x, self.batch_axes, to="varying") if self.batch_axes else x
         return lax.pcast(x, manual, to="varying")
 
-    def reduce(self, g, dim, dtype):
-        """Backward: the gradient of the full array summed over devices, this device's shard."""
-        g = g.astype(self.reduce_dtype or g.dtype)
+    def reduce(self, g, dim, dtype, auto=None):
+        """Backward: the gradient of the full array summed over devices, this device's shard
+        (kept on ``auto``, as in `all_gather`)."""
+        g = _keep(g.astype(self.reduce_dtype or g.dtype), auto)
         if dim is not None:
-            g = lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True)
+            g = (lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True)
+                 if auto is None else _ring_reduce_scatter(g, self.axis, dim, auto))
             if self.batch_axes:
                 g = lax.psum(g, self.batch_axes)
         else:
@@ -132,39 +138,64 @@ class Gather:
         return g.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gather_rs(g: Gather, dim, shard):
-    return g.all_gather(shard, dim)
+def _keep(x, auto):
+    """``x`` constrained to ``auto`` (the spec over the non-manual axes), if there is one."""
+    return x if auto is None else lax.with_sharding_constraint(x, auto)
 
 
-def _gather_rs_fwd(g, dim, shard):
-    return g.all_gather(shard, dim), jnp.zeros((), shard.dtype)
+# XLA's Shardy partitioner replicates the non-manual axes around an all-gather or a
+# reduce-scatter inside a partially manual region (see shardax.parallel.tensor): a 'tp' shard
+# would be gathered over 'tp' first. A ring of ppermutes is left alone and moves the same
+# bytes as the ring algorithm of those collectives (n - 1 shard-sized hops).
+
+def _ring_all_gather(x, axis, dim, auto):
+    """``all_gather(x, axis, axis=dim, tiled=True)`` as n - 1 ppermute hops, on ``auto``."""
+    n, i = axis_size(axis), lax.axis_index(axis)
+    size = x.shape[dim]
+    shape = list(x.shape)
+    shape[dim] *= n
+    out = _keep(lax.dynamic_update_slice_in_dim(
+        _keep(jnp.zeros(shape, x.dtype), auto), x, i * size, dim), auto)
+    right = [(j, (j + 1) % n) for j in range(n)]
+    for t in range(1, n):
+        x = _keep(lax.ppermute(x, axis, right), auto)  # the shard of device i - t
+        out = _keep(lax.dynamic_update_slice_in_dim(out, x, ((i - t) % n) * size, dim), auto)
+    return out
 
 
-def _gather_rs_bwd(g, dim, like, ct):
-    return (g.reduce(ct, dim, like.dtype),)
+def _ring_reduce_scatter(g, axis, dim, auto):
+    """``psum_scatter(g, axis, scatter_dimension=dim, tiled=True)`` as n - 1 ppermute hops:
+    device i's partial sum of chunk ``i - 1 - t`` travels right, gaining each device's term,
+    and after n - 1 hops device i holds the sum of its own chunk i."""
+    n, i = axis_size(axis), lax.axis_index(axis)
+    size = g.shape[dim] // n
+
+    def chunk(c):
+        return _keep(lax.dynamic_slice_in_dim(g, (c % n) * size, size, dim), auto)
+
+    acc = chunk(i - 1)
+    right = [(j, (j + 1) % n) for j in range(n)]
+    for t in range(1, n):
+        acc = _keep(lax.ppermute(acc, axis, right), auto) + chunk(i - 1 - t)
+    return acc
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _gather_rs(g: Gather, dim, auto, shard):
+    return g.all_gather(shard, dim, auto)
+
+
+def _gather_rs_fwd(g, dim, auto, shard):
+    return g.all_gather(shard, dim, auto), jnp.zeros((), shard.dtype)
+
+
+def _gather_rs_bwd(g, dim, auto, like, ct):
+    return (g.reduce(ct, dim, like.dtype, auto),)
 
 
 _gather_rs.defvjp(_gather_rs_fwd, _gather_rs_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _gather_acc(g: Gather, dim, shard, sink):
-    return g.all_gather(shard, dim)
-
-
-def _gather_acc_fwd(g, dim, shard, sink):
-    return g.all_gather(shard, dim), (jnp.zeros((), shard.dtype), jnp.zeros((), sink.dtype))
-
-
-def _gather_acc_bwd(g, dim, like, ct):
-    # The unreduced gradient goes to the sink (summed over microbatches, reduced once).
-    shard_like, sink_like = like
-    del shard_like
-    return None, ct.astype(sink_like.dtype)
-
-
-_gather_acc.defvjp(_gather_acc_fwd, _gather_acc_bwd)
 
 
 def scan_layers(
@@ -174,22 +205,37 @@ def scan_layers(
     x: PyTree,
     *,
     policy: Callable[..., bool] | None = None,
+    reshard_after_forward: bool = True,
 ) -> PyTree:
     """``x = layer_fn(gather(params[i]), x)`` for each of the stacked layers ``params[i]``.
 
     The gather sits inside ``jax.checkpoint`` (with ``policy``, default: save only the layer's
-    input), so no gathered layer outlives its use: the backward pass gathers it again.
+    input), so no gathered layer outlives its use: the backward pass gathers it again and
+    recomputes the layer. ``reshard_after_forward=False`` (FSDP2's name): no checkpoint, the
+    gathered layers and activations are kept for the backward pass (no second gather, no
+    recomputed forward; the whole model's gathered parameters live at once).
 
     Example::
 
         h = scan_layers(gather, block, params["layers"], h)
     """
+    one = _layer(gather, layer_fn, policy, reshard_after_forward)
+    return lax.scan(lambda h, p: (one(p, h), None), x, params)[0]
+
+
+def _layer(gather, layer_fn, policy, reshard_after_forward, unrolled=False):
+    """One layer, gathering its parameters first; checkpointed when it reshards. Unrolled in
+    a Python loop, plain ``jax.checkpoint`` would be merged back into the forward by XLA (and
+    every layer's gather hoisted): each recomputation and gather is tied to its layer."""
 
     def one(p, h):
         return layer_fn(gather(p), h)
 
-    one = jax.checkpoint(one, policy=policy)
-    return lax.scan(lambda h, p: (one(p, h), None), x, params)[0]
+    if not reshard_after_forward:
+        return one
+    if unrolled:
+        return checkpoint_in_order(one, policy=policy, tie_params=True)
+    return jax.checkpoint(one, policy=policy)
 
 
 def loop_layers(
@@ -199,6 +245,7 @@ def loop_layers(
     x: PyTree,
     *,
     policy: Callable[..., bool] | None = None,
+    reshard_after_forward: bool = True,
 ) -> PyTree:
     """:func:`scan_layers` for a list of (unstacked) layers: a Python loop, one gather each.
 
@@ -206,13 +253,7 @@ def loop_layers(
 
         h = loop_layers(gather, block, [params["layers"][i] for i in range(n)], h)
     """
-
-    def one(p, h):
-        return layer_fn(gather(p), h)
-
-    # Unrolled, plain jax.checkpoint would be merged back into the forward by XLA (every
-    # gathered layer kept): tie each recomputation to its layer's backward.
-    one = checkpoint_in_order(one, policy=policy, tie_params=True)
+    one = _layer(gather, layer_fn, policy, reshard_after_forward, unrolled=True)
     for p in params:
         x = one(p, x)
     return x
@@ -241,8 +282,8 @@ def value_and_grad(
       specs: a ``PartitionSpec`` per leaf of ``params``; only where it places ``axis``
         matters (:func:`fsdp_dim`), the other axes are left to XLA.
       batch: arrays with a leading batch dim, split over ``(*batch_axes, axis)``.
-      grad_accum: microbatches per step; their gradients are summed full-size and reduced
-        once (one reduce-scatter per leaf per step).
+      grad_accum: microbatches per step; each one's gradients are reduce-scattered and
+        summed into a sharded float32 accumulator.
       dtype: compute dtype the parameters are gathered in (default: their own).
       reduce_dtype: dtype of the gradient reductions (default float32; ``None``: the
         gradient's own).
@@ -278,18 +319,21 @@ def value_and_grad(
         lambda a, d: P() if d is None else P(*(axis if i == d else None for i in range(a.ndim))),
         params, dims,
     )
+    autos = jax.tree.map(  # the other axes' spec entries, kept through gathers
+        lambda s, sub: jax.tree.map(lambda a: _auto(s, a.ndim, data, m), sub), specs, params,
+        is_leaf=_is_spec,
+    )
     gather = Gather(axis, batch_axes, dtype, reduce_dtype)
 
     def body(params, *batch):
-        wrap = functools.partial(_wrap, params, dims)
-        if grad_accum == 1:
-            def local(params):
-                return loss_fn(gather, wrap(params, None), *batch) / shards
+        def local(params, *mb):
+            return loss_fn(gather, _wrap(params, dims, autos), *mb) / (shards * grad_accum)
 
-            loss, grads = jax.value_and_grad(local)(params)
+        if grad_accum == 1:
+            loss, grads = jax.value_and_grad(local)(params, *batch)
         else:
-            loss, grads = _accumulate(loss_fn, gather, params, dims, batch, grad_accum, shards,
-                                      wrap, reduce_dtype)
+            loss, grads = _accumulate(local, params, batch, grad_accum,
+                                      (gather.axis, *gather.batch_axes))
         return lax.psum(loss, data), grads
 
     return jax.shard_map(
@@ -301,41 +345,45 @@ def value_and_grad(
     )(params, *batch)
 
 
-def _accumulate(loss_fn, gather, params, dims, batch, k, shards, wrap, reduce_dtype):
-    """Sum of the microbatches' unreduced gradients (the sinks'), reduced once at the end."""
-    def full(a, d):
-        shape = list(a.shape)
-        if d is not None:
-            shape[d] *= axis_size(gather.axis)
-        z = jnp.zeros(shape, reduce_dtype or a.dtype)
-        return lax.pcast(z, (gather.axis, *gather.batch_axes), to="varying")
-
-    sinks = jax.tree.map(full, params, dims)
+def _accumulate(local, params, batch, k, manual):
+    """The microbatches' gradients, each reduce-scattered as it is formed (by the gathers'
+    backward) and summed into a float32 accumulator sharded like ``params``: no full-size
+    gradient buffer outlives a layer's backward."""
     micro = jax.tree.map(lambda a: to_microbatches(a, k), batch)
 
     def step(carry, mb):
         loss_sum, acc = carry
+        loss, g = jax.value_and_grad(local)(params, *mb)
+        return (loss_sum + loss, jax.tree.map(lambda s, x: s + x.astype(s.dtype), acc, g)), None
 
-        def local(sinks):
-            return loss_fn(gather, wrap(params, sinks), *mb) / (shards * k)
-
-        loss, g = jax.value_and_grad(local)(sinks)
-        return (loss_sum + loss, jax.tree.map(jnp.add, acc, g)), None
-
-    zero = lax.pcast(jnp.zeros((), jnp.float32), (gather.axis, *gather.batch_axes), to="varying")
-    (loss, acc), _ = lax.scan(step, (zero, sinks), micro)
-    grads = jax.tree.map(lambda g, a, d: gather.reduce(g, d, a.dtype), acc, params, dims)
-    return loss, grads
+    zero = lax.pcast(jnp.zeros((), jnp.float32), manual, to="varying")
+    acc = jax.tree.map(lambda a: jnp.zeros_like(a, _acc_dtype(a)), params)  # same vma
+    (loss, acc), _ = lax.scan(step, (zero, acc), micro)
+    return loss, jax.tree.map(lambda g, a: g.astype(a.dtype), acc, params)
 
 
-def _wrap(params, dims, values, sinks):
-    """The parameters as ``loss_fn`` sees them: ``_Leaf`` nodes (``values`` replace the shards;
-    ``sinks`` are the accumulation buffers or ``None``)."""
-    sinks = jax.tree.map(lambda _: None, params) if sinks is None else sinks
+def _acc_dtype(a):
+    return jnp.float32 if _is_float(a) else a.dtype
+
+
+def _wrap(values, dims, autos):
+    """The parameters as ``loss_fn`` sees them: ``_Leaf`` nodes of this device's shards."""
     return jax.tree.map(
-        lambda a, s, d: _Leaf(a, s, None if d is None else d - a.ndim),
-        values, sinks, dims, is_leaf=lambda x: x is None,
+        lambda a, d, auto: _Leaf(a, None if d is None else d - a.ndim, auto),
+        values, dims, autos, is_leaf=lambda x: x is None,
     )
+
+
+def _auto(spec, ndim, manual, mesh):
+    """Per dim of a leaf, its ``spec`` entry over the mesh's other axes of size > 1 (the ones
+    XLA keeps); None where there are none."""
+    entries = []
+    for d in range(ndim):
+        e = spec[d] if spec is not None and d < len(spec) else None
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        axes = tuple(a for a in axes if a not in manual and axis_size(a, mesh) > 1)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return tuple(entries) if any(e is not None for e in entries) else None
 
 
 def _unsharded(loss_fn, params, batch, k, dtype):

@@ -19,6 +19,7 @@ from shardax.plan.calibrate import calibrate
 from shardax.plan.estimate import assumptions, plan_config, seconds, train_command
 from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.config import PlanConfig, TrainConfig, UsageError
+from shardax.train.resolve import resolve
 
 __all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]
 
@@ -125,6 +126,9 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
     else:
         est = plan_config(config, device, hbm)
         print(est.summary())
+        run = resolve(config)
+        if run.mesh.shape.get("fsdp", 1) > 1:  # the FSDP mode, its recompute, and why
+            print(run.fsdp_summary())
         payload = est.to_dict()
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str) + "\n")

@@ -44,6 +44,7 @@ def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
     return mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
                 grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode,
+                fsdp_recompute=run.fsdp_recompute,
                 end_id=end_id if run.config.pack == "documents" else None,
                 skip_nonfinite=run.config.on_nan == "skip",
                 offload_optimizer=run.config.offload_optimizer),

@@ -132,9 +132,10 @@ class TrainConfig:
     """Megatron sequence parallelism over 'tp' (sync TP if no --tp-mode)"""
     fsdp_mode: Literal["auto", "explicit", "xla"] = "auto"
     """FSDP over 'fsdp': explicit (ZeRO-3 written out: each layer gathered right before use,
-    its gradient reduce-scattered at once; bounded peak memory), xla (the partitioner, from
+    its gradient reduce-scattered at once; bounded peak memory; without --remat the gathered
+    layers are kept from forward to backward when they fit), xla (the partitioner, from
     the shardings), auto: explicit where it applies (a dense llama without explicit TP/SP and
-    without pp/cp/ep axes), else xla"""
+    without tp/pp/cp/ep axes), else xla"""
     pp_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     """pipeline schedule over 'pp' (1f1b: activation memory bounded by the 'pp' size)"""
     microbatches: int = 0

@@ -33,7 +33,7 @@ from flax import nnx
 from shardax import frameworks
 from shardax.constraints import with_sharding_constraint
 from shardax.logical import with_logical_constraint
-from shardax.models import Llama
+from shardax.models import Llama, embedding
 from shardax.models._layers import remat_policy
 from shardax.models.lora import trainable
 from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
@@ -265,37 +265,50 @@ def _with_positions(inputs, targets, weights=None, end_id: int | None = None,
 
 
 def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rules,
-                   end_id: int | None):
+                   end_id: int | None, recompute: bool = True):
     """``(loss, grads)`` under explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked
     layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
     in float32; the other parameters (embedding, head, final norm) are gathered once."""
     if param_rules is None:
         raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
     rest = state.rest
+    # An untied embedding table stays sharded: each device looks up its own columns of the
+    # tokens of its FSDP group and the rows move (embedding.lookup_manual), not the table. A
+    # tied one is gathered for the head anyway.
+    untied = "lm_head" in state.params
+    local = ("layers", "embed") if untied else ("layers",)
+    table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
+
+    def lookup(table, tokens):
+        if policy.compute is not None:
+            table = table.astype(policy.compute)
+        return embedding.lookup_manual(table, tokens, "fsdp", table_dim)
 
     def loss_fn(gather, params, inputs, targets, *weights):
         top = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: gather.local(leaf) if _key(path) == "layers" else gather(leaf),
+            lambda path, leaf: gather.local(leaf) if _key(path) in local else gather(leaf),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
         model = nnx.merge(graphdef, top, rest)
         if not isinstance(model, Llama):
             raise ValueError("fsdp_mode='explicit' needs a llama model")
         c = model.config
-        # Each layer is recomputed in the backward pass (that is what frees its gathered
-        # parameters); a remat policy that saves more (dots) applies within it.
+        # With ``recompute`` each layer is recomputed in the backward pass (that is what
+        # frees its gathered parameters); a remat policy that saves more (dots) applies within
+        # it. Without, the gathered layers are kept from forward to backward.
         policy_ = remat_policy(c.remat) if c.remat not in ("none", "full") else None
         layers = params["layers"]
+        keep = dict(policy=policy_, reshard_after_forward=recompute or c.remat != "none")
 
         def stack(layer_fn, x):
             if c.scan_layers:
-                return fsdp.scan_layers(gather, layer_fn, layers, x, policy=policy_)
+                return fsdp.scan_layers(gather, layer_fn, layers, x, **keep)
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
-                                    x, policy=policy_)
+                                    x, **keep)
 
         inputs, targets, kwargs = _with_positions(inputs, targets, *weights[:1], end_id=end_id,
                                                   segment_ids=(weights[1:] or (None,))[0])
         return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
-                                   **kwargs)[0]
+                                   lookup=lookup if untied else None, **kwargs)[0]
 
     return fsdp.value_and_grad(
         loss_fn, state.params, param_rules.apply(state.params), *batch,
@@ -321,6 +334,7 @@ def train_step(
     end_id: int | None = None,
     skip_nonfinite: bool = False,
     offload_optimizer: bool = False,
+    fsdp_recompute: bool = True,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)`` (or packed conversations
     ``(inputs, targets, segment_ids, loss_mask)``: `shardax.train.chat_data`), optionally in
@@ -329,7 +343,9 @@ def train_step(
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
     (a dense llama; ``param_rules`` give the parameters' sharding; gradients
-    of the microbatches are summed full-size in float32 and reduce-scattered once).
+    of the microbatches are reduce-scattered one by one into a sharded float32 accumulator).
+    ``fsdp_recompute=False`` (explicit, with ``remat='none'``): the gathered layers are kept
+    from forward to backward instead of re-gathered and recomputed (more memory, fewer FLOPs).
 
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
@@ -349,7 +365,7 @@ def train_step(
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
     if fsdp_mode == "explicit":
         loss, grads = _explicit_fsdp(state, batch, graphdef, policy, grad_accum, param_rules,
-                                     end_id)
+                                     end_id, fsdp_recompute)
     elif grad_accum == 1:
         (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *batch[:2], policy,
                                    *batch[2:], end_id=end_id)

@@ -1,0 +1,155 @@
+"""The CLI's default train step against a hand-written ``jax.jit`` of the same model with the
+same shardings: compile CPU seconds and tokens/s, at fsdp=8 and fsdp=4 x tp=2, with and
+without remat (a part of the peers section, ``peers.py``).
+
+The CLI step is what ``shardax train`` runs (`shardax.train.build.step_function` of the
+resolved config: ``--fsdp-mode auto``, explicit FSDP where it applies, the embedding lookup
+that moves rows); the hand-written one is ``jax.jit(train_step)`` with XLA's FSDP from the same
+rules' ``NamedSharding``s, the model's activation constraints active (``use_logical_rules``)
+and the state donated, as the CLI's is. Compile = ``lower + compile`` from
+``ShapeDtypeStruct``s, process CPU seconds, fresh builds. Step: paired interleaved rounds.
+
+    python benchmarks/cli_step.py [--model llama-small] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+from typing import Any
+
+from _common import emit, goal_row, interleaved, jax, median, paired_ratio, real_batch
+from jax.sharding import NamedSharding
+
+from shardax.logical import use_logical_rules
+from shardax.train import build
+from shardax.train.config import TrainConfig, check
+from shardax.train.resolve import resolve
+from shardax.train.step import train_step
+
+LAYOUTS = (("fsdp=8", "none"), ("fsdp=8", "full"), ("fsdp=4,tp=2", "none"),
+           ("fsdp=4,tp=2", "full"))
+BATCH, SEQ = 16, 128
+STEP_GOAL, COMPILE_GOAL = 0.98, 1.1
+
+
+def _steps(model: str, mesh_text: str, remat: str) -> tuple[Any, Any, Any, Any]:
+    """``(cli_step, jit_step, state_shape, run)`` for one layout; fresh functions."""
+    run = resolve(check(TrainConfig(model=model, mesh=mesh_text, remat=remat,
+                                    batch_size=BATCH, seq_len=SEQ, pack="concat")))
+    graphdef, state_shape = build.abstract(run.model_config, run.tx, 0, run.mesh)
+    cli = build.step_function(run, graphdef, end_id=None)
+    mesh, rules = run.mesh, run.rules
+    state_shardings = mesh.match_sharding_rule(rules, state_shape)
+    batch_sharding = NamedSharding(mesh.mesh, rules.spec_for(("batch", "length"), mesh.mesh))
+    jitted = jax.jit(partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
+                             param_rules=rules, fsdp_mode="xla"),
+                     in_shardings=(state_shardings, (batch_sharding, batch_sharding)),
+                     out_shardings=(state_shardings, None), donate_argnums=0)
+
+    def jit_step(state, batch):
+        with jax.set_mesh(mesh.mesh), use_logical_rules(rules):
+            return jitted(state, batch)
+
+    jit_step.lower = lambda state, batch: _lower(jitted, mesh, rules, state, batch)
+    return cli, jit_step, state_shape, run
+
+
+def _lower(jitted, mesh, rules, state, batch):
+    with jax.set_mesh(mesh.mesh), use_logical_rules(rules):
+        return jitted.lower(state, batch)
+
+
+def _compile_cpu_s(step, state_shape) -> float:
+    tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jax.numpy.int32)
+    start = time.process_time()
+    step.lower(state_shape, (tokens, tokens)).compile()
+    return time.process_time() - start
+
+
+def _call(states: dict, name: str, step: Any, batch: Any) -> Any:
+    states[name], metrics = step(states[name], batch)  # donated: carry the new state
+    return metrics
+
+
+def measure(model: str, rounds: int) -> dict[str, Any]:
+    out = []
+    for mesh_text, remat in LAYOUTS:
+        cli, jit_step, state_shape, run = _steps(model, mesh_text, remat)
+        compile_s = {"cli": _compile_cpu_s(cli, state_shape),
+                     "jax.jit": _compile_cpu_s(_steps(model, mesh_text, remat)[1], state_shape)}
+        batch = real_batch(BATCH, SEQ, run.model_config.vocab_size)
+        states = {}
+        for name in ("cli", "jax.jit"):
+            with run.mesh.get_context():
+                states[name] = build.create(run.model_config, run.tx, 0)[1]
+            states[name] = jax.device_put(
+                states[name], run.mesh.match_sharding_rule(run.rules, state_shape))
+
+        samples = interleaved({"cli": partial(_call, states, "cli", cli, batch),
+                               "jax.jit": partial(_call, states, "jax.jit", jit_step, batch)},
+                              rounds=rounds, warmup=1)
+        out.append({
+            "mesh": mesh_text, "remat": remat, "fsdp": run.fsdp_summary(),
+            "compile_cpu_s": compile_s,
+            "step_s": {k: median(v) for k, v in samples.items()},
+            # tokens/s of the CLI over jax.jit's = jax.jit's step time over the CLI's
+            "tokens_ratio": 1 / paired_ratio(samples["cli"], samples["jax.jit"]),
+            "samples": samples,
+        })
+    return {"model": model, "rounds": rounds, "layouts": out}
+
+
+def render(r: dict[str, Any]) -> str:
+    lines = [
+        f"**The CLI's default step against a hand-written `jax.jit`** ({r['model']}, batch "
+        f"{BATCH}x{SEQ}, AdamW, float32; `benchmarks/cli_step.py`): compile = lower + compile "
+        "from `ShapeDtypeStruct`s, process CPU s; tokens/s ratio = CLI over jax.jit, paired "
+        f"per round over {r['rounds']} interleaved rounds (median). Goals: tokens/s ≥ "
+        f"{STEP_GOAL}, compile CPU ≤ {COMPILE_GOAL}.",
+        "",
+        "| mesh | remat | CLI compile CPU s | jax.jit compile CPU s | compile ratio | "
+        "CLI step ms | jax.jit step ms | CLI / jax.jit tokens/s | goals met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["layouts"]:
+        c, s = row["compile_cpu_s"], row["step_s"]
+        ratio = c["cli"] / c["jax.jit"]
+        met = ratio <= COMPILE_GOAL and row["tokens_ratio"] >= STEP_GOAL
+        lines.append(f"| {row['mesh']} | {row['remat']} | {c['cli']:.2f} | {c['jax.jit']:.2f} "
+                     f"| {ratio:.2f} | {s['cli'] * 1e3:,.1f} | {s['jax.jit'] * 1e3:,.1f} | "
+                     f"{row['tokens_ratio']:.3f} | {'yes' if met else '**no**'} |")
+    lines += ["", "What the CLI ran: " + "; ".join(
+        f"{row['mesh']} remat {row['remat']}: {row['fsdp']}" for row in r["layouts"]), ""]
+    return "\n".join(lines)
+
+
+def summary(r: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for row in r["layouts"]:
+        where = f"{row['mesh']}, remat {row['remat']}"
+        t = row["tokens_ratio"]
+        rows.append(goal_row("5 peers", f"CLI step / jax.jit tokens/s ({where})", t,
+                             f"≥ {STEP_GOAL}", t >= STEP_GOAL))
+        c = row["compile_cpu_s"]["cli"] / row["compile_cpu_s"]["jax.jit"]
+        rows.append(goal_row("5 peers", f"CLI step / jax.jit compile CPU s ({where})", c,
+                             f"≤ {COMPILE_GOAL}", c <= COMPILE_GOAL))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the result here (default: stdout)")
+    parser.add_argument("--model", default="llama-small")
+    parser.add_argument("--rounds", type=int, default=3)  # llama-small: seconds per step
+    parser.add_argument("--only", nargs="*", help="layouts as MESH:REMAT, e.g. fsdp=8:none")
+    args = parser.parse_args()
+    global LAYOUTS
+    if args.only:
+        LAYOUTS = tuple(tuple(x.split(":")) for x in args.only)
+    emit(measure(args.model, args.rounds), args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Explicit FSDP composed with rule-based tensor parallelism: every parameter moves over 'fsdp'
+alone (the compiled program's all-gathers and permute rings read from `shardax.hlo`), and
+5 SGD steps on HSDP x TP (dp=2, fsdp=2, tp=2) with gradient accumulation equal one device.
+Without remat the gathered layers are kept from forward to backward (no second gather), equal
+to one device too, and the banner says so and why.
+
+Tolerance: the suite's (`_reference`; losses rtol 2e-5, float32 summed in another order).
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import numpy as np
+import optax
+import pytest
+from _reference import assert_trained_alike, init_train_state, train_one_device
+
+from shardax import models
+from shardax.hlo import hlo_collectives
+from shardax.mesh import MeshShardingHelper
+from shardax.precision import Policy
+from shardax.rules import LogicalAxisRules
+from shardax.train.config import TrainConfig, check
+from shardax.train.resolve import fsdp_recompute, resolve
+from shardax.train.step import train_step
+
+STEPS = 5
+CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
+
+
+def _batches():
+    tokens = jax.random.randint(jax.random.key(3), (STEPS, 16, 17), 0, CONFIG.vocab_size)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def _step(mesh_spec, config, grad_accum=1, recompute=True):
+    tx = optax.sgd(0.1)
+    mesh = MeshShardingHelper.from_string(mesh_spec)
+    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    graphdef, state = init_train_state(config, tx)
+    step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
+                             fsdp_mode="explicit", grad_accum=grad_accum,
+                             fsdp_recompute=recompute),
+                     in_shardings=(rules, None), out_shardings=(rules, None))
+    return step, state, mesh.mesh
+
+
+def _groups_along(mesh, axis):
+    """The device-id groups that differ only in their ``axis`` coordinate."""
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    ids = np.moveaxis(ids, mesh.axis_names.index(axis), -1)
+    return {tuple(sorted(g)) for g in ids.reshape(-1, mesh.shape[axis]).tolist()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_explicit_fsdp_with_tp_moves_parameters_over_fsdp_only(tied):
+    step, state, mesh = _step("fsdp=4,tp=2", dataclasses.replace(CONFIG, tie_embeddings=tied))
+    hlo = step.lower(state, _batches()[0]).compile().as_text()
+    fsdp_groups = _groups_along(mesh, "fsdp")
+    moves = [c for c in hlo_collectives(hlo)
+             if c.kind in ("all-gather", "collective-permute", "reduce-scatter")]
+    assert any(c.kind == "collective-permute" for c in moves), moves  # the tp-sharded weights
+    wrong = [c for c in moves if {tuple(sorted(g)) for g in c.groups} != fsdp_groups]
+    assert not wrong, wrong  # nothing gathered or scattered over 'tp'
+
+
+def test_hsdp_with_tp_and_accumulation_equals_one_device():
+    want = train_one_device(CONFIG, optax.sgd(0.1), _batches())
+    step, state, _ = _step("dp=2,fsdp=2,tp=2", CONFIG, grad_accum=2)
+    losses = []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want.losses, rtol=2e-5, atol=0)
+    assert_trained_alike(state.params, want.state.params, want.start, steps=STEPS,
+                         optimizer="sgd")
+
+
+def _gathered_bytes(step, state):
+    hlo = step.lower(state, _batches()[0]).compile().as_text()
+    return sum(c.bytes for c in hlo_collectives(hlo) if c.kind == "all-gather")
+
+
+def test_kept_gathered_layers_gather_once_and_equal_one_device():
+    want = train_one_device(CONFIG, optax.sgd(0.1), _batches())
+    step, state, _ = _step("fsdp=8", CONFIG, recompute=False)
+    regather, _, _ = _step("fsdp=8", CONFIG, recompute=True)
+    kept, again = _gathered_bytes(step, state), _gathered_bytes(regather, state)
+    layers = models.param_count(CONFIG) - 2 * CONFIG.vocab_size * CONFIG.dim  # f32, whole
+    assert again - kept >= 0.9 * 4 * layers, (kept, again)  # the backward's second gather
+    losses = []
+    for batch in _batches():
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, want.losses, rtol=2e-5, atol=0)
+    assert_trained_alike(state.params, want.state.params, want.start, steps=STEPS,
+                         optimizer="sgd")
+
+
+def test_recompute_choice_and_banner():
+    c = models.CONFIGS["llama-tiny"]
+    full = models.param_count(c) * 4
+    assert fsdp_recompute(TrainConfig(remat="full"), {}, c, Policy(), None) == \
+        (True, "--remat full")
+    assert not fsdp_recompute(TrainConfig(), {}, c, Policy(), None)[0]
+    assert not fsdp_recompute(TrainConfig(), {}, c, Policy(), 4 * full)[0]
+    assert fsdp_recompute(TrainConfig(), {}, c, Policy(), 2 * full)[0]
+    assert not fsdp_recompute(TrainConfig(), {"tp": 2}, c, Policy(), 2 * full)[0]  # tp shards
+    line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8))).fsdp_summary()
+    assert "fsdp: explicit" in line and "kept from forward to backward" in line, line
+    assert "why: auto: explicit applies" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,cp=2", batch_size=8))).fsdp_summary()
+    assert line.startswith("fsdp: xla") and "auto: explicit does not run with a 'cp'" in line
