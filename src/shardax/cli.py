@@ -25,6 +25,7 @@ after ``--devices`` and ``JAX_PLATFORMS`` are set, because JAX reads them from t
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -318,8 +319,6 @@ def _restart() -> int:
 
 def _elastic_resume(config: Any) -> Any:
     """A restarted elastic job resumes from the newest checkpoint, if one was committed."""
-    import dataclasses
-
     from shardax.train.checkpoint import list_steps
     from shardax.train.rundir import RunDir
 

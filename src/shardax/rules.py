@@ -419,7 +419,7 @@ def match_shardings(rules: Any, pytree: Any, mesh: Any) -> Any:
 
     >>> mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> match_shardings({"w": PartitionSpec("fsdp")}, {"w": np.zeros(8)}, mesh)["w"].spec
-    PartitionSpec('fsdp',)
+    P('fsdp',)
     """
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(pytree),
                                         match_shardings_flat(rules, pytree, mesh))

@@ -28,11 +28,13 @@ from shardax.hf.mapping import TensorMap, param_maps
 
 __all__ = ["check_tensors", "read_config_json"]
 
-# config.json keys that must be positive integers where present (null allowed for the second).
+# config.json keys that must be positive integers where present (null allowed for the second;
+# sliding_window may also be 0: Qwen2-MoE writes it so with use_sliding_window false).
 _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
           "intermediate_size", "n_embd", "n_layer", "n_head")
 _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "n_inner",
                    "n_positions", "sliding_window")
+_ZERO_ALLOWED = ("sliding_window",)
 # The layer number in a tensor name: 'model.layers.3.mlp...' (Llama family), 'transformer.h.3.'.
 _LAYER = re.compile(r"^(?:model\.layers|transformer\.h)\.(\d+)\.")
 # Buffers some checkpoints hold that are not weights (transformers ignores them on load too):
@@ -68,9 +70,11 @@ def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
                          '{"model_type": "llama", ...}')
     for key in (*_SIZES, *_OPTIONAL_SIZES):
         value = hf.get(key)
+        least = 0 if key in _ZERO_ALLOWED else 1
         if key in hf and not (value is None and key in _OPTIONAL_SIZES) and not (
-                isinstance(value, int) and not isinstance(value, bool) and value > 0):
-            raise ValueError(f"{path}: {key}={value!r} must be a positive integer")
+                isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ValueError(f"{path}: {key}={value!r} must be a "
+                             + ("non-negative" if least == 0 else "positive") + " integer")
     return hf
 
 

@@ -6,8 +6,8 @@ partitioner gather the table whole every step. `lookup` runs one ``jax.shard_map
 
 * a mesh axis splitting the table's columns (``'embed'``, e.g. FSDP) all-gathers the tokens
   over it (ints, tiny), looks up its own columns of every gathered token, and sends each device
-  its tokens' columns back with one all-to-all (an all-gather of the rows where that axis does
-  not split the tokens);
+  its tokens' columns back with one all-to-all (where that axis does not split the tokens,
+  the rows leave split over it on their features, for the partitioner to gather);
 * a mesh axis splitting the table's rows (``'vocab'``, e.g. TP) looks up the tokens whose rows
   it holds (zeros for the others) and sums over the axis (a reduce-scatter where the axis also
   splits the tokens).
@@ -67,10 +67,14 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     def local(table, tokens):
         return _local_lookup(table, tokens, rows, cols, where, sizes)
 
+    # A column axis that does not split the tokens leaves the rows split over it on their
+    # features: the partitioner gathers those activations where the layers need them (an
+    # all-gather inside would be typed as varying over the axis).
+    features = tuple(a for a in cols if a not in where)
     return jax.shard_map(
         local,
         in_specs=(_spec((rows, cols)), _spec(tok)),
-        out_specs=_spec((*tok, ())),
+        out_specs=_spec((*tok, features)),
         axis_names=manual,
     )(table, tokens)
 
@@ -113,8 +117,7 @@ def _local_lookup(table, tokens, rows, cols, where, sizes):
                  if a in where else lax.psum(x, a))
         elif a in where:
             x = lax.all_to_all(x, a, where[a], 2, tiled=True)
-        else:
-            x = lax.all_gather(x, a, axis=2, tiled=True)
+        # else: the output stays split over 'a' on its features (see `lookup`'s out_specs)
     return x
 
 

@@ -86,14 +86,14 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
     if config.source is not None:
         directory = hf_dir(config.source, "--from")
         mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
-        try:
+        try:  # the model first: a damaged directory is one error line, no note before it
+            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
+                                  attention=config.attention or "auto")
             has_tokenizer = (Path(directory) / "tokenizer.json").is_file()
             if not has_tokenizer:
                 _note(f"note: {directory} has no tokenizer.json: prompts and output are raw "
                       "UTF-8 bytes (token id = byte value)")
             tokenizer = load_tokenizer(directory if has_tokenizer else BYTES)
-            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
-                                  attention=config.attention or "auto")
         except ValueError as e:
             raise UsageError(f"--from {config.source}: {e}") from None
     else:
