@@ -33,20 +33,27 @@ __all__ = ["MoE"]
 _normal = nnx.initializers.normal
 
 
+def init_experts(module: nnx.Module, c: LlamaConfig, rngs: nnx.Rngs) -> None:
+    """Sets ``module``'s router and per-expert SwiGLU weights (``router``, ``w_gate``,
+    ``w_up``, ``w_down``; experts on a leading ``'expert'`` axis): shared by both MoE kinds,
+    so their parameters (and checkpoints) have one layout."""
+    std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
+    e, pd = c.n_experts, c.param_dtype
+    module.router = param(rngs.params(), _normal(std), (c.dim, e), ("embed", None), pd)
+    module.w_gate = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
+                          ("expert", "embed", "mlp"), pd)
+    module.w_up = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
+                        ("expert", "embed", "mlp"), pd)
+    module.w_down = param(rngs.params(), _normal(out_std), (e, c.mlp_dim, c.dim),
+                          ("expert", "mlp", "embed"), pd)
+
+
 class MoE(nnx.Module):
     """``moe(x [b, s, dim]) -> (y, load_balancing_loss)``; ``y`` excludes the residual."""
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
-        std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
-        e, pd = c.n_experts, c.param_dtype
         self.config = c
-        self.router = param(rngs.params(), _normal(std), (c.dim, e), ("embed", None), pd)
-        self.w_gate = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
-                            ("expert", "embed", "mlp"), pd)
-        self.w_up = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
-                          ("expert", "embed", "mlp"), pd)
-        self.w_down = param(rngs.params(), _normal(out_std), (e, c.mlp_dim, c.dim),
-                            ("expert", "mlp", "embed"), pd)
+        init_experts(self, c, rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         c, dt = self.config, self.config.dtype

@@ -34,6 +34,7 @@ from flax import nnx
 
 from shardax.models._annotate import constrain
 from shardax.models._layers import param
+from shardax.models.llama_moe import init_experts
 from shardax.models.remat import checkpoint_name
 
 if TYPE_CHECKING:
@@ -68,18 +69,11 @@ class DroplessMoE(nnx.Module):
     """``moe(x [b, s, dim]) -> (y, load_balancing_loss)``; ``y`` excludes the residual."""
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
-        std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
-        e, pd = c.n_experts, c.param_dtype
         self.config = c
-        self.router = param(rngs.params(), _normal(std), (c.dim, e), ("embed", None), pd)
-        self.w_gate = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
-                            ("expert", "embed", "mlp"), pd)
-        self.w_up = param(rngs.params(), _normal(std), (e, c.dim, c.mlp_dim),
-                          ("expert", "embed", "mlp"), pd)
-        self.w_down = param(rngs.params(), _normal(out_std), (e, c.mlp_dim, c.dim),
-                            ("expert", "mlp", "embed"), pd)
+        init_experts(self, c, rngs)
         if c.shared_expert_dim:
-            f = c.shared_expert_dim
+            std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
+            f, pd = c.shared_expert_dim, c.param_dtype
             self.shared_gate = param(rngs.params(), _normal(std), (c.dim, f), ("embed", "mlp"),
                                      pd)
             self.shared_up = param(rngs.params(), _normal(std), (c.dim, f), ("embed", "mlp"), pd)
