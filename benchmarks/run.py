@@ -12,7 +12,8 @@ XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time 
 KV-cache generation (``hf.py``), the planner's ranking vs measured step times (``planner.py``),
 attention's temporaries against sequence length and step time per implementation
 (``attention.py``), the dropless mixture of experts against the capacity-based one
-(``moe.py``) and the planner against published runs (``published.py``). The llama-8b planner
+(``moe.py``), the planner against published runs (``published.py``) and LoRA's memory
+against full fine-tuning (``lora.py``). The llama-8b planner
 searches (``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A
 section that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
@@ -36,7 +37,7 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
 SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "cli_step", "fsdp",
-            "data_memory", "hf", "planner", "attention", "moe", "published")
+            "data_memory", "hf", "planner", "attention", "moe", "published", "lora")
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0,  # seconds, over --timeout
@@ -159,6 +160,7 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     import data_memory
     import fsdp
     import hf
+    import lora
     import memory_comm
     import moe
     import overhead
@@ -216,6 +218,11 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
         summary += published.summary(ok("published"))
     elif "published" in outcomes:
         parts.append(_failed("13. Planner: against published runs", outcomes["published"]))
+    if ok("lora"):
+        parts.append(lora.render(ok("lora")))
+        summary += lora.summary(ok("lora"))
+    elif "lora" in outcomes:
+        parts.append(_failed("14. LoRA against full fine-tuning", outcomes["lora"]))
 
     head = [
         "# Benchmark results",
