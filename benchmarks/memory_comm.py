@@ -38,7 +38,7 @@ from _common import (
 
 from shardax.hlo import hlo_collectives
 from shardax.parallel import tp_mlp
-from shardax.train.step import eval_loss
+from shardax.train.step import TrainState, eval_loss
 
 MODEL = "llama-small"
 BATCH, SEQ = 16, 128
@@ -151,7 +151,7 @@ def tp_forward() -> dict[str, Any]:
     loss = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=FP32),
                      in_shardings=(rules, batch_spec))
     # Only what eval_loss reads: jax.jit drops unused arguments, which ShardingPlan mislabels.
-    params = {"params": state.params, "rest": state.rest}
+    params = TrainState(state.params, state.rest, None, None)
     plan = loss.plan(params, batch_shape(BATCH, SEQ))
     bsh = BATCH // mesh.shape["dp"] * SEQ * config.dim * 4
     ars = [op for op in plan.collective_ops if op.kind == "all-reduce"]

@@ -211,7 +211,8 @@ def test_replica_groups_in_every_spelling():
     assert replica_groups(mesh) == ((0, 1, 2, 3), (4, 5, 6, 7))
     assert replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, d") == (
         (0, 4), (1, 5), (2, 6), (3, 7))
-    assert replica_groups("source_target_pairs={{0,1},{1,0}}") == ((0, 1), (1, 0))
+    # A permute's groups are the rings its pairs link (connected devices).
+    assert replica_groups("source_target_pairs={{0,1},{1,0},{2,3},{3,2}}") == ((0, 1), (2, 3))
     ops = [CollectiveOp("a", "all-reduce", "f32", 10, 1, "main", ((0, 1), (2, 3))),
            CollectiveOp("g", "all-gather", "f32", 7, 1, "main", ((0, 2), (1, 3))),
            CollectiveOp("p", "all-gather", "f32", 5, 1, "main", None)]

@@ -12,7 +12,7 @@ checks it before JAX starts); what only the devices can tell (mesh sizes, divisi
 >>> from shardax.train.config import check
 >>> run = resolve(check(TrainConfig(mesh="fsdp=4,tp=2", batch_size=8)))
 >>> run.mesh.shape, run.batch_split, run.fsdp_mode
-({'fsdp': 4, 'tp': 2}, 4, 'explicit')
+({'fsdp': 4, 'tp': 2}, 4, 'xla')
 """
 
 from __future__ import annotations
