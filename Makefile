@@ -29,7 +29,7 @@ run: install
 # docstring examples of src/shardax run too (--doctest-modules in pyproject.toml; the 8-device
 # set-up is conftest.py's).
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests src/shardax
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests src/shardax
 
 lint: install
 	$(VENV)/bin/ruff check .
