@@ -260,10 +260,11 @@ def _host_fingerprint(x: jax.Array) -> int:
             coord = np.arange(starts[d], starts[d] + w.shape[d], dtype=u32).reshape(
                 [-1 if k == d else 1 for k in range(w.ndim)])
             index = index * u32(shape[d]) + coord
-        h = w ^ (index * u32(0x9E3779B1))
-        h = (h ^ (h >> u32(16))) * u32(0x85EBCA6B)
-        h = (h ^ (h >> u32(13))) * u32(0xC2B2AE35)
-        h = h ^ (h >> u32(16))
+        with np.errstate(over="ignore"):  # uint32 products wrap, as on the device
+            h = w ^ (index * u32(0x9E3779B1))
+            h = (h ^ (h >> u32(16))) * u32(0x85EBCA6B)
+            h = (h ^ (h >> u32(13))) * u32(0xC2B2AE35)
+            h = h ^ (h >> u32(16))
         total = (total + int(np.sum(h, dtype=u32))) % 2**32
     if jax.process_count() > 1:
         total = int(np.sum(multihost_utils.process_allgather(np.asarray(total, u32)),
