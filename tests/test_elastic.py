@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _processes import multiprocess_env
 
 from shardax.launch import launch
 from shardax.train.checkpoint import list_steps
@@ -48,14 +49,8 @@ REL = 1e-3
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    """This source tree, CPU, no forced device count, no shared compilation cache (see
-    test_multiprocess.py)."""
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    return env
+    """Environment of every subprocess (`_processes.multiprocess_env`)."""
+    return multiprocess_env()
 
 
 def _cli(*args: str) -> list[str]:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _processes import multiprocess_env
 from _reference import TINY_TRAIN
 
 from shardax.launch import free_port, launch
@@ -56,18 +57,8 @@ def _flags(**overrides) -> list[str]:
 
 @pytest.fixture(scope="module")
 def env() -> dict[str, str]:
-    """Environment of every subprocess: this source tree, CPU, no forced device count.
-
-    No persistent compilation cache: on CPU only process 0 can hit it (process 1's keys
-    differ and it may not write), so process 0 would race ahead and gloo's 30 s rendezvous
-    at the first collective would fail on a busy machine.
-    """
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    return env
+    """Environment of every subprocess (`_processes.multiprocess_env`)."""
+    return multiprocess_env()
 
 
 def _cli(*args: str) -> list[str]:

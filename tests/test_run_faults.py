@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _processes import wait_for_line
 from _reference import TINY_TRAIN
 
 from shardax.train.checkpoint import list_steps
@@ -63,17 +64,7 @@ def _errors(stderr: str) -> list[str]:
 
 
 def _wait_for(stream, pattern: str, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + BOUND_S
-    seen = []
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if not line:
-            raise AssertionError(f"ended (rc {proc.poll()}) before {pattern!r}:\n"
-                                 + "".join(seen)[-3000:])
-        seen.append(line)
-        if re.search(pattern, line):
-            return line
-    raise AssertionError(f"no {pattern!r} within {BOUND_S} s")
+    return wait_for_line(stream, pattern, proc, BOUND_S)
 
 
 # ----------------------------------------------------------------------------- the lock

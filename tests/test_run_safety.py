@@ -16,11 +16,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from _processes import wait_for_line
 from _reference import TINY_TRAIN
 
 from shardax.cli import main
@@ -246,17 +246,7 @@ def _start(out: Path, cwd: Path, **overrides) -> subprocess.Popen:
 
 
 def _wait_for(stream, pattern: str, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + BOUND_S
-    seen = []
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if not line:
-            raise AssertionError(f"ended (rc {proc.poll()}) before {pattern!r}:\n"
-                                 + "".join(seen)[-3000:])
-        seen.append(line)
-        if re.search(pattern, line):
-            return line
-    raise AssertionError(f"no {pattern!r} within {BOUND_S} s")
+    return wait_for_line(stream, pattern, proc, BOUND_S)
 
 
 def _signal_at_step(out, tmp_path, step: int, signum: int):

@@ -1,0 +1,44 @@
+"""Helpers for tests that run `shardax` in subprocesses: the multi-process environment and
+waiting for a line of a running process's output."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def multiprocess_env() -> dict[str, str]:
+    """Environment of every process of a multi-process run: this source tree, CPU, no forced
+    device count.
+
+    No persistent compilation cache: on CPU only process 0 can hit it (process 1's keys
+    differ and it may not write), so process 0 would race ahead and gloo's 30 s rendezvous
+    at the first collective would fail on a busy machine.
+    """
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return env
+
+
+def wait_for_line(stream, pattern: str, proc: subprocess.Popen, seconds: float) -> str:
+    """The first line of ``stream`` (a running ``proc``'s output) matching ``pattern``; an
+    AssertionError with what was read if the process ends first or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    seen = []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            raise AssertionError(f"ended (rc {proc.poll()}) before {pattern!r}:\n"
+                                 + "".join(seen)[-3000:])
+        seen.append(line)
+        if re.search(pattern, line):
+            return line
+    raise AssertionError(f"no {pattern!r} within {seconds} s")
