@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from shardax import models
+from shardax.models._layers import token_nll
 from shardax.train.step import init_state, train_step
 
 
@@ -149,3 +150,18 @@ def train_one_device(model_config: Any, tx: Any, batches: Any, *, seed: int = 0,
             state, metrics = step(state, tuple(jnp.asarray(x) for x in batch))
             losses.append(float(metrics["loss"]))
     return OneDeviceRun(losses, start, jax.device_get(state))
+
+
+def documents_alone_loss(params: Any, rest: Any, graphdef: Any, docs: list, length: int
+                         ) -> jax.Array:
+    """The reference for packed rows: the mean cross-entropy over the kept targets of documents
+    each run alone from position 0. ``docs``: ``(inputs, targets, keep)`` numpy rows, each at
+    most ``length`` long. They run as one batch, right-padded: under causal attention a token
+    never sees the padding after it, so each row is its document alone."""
+    inputs = np.ones((len(docs), length), np.int32)
+    targets = np.ones((len(docs), length), np.int32)
+    keep = np.zeros((len(docs), length), bool)
+    for i, (x, y, k) in enumerate(docs):
+        inputs[i, :len(x)], targets[i, :len(y)], keep[i, :len(k)] = x, y, k
+    nll = token_nll(nnx.merge(graphdef, params, rest)(jnp.asarray(inputs)), jnp.asarray(targets))
+    return jnp.sum(jnp.where(keep, nll, 0.0)) / keep.sum()

@@ -16,12 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _reference import init_train_state
+from _reference import documents_alone_loss, init_train_state
 from test_pack import _KEEP_GRADS, CONFIG, _assert_matches
 
 from shardax import models
 from shardax.mesh import MeshShardingHelper
-from shardax.models._layers import token_nll
 from shardax.rules import LogicalAxisRules
 from shardax.train.chat_data import ChatBatches, ChatRows, chat_val_batches, pack_chats
 from shardax.train.step import eval_loss, train_step
@@ -117,31 +116,24 @@ def _chat_rows(seed: int = 0) -> ChatRows:
     return ChatRows(tokens, segs, mask, 0)
 
 
-def _per_conversation_loss(params, rest, graphdef, rows: ChatRows):
-    """The reference: each conversation run alone from position 0, the mean cross-entropy
-    over its targets whose mask is set."""
-    from flax import nnx
-    model = nnx.merge(graphdef, params, rest)
-    total, count = 0.0, 0
+def _conversations(rows: ChatRows) -> list:
+    """Each conversation of each row as ``(inputs, targets, keep)``: its targets whose mask is
+    set (conversations with none are left out)."""
+    docs = []
     for tok, seg, mask in zip(rows.tokens, rows.segments, rows.mask, strict=True):
         for s in np.unique(seg):
             idx = np.flatnonzero(seg == s)
-            keep = mask[idx[1:]]
-            if len(idx) < 2 or not keep.any():
-                continue
-            doc = jnp.asarray(tok[idx[:-1]])[None]
-            nll = token_nll(model(doc), jnp.asarray(tok[idx[1:]])[None])[0]
-            total = total + jnp.sum(jnp.where(keep, nll, 0.0))
-            count += int(keep.sum())
-    return total / count
+            if len(idx) >= 2 and mask[idx[1:]].any():
+                docs.append((tok[idx[:-1]], tok[idx[1:]], mask[idx[1:]]))
+    return docs
 
 
 @pytest.fixture(scope="module")
 def reference():
     graphdef, state = init_train_state(CONFIG, _KEEP_GRADS)
     rows = _chat_rows()
-    loss, grads = jax.value_and_grad(_per_conversation_loss)(state.params, state.rest,
-                                                             graphdef, rows)
+    loss, grads = jax.value_and_grad(documents_alone_loss)(state.params, state.rest, graphdef,
+                                                           _conversations(rows), S)
     batch = tuple(jnp.asarray(a) for a in ChatBatches(rows, B).batch(0))
     # ChatBatches shuffles rows: the per-conversation mean does not depend on the order.
     return graphdef, state, batch, float(loss), grads

@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _reference import TINY_TRAIN, init_train_state
+from _reference import TINY_TRAIN, documents_alone_loss, init_train_state
 from flax import nnx
 
 from shardax import models
 from shardax.mesh import MeshShardingHelper
-from shardax.models._layers import token_nll
 from shardax.rules import LogicalAxisRules
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, train
@@ -69,23 +68,18 @@ def test_documents_segments_positions_and_mask():
     assert float(weights[0, 1]) == 0.0
 
 
-def _per_document_loss(params, rest, graphdef, rows: np.ndarray):
-    """The reference: each document of each row run alone from position 0 (no packing), the
-    mean token cross-entropy over all targets that stay within their document."""
-    model = nnx.merge(graphdef, params, rest)
-    total, count = 0.0, 0
+def _documents(rows: np.ndarray) -> list:
+    """Each document of each row as ``(inputs, targets, keep)``: the targets that stay within
+    their document (an end-of-text's target is the next document's first token)."""
+    docs = []
     for row in rows:
         inputs, targets = row[:-1], row[1:]
         start = 0
         for end in [*(np.flatnonzero(inputs == END) + 1), S]:
             if end > start:
-                doc = jnp.asarray(inputs[start:end])[None]
-                nll = token_nll(model(doc), jnp.asarray(targets[start:end])[None])[0]
-                keep = inputs[start:end] != END  # an end-of-text's target is the next doc
-                total = total + jnp.sum(jnp.where(keep, nll, 0.0))
-                count += int(keep.sum())
+                docs.append((inputs[start:end], targets[start:end], inputs[start:end] != END))
             start = end
-    return total / count
+    return docs
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +87,8 @@ def reference():
     """``(graphdef, state, rows, loss, grads)`` of the per-document computation."""
     graphdef, state = init_train_state(CONFIG, _KEEP_GRADS)
     rows = _rows()
-    loss, grads = jax.value_and_grad(_per_document_loss)(state.params, state.rest, graphdef,
-                                                         rows)
+    loss, grads = jax.value_and_grad(documents_alone_loss)(state.params, state.rest, graphdef,
+                                                           _documents(rows), S)
     return graphdef, state, rows, float(loss), grads
 
 
