@@ -9,9 +9,9 @@ launcher stops the others and starts the job again on 3 processes (6 devices), w
 - the token stream: every step's ``data_hash`` (a fingerprint of the step's global input
   tokens) equals the uninterrupted run's, before and after the restart;
 - the losses up to the checkpoint equal the uninterrupted run's (the same programs);
-- the losses after it are within 1e-3 relative of the uninterrupted run resumed from the same
-  checkpoint onto the same 6-device layout by hand (float32 sums in another order: seen
-  ~1e-7).
+- the losses after it are within 1e-3 relative of the uninterrupted run's (the same SGD steps
+  on the same rows, float32 sums in another order over 6 devices and 2 microbatches: seen
+  ~1e-7; a wrong restore or a skipped or repeated batch moves them by far more).
 
 The launcher's own restart policy (``--max-restarts 0`` = no restart, ``--min-nproc``) is
 checked with a small script, without JAX.
@@ -21,7 +21,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -131,20 +130,11 @@ def test_a_killed_worker_restarts_the_job_on_the_processes_left(env, uninterrupt
     assert [elastic[s]["loss"] for s in range(1, k + 1)] == [
         straight[s]["loss"] for s in range(1, k + 1)]
 
-    # The reference: the uninterrupted run resumed from checkpoint k onto 6 devices by hand.
-    ref = tmp_path / "reference"
-    shutil.copytree(uninterrupted, ref)
-    for d in (ref / "checkpoints").iterdir():
-        if d.name.isdigit() and int(d.name) > k:
-            shutil.rmtree(d)
-    by_hand = [*TRAIN[:-2], "--mesh", "dp=3,fsdp=2", "--grad-accum", "2", "--resume"]
-    _ok(subprocess.run(_launch(ref, 3, train=by_hand), env=env, capture_output=True,
-                       text=True, timeout=BOUND_S))
+    # After it: the uninterrupted run's losses, up to float32 sums in another order (the
+    # 6-device layout with 2 microbatches averages the same 24 rows).
     after = range(k + 1, STEPS + 1)
-    reference = _metrics(ref)
     np.testing.assert_allclose([elastic[s]["loss"] for s in after],
-                               [reference[s]["loss"] for s in after], rtol=REL, atol=0)
-    assert [elastic[s]["data_hash"] for s in after] == [reference[s]["data_hash"] for s in after]
+                               [straight[s]["loss"] for s in after], rtol=REL, atol=0)
 
 
 # ----------------------------------------------------------------------------- the launcher
