@@ -57,6 +57,22 @@ def test_an_nnx_step_matches_one_device():
         "bias" in report.layouts[0].grad_leaf + report.layouts[0].param_leaf
 
 
+def test_a_linen_step_matches_one_device():
+    report = verify(load_step(f"{STEPS}:make_linen_step"), parse_layouts("fsdp=4;fsdp=2,tp=2"),
+                    steps=2)
+    assert report.ok, [r.line() for r in report.layouts]
+    assert "Dense_" in report.layouts[1].grad_leaf + report.layouts[1].param_leaf
+    assert report.layouts[1].collectives["all-gather"]["count"]
+
+
+def test_an_equinox_module_matches_one_device():
+    pytest.importorskip("equinox")
+    report = verify(load_step(f"{STEPS}:make_equinox_step"), parse_layouts("fsdp=4;fsdp=2,tp=2"),
+                    steps=2)
+    assert report.ok, [r.line() for r in report.layouts]
+    assert ".layers[" in report.layouts[0].grad_leaf
+
+
 def test_a_large_leaf_left_replicated_is_a_warning_naming_it():
     report = verify(load_step(f"{STEPS}:make_replicated_step"), parse_layouts("fsdp=4"),
                     steps=1)
