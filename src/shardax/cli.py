@@ -494,6 +494,12 @@ def _verify(argv: list[str]) -> int:
         print(layout.line())
         for warning in layout.warnings:
             print(f"warning: {warning}")
+        for finding in layout.rule_findings[:10]:
+            print(f"warning: {layout.layout}: rule {finding['kind']}: {finding['leaf']}: "
+                  f"{finding['message']}")
+        if len(layout.rule_findings) > 10:
+            print(f"warning: {layout.layout}: {len(layout.rule_findings) - 10} more rule "
+                  "findings (all of them are in --json)")
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     bad = [r for r in report.layouts if not r.ok]

@@ -20,8 +20,10 @@ rules)``:
 ``steps`` steps, once on one device and once per layout over emulated devices, and compares
 losses, gradients (every step) and the final parameters, each leaf's maximum absolute
 difference relative to that leaf's largest magnitude. Also reported per layout: parameter
-leaves of at least ``large_bytes`` left replicated (a warning: memory), per-device memory of
-the compiled step and the bytes per collective kind.
+leaves of at least ``large_bytes`` left replicated (a warning: memory), what the rules
+silently drop or disagree on (`shardax.plan.rulecheck`: an axis a rule names that the mesh
+lacks or cannot divide, two rules matching one leaf differently, one mesh axis wanted by two
+dims), per-device memory of the compiled step and the bytes per collective kind.
 
 >>> report = verify(make_step(), ["fsdp=8", "fsdp=4,tp=2"], steps=3)  # doctest: +SKIP
 >>> report.ok, report.layouts[1].worst  # doctest: +SKIP
@@ -45,6 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardax.hlo import hlo_collectives, memory_bytes, summarize_collectives
 from shardax.inspect import _human
 from shardax.mesh import parse_mesh_string
+from shardax.plan.rulecheck import rule_findings
 from shardax.rules import match_specs_flat
 from shardax.train.config import UsageError
 
@@ -77,6 +80,7 @@ class LayoutReport:
     param_diff: float = 0.0
     param_leaf: str = ""
     warnings: list[str] = field(default_factory=list)
+    rule_findings: list[dict[str, str]] = field(default_factory=list)  # kind, leaf, message
     memory: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, dict[str, int]] = field(default_factory=dict)
     tolerance: float = 0.0
@@ -318,6 +322,9 @@ def verify(step: Step, layouts: list[dict[str, int]], *, steps: int = 3, lr: flo
                     f"{report.layout}: params{path} ({'x'.join(map(str, leaf.shape))} "
                     f"{leaf.dtype}, {_human(leaf.nbytes)}) is replicated on all {mesh.size} "
                     "devices: no rule shards it")
+        report.rule_findings = [
+            {"kind": f.kind, "leaf": f"params{run.paths[f.leaf]}", "message": f.message}
+            for f in rule_findings(step.rules, run.state.masked(), mesh)]
         report.memory = memory_bytes(run.compiled)
         report.collectives = {k: {"count": v.count, "bytes": v.bytes} for k, v in
                               summarize_collectives(hlo_collectives(run.compiled.as_text())).items()}
