@@ -360,8 +360,13 @@ def _plan(argv: list[str]) -> int:
     from shardax.plan.command import check_device_flags, run_plan
 
     check_device_flags(args.plan)  # --hbm and --target, before a backend starts
+    devices = args.devices
+    if args.plan.topology:  # compile for a TPU slice: as many emulated devices as it has
+        from shardax.plan.topology import select
+
+        devices = select(args.plan.target, args.plan.topology)
     os.environ["JAX_PLATFORMS"] = "cpu"  # planning compiles for emulated devices
-    _set_devices(args.devices)
+    _set_devices(devices)
     _compile_cache(args.no_compile_cache)
     return run_plan(config, args.plan)
 
