@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -208,7 +209,7 @@ class _State:
     def of(cls, tree: Any) -> _State:
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         kinds = ["static" if not isinstance(x, (jax.Array, np.ndarray)) else
-                 "train" if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else "fixed"
+                 "train" if jnp.issubdtype(x.dtype, jnp.inexact) else "fixed"
                  for x in leaves]
         return cls(tree, treedef, kinds)
 
