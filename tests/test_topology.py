@@ -58,3 +58,6 @@ def test_plan_compiles_for_a_tpu_slice_with_libtpu(tmp_path):
     # the TPU compiler's program: machine code the CPU compile does not report
     assert plan["memory"]["generated_code_size_in_bytes"] > 0
     assert plan["collectives"]["reduce-scatter"]["count"] > 0
+    proc = _plan("--target", "v5e", "--topology", "2x2", "--devices", "8")
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        "--devices 8: --topology 2x2 has 4 devices; leave --devices out"), proc.stderr

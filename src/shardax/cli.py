@@ -365,6 +365,10 @@ def _plan(argv: list[str]) -> int:
         from shardax.plan.topology import select
 
         devices = select(args.plan.target, args.plan.topology)
+        given = any(a == "--devices" or a.startswith("--devices=") for a in argv)
+        if given and args.devices != devices:
+            raise _Usage(f"--devices {args.devices}: --topology {args.plan.topology} has "
+                         f"{devices} devices; leave --devices out")
     os.environ["JAX_PLATFORMS"] = "cpu"  # planning compiles for emulated devices
     _set_devices(devices)
     _compile_cache(args.no_compile_cache)

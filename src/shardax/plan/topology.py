@@ -65,6 +65,8 @@ def select(target: str | None, shape: str) -> int:
     # this process and each worker load libtpu only to compile: libtpu's one-process-per-host
     # lock (for running on TPUs) would refuse the workers
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # one host, this one: without it libtpu logs an INVALID_ARGUMENT error (harmless) at load
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     count = len(_devices(name))
     os.environ[ENV] = name
     return count
