@@ -166,6 +166,11 @@ COVERED: dict[tuple[str, str], str] = {
     ("docs/planning.md", "shardax verify tests/fixtures/verify_steps.py:make_step --layouts "
                          "\"fsdp=8;fsdp=4,tp=2;dp=2,fsdp=2,tp=2\" --steps 3 --json cert.json"):
         "tests/test_verify.py::test_a_correct_step_matches_one_device_on_every_layout",
+    ("docs/planning.md", "shardax plan --model llama-small --mesh fsdp=4 --target v5e "
+                         "--topology 2x2"):
+        "tests/test_topology.py::test_plan_compiles_for_a_tpu_slice_with_libtpu",
+    ("docs/planning.md", "def make_linen_step():"):
+        "tests/test_verify.py::test_a_linen_step_matches_one_device",
     ("docs/scaling_a_train_step.md", "plan = train_step.plan(state, batch)"):
         "tests/test_plan.py::test_rows_cover_every_input_and_output_leaf",
     ("docs/sharded_init.md", "from shardax.sharding import MeshShardingHelper, LogicalAxisRules"):

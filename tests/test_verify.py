@@ -9,13 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from shardax import FSDPShardingRule, LogicalAxisRules, TreePathShardingRule
+from shardax.plan.rulecheck import rule_findings
 from shardax.plan.verify import load_step, parse_layouts, verify
 from shardax.train.config import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ROOT / "tests" / "fixtures" / "verify_steps.py"
+LINEN_RULES = LogicalAxisRules([("embed", "fsdp"), ("mlp", "tp")])  # verify_steps.py's
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -57,14 +63,70 @@ def test_an_nnx_step_matches_one_device():
         "bias" in report.layouts[0].grad_leaf + report.layouts[0].param_leaf
 
 
-def test_a_large_leaf_left_replicated_is_a_warning_naming_it():
-    report = verify(load_step(f"{STEPS}:make_replicated_step"), parse_layouts("fsdp=4"),
-                    steps=1)
-    (layout,) = report.layouts
-    assert report.ok
-    assert any("params['table'] (512x512 float32, 1.00 MiB) is replicated on all 4" in w
-               for w in layout.warnings), layout.warnings
-    assert not any("w1" in w for w in layout.warnings)
+def test_a_linen_step_matches_one_device():
+    report = verify(load_step(f"{STEPS}:make_linen_step"), parse_layouts("fsdp=4;fsdp=2,tp=2"),
+                    steps=2)
+    assert report.ok, [r.line() for r in report.layouts]
+    assert "Dense_" in report.layouts[1].grad_leaf + report.layouts[1].param_leaf
+    assert report.layouts[1].collectives["all-gather"]["count"]
+
+
+def test_an_equinox_module_matches_one_device():
+    pytest.importorskip("equinox")
+    report = verify(load_step(f"{STEPS}:make_equinox_step"), parse_layouts("fsdp=4;fsdp=2,tp=2"),
+                    steps=2)
+    assert report.ok, [r.line() for r in report.layouts]
+    assert ".layers[" in report.layouts[0].grad_leaf
+
+
+def test_a_large_leaf_left_replicated_and_a_rule_conflict_are_warnings_naming_them(tmp_path):
+    proc = _cli(f"{STEPS}:make_replicated_step", "--layouts", "fsdp=4", "--steps", "1",
+                "--json", str(tmp_path / "cert.json"))
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stdout.splitlines() if line.startswith("warning: ")]
+    assert warnings == [
+        "warning: fsdp=4: params['table'] (512x512 float32, 1.00 MiB) is replicated on all 4 "
+        "devices: no rule shards it",
+        "warning: fsdp=4: rule conflict: params['w1']: rules 'w1' (P('fsdp', None)) "
+        "and 'w' (P(None, 'fsdp')) both match: the first wins"], proc.stdout
+    (layout,) = json.loads((tmp_path / "cert.json").read_text())["layouts"]
+    assert [(f["kind"], f["leaf"]) for f in layout["rule_findings"]] == [("conflict",
+                                                                         "params['w1']")]
+
+
+def _mesh(**sizes):
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+def test_rule_axes_silently_dropped_are_found():
+    fsdp = rule_findings(FSDPShardingRule(min_fsdp_size=0),
+                         {"odd": np.zeros((6, 10)), "ok": np.zeros((8, 3))}, _mesh(fsdp=4, tp=2))
+    assert [(f.kind, f.leaf) for f in fsdp] == [("dropped", 0)]
+    assert "no dim of shape (6, 10) divides by 'fsdp' (size 4)" in fsdp[0].message
+    assert not rule_findings(FSDPShardingRule(min_fsdp_size=0), {"odd": np.zeros((6, 10))},
+                             _mesh(fsdp=1, tp=2))  # no fsdp in this layout: nothing to drop
+    params = load_step(f"{STEPS}:make_linen_step").init_fn(jax.random.key(0))
+    typo = LogicalAxisRules([("embed", "fsdp"), ("mlp", "model")])  # the mesh says 'tp'
+    found = rule_findings(typo, params, _mesh(fsdp=2, tp=2))
+    assert {f.kind for f in found} == {"dropped"} and len(found) == 2, found
+    assert "logical name 'mlp' of dim 1 maps to ['model'], not mesh axes ('fsdp', 'tp')" in \
+        found[0].message
+    assert not rule_findings(LINEN_RULES, params, _mesh(fsdp=2, tp=2))
+
+
+def test_rule_conflicts_are_found():
+    params = load_step(f"{STEPS}:make_linen_step").init_fn(jax.random.key(0))
+    twice = LogicalAxisRules([("embed", "fsdp"), ("mlp", "fsdp")])
+    found = rule_findings(twice, params, _mesh(fsdp=2))
+    assert [f.kind for f in found] == ["conflict", "conflict"], found
+    assert "mesh axis 'fsdp' is wanted by dim 1 ('embed') and dim 0 ('mlp')" in \
+        " ".join(f.message for f in found)
+    tree = {"w1": np.zeros((8, 8)), "w2": np.zeros((8, 8))}
+    paths = TreePathShardingRule(("w1", P("fsdp")), ("w", P(None, "fsdp")), (".*", P()))
+    assert [f.leaf for f in rule_findings(paths, tree, _mesh(fsdp=2))] == [0]  # '.*': default
+    same = TreePathShardingRule(("w1", P("fsdp")), ("w", P("fsdp", None)))
+    assert not rule_findings(same, tree, _mesh(fsdp=2))  # the same spec: no conflict
 
 
 @pytest.mark.parametrize("args, needle", [

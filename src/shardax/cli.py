@@ -360,8 +360,17 @@ def _plan(argv: list[str]) -> int:
     from shardax.plan.command import check_device_flags, run_plan
 
     check_device_flags(args.plan)  # --hbm and --target, before a backend starts
+    devices = args.devices
+    if args.plan.topology:  # compile for a TPU slice: as many emulated devices as it has
+        from shardax.plan.topology import select
+
+        devices = select(args.plan.target, args.plan.topology)
+        given = any(a == "--devices" or a.startswith("--devices=") for a in argv)
+        if given and args.devices != devices:
+            raise _Usage(f"--devices {args.devices}: --topology {args.plan.topology} has "
+                         f"{devices} devices; leave --devices out")
     os.environ["JAX_PLATFORMS"] = "cpu"  # planning compiles for emulated devices
-    _set_devices(args.devices)
+    _set_devices(devices)
     _compile_cache(args.no_compile_cache)
     return run_plan(config, args.plan)
 
@@ -494,6 +503,12 @@ def _verify(argv: list[str]) -> int:
         print(layout.line())
         for warning in layout.warnings:
             print(f"warning: {warning}")
+        for finding in layout.rule_findings[:10]:
+            print(f"warning: {layout.layout}: rule {finding['kind']}: {finding['leaf']}: "
+                  f"{finding['message']}")
+        if len(layout.rule_findings) > 10:
+            print(f"warning: {layout.layout}: {len(layout.rule_findings) - 10} more rule "
+                  "findings (all of them are in --json)")
     if args.json:
         Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     bad = [r for r in report.layouts if not r.ok]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from shardax import models
 from shardax.devices import DeviceSpec
 from shardax.inspect import _human
+from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
 from shardax.train.config import TrainConfig
 from shardax.train.mfu import flops_per_token
@@ -146,8 +147,7 @@ def assumptions(device: DeviceSpec, hbm_bytes: float) -> str:
             f"{d.devices_per_host} devices per host; links {d.link_bytes_per_s / 1e9:.0f} GB/s "
             f"within a host and {d.host_link_bytes_per_s / 1e9:.1f} GB/s across hosts per "
             f"device, x {d.link_fraction:.2f} achievable; no overlap of compute and "
-            "communication; memory from a CPU compile of the same program (GPU/TPU temporaries "
-            "differ: keep a few GiB spare)")
+            f"communication; {memory_source()}")
 
 
 def across_bytes(ops: list[Any], devices: int) -> dict[str, int]:
@@ -245,8 +245,10 @@ def work_split(run: Resolved) -> int:
 
 def compile_config(run: Resolved) -> Compiled:
     """Compiles the train step of a resolved config from abstract shapes on
-    ``jax.device_count()`` devices."""
+    ``jax.device_count()`` devices (of the TPU slice of ``shardax plan --topology``, if any:
+    `shardax.plan.topology`)."""
     start = time.perf_counter()
+    run = on_target(run)
     config = run.config
     graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
     shardings = run.mesh.match_sharding_rule(run.state_rules, state_shape)

@@ -43,6 +43,7 @@ import jax
 from shardax import models
 from shardax.devices import DeviceSpec
 from shardax.models.attention import BLOCKWISE_MIN_LEN
+from shardax.plan import topology
 from shardax.plan.estimate import (
     STEP_FIELDS,
     Compiled,
@@ -252,7 +253,8 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
 def _key(config: TrainConfig, devices: int) -> str:
     text = json.dumps({"config": {k: getattr(config, k) for k in STEP_FIELDS},
                        "devices": devices, "jax": jax.__version__, "format": 2,
-                       "backend": jax.default_backend()}, sort_keys=True)
+                       "backend": os.environ.get(topology.ENV) or jax.default_backend()},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

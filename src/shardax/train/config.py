@@ -280,6 +280,10 @@ class PlanConfig:
     pipeline: bool = False
     """--search pipeline layouts within a host too (by default only where each stage is whole
     hosts, or when nothing else fits)"""
+    topology: str | None = None
+    """compile for this TPU slice of a TPU --target, chips per dimension (e.g. 2x2x1 for v5p,
+    2x2 for v5e): memory and collectives from libtpu's compiler, no TPU needed (pip install
+    libtpu); it sets --devices (default: compile for emulated CPU devices)"""
     calibrate: list[str] = field(default_factory=list)
     """run directories of past shardax train runs on the target: their measured step times
     fit the achievable fraction of peak FLOP/s (an explicit --flops-fraction wins)"""
