@@ -8,8 +8,11 @@ communication is written out, so peak memory and bytes moved follow ZeRO-3 on an
 * the loss runs manual over ``axis`` (``'fsdp'``) and ``batch_axes`` (``'dp'``: parameters are
   replicated over it, HSDP); every other mesh axis stays with XLA (Auto), so tensor
   parallelism from sharding rules composes. ``shard_map`` blocks over another axis inside
-  ``loss_fn`` (explicit TP/SP, ring attention) do not lower in JAX 0.10: Shardy rejects the
-  residuals of a differentiated manual computation nested in this one;
+  ``loss_fn`` (explicit TP/SP) do not lower in JAX 0.10: Shardy rejects the residuals of a
+  differentiated manual computation nested in this one
+  (https://github.com/jax-ml/jax/pull/26588). So an axis that parallel code inside
+  communicates over is made manual here too: ``seq_axes`` (``'cp'``) split the batch's
+  sequence dim, and ring attention, finding 'cp' already manual, runs its body directly;
 * :meth:`Gather.__call__` all-gathers a subtree (cast to the compute ``dtype`` first, so bf16
   compute moves bf16). Its backward is one ``psum_scatter`` over ``axis`` in ``reduce_dtype``
   (then a ``psum`` over ``batch_axes``); replicated leaves get one ``psum``;
@@ -37,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -266,6 +270,7 @@ def value_and_grad(
     *batch: jax.Array,
     axis: str = "fsdp",
     batch_axes: Sequence[str] = ("dp",),
+    seq_axes: Sequence[str] = (),
     grad_accum: int = 1,
     dtype: Any = None,
     reduce_dtype: Any = jnp.float32,
@@ -282,6 +287,10 @@ def value_and_grad(
       specs: a ``PartitionSpec`` per leaf of ``params``; only where it places ``axis``
         matters (:func:`fsdp_dim`), the other axes are left to XLA.
       batch: arrays with a leading batch dim, split over ``(*batch_axes, axis)``.
+      seq_axes: mesh axes (e.g. ``('cp',)``) that split the batch arrays' second (sequence)
+        dim; the region is manual over them too, so code inside that communicates over them
+        (ring attention) runs its body directly. Parameters are replicated over them and
+        their gradients summed over them, like a batch axis.
       grad_accum: microbatches per step; each one's gradients are reduce-scattered and
         summed into a sharded float32 accumulator.
       dtype: compute dtype the parameters are gathered in (default: their own).
@@ -301,15 +310,18 @@ def value_and_grad(
         raise ValueError(f"fsdp value_and_grad: grad_accum={grad_accum} must be >= 1")
     if axis_size(axis, mesh) == 1 and manual_axes(mesh) == frozenset():
         return _unsharded(loss_fn, params, batch, grad_accum, dtype)
-    if manual_axes(mesh) & {axis, *batch_axes}:
+    if manual_axes(mesh) & {axis, *batch_axes, *seq_axes}:
         raise ValueError(
-            f"fsdp value_and_grad: mesh axes {sorted(manual_axes(mesh) & {axis, *batch_axes})} "
+            "fsdp value_and_grad: mesh axes "
+            f"{sorted(manual_axes(mesh) & {axis, *batch_axes, *seq_axes})} "
             "are already manual (called inside a shard_map over them)"
         )
     m = mesh_or_context(mesh)
     batch_axes = tuple(a for a in batch_axes if a in m.axis_names and a != axis)
+    seq_axes = tuple(a for a in seq_axes if a in m.axis_names and a not in (axis, *batch_axes))
     data = (*batch_axes, axis)
-    shards = _data_shards(batch, data, grad_accum, mesh)
+    manual = (*data, *seq_axes)
+    shards = _data_shards(batch, data, grad_accum, mesh, seq_axes)
     dims = jax.tree.map(  # one spec per leaf (specs may stop at framework boxes)
         lambda s, sub: jax.tree.map(lambda _: fsdp_dim(s, axis), sub), specs, params,
         is_leaf=_is_spec,
@@ -320,10 +332,11 @@ def value_and_grad(
         params, dims,
     )
     autos = jax.tree.map(  # the other axes' spec entries, kept through gathers
-        lambda s, sub: jax.tree.map(lambda a: _auto(s, a.ndim, data, m), sub), specs, params,
+        lambda s, sub: jax.tree.map(lambda a: _auto(s, a.ndim, manual, m), sub), specs, params,
         is_leaf=_is_spec,
     )
-    gather = Gather(axis, batch_axes, dtype, reduce_dtype)
+    # Parameters are replicated over the sequence axes: their gradients sum over them too.
+    gather = Gather(axis, (*batch_axes, *seq_axes), dtype, reduce_dtype)
 
     def body(params, *batch):
         def local(params, *mb):
@@ -334,14 +347,15 @@ def value_and_grad(
         else:
             loss, grads = _accumulate(local, params, batch, grad_accum,
                                       (gather.axis, *gather.batch_axes))
-        return lax.psum(loss, data), grads
+        return lax.psum(loss, manual), grads
 
+    rows = P(data, seq_axes) if seq_axes else P(data)
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(param_specs, *(P(data) for _ in batch)),
+        in_specs=(param_specs, *(rows for _ in batch)),
         out_specs=(P(), param_specs),
-        axis_names=set(data),
+        axis_names=set(manual),
     )(params, *batch)
 
 
@@ -413,17 +427,23 @@ def _is_spec(x) -> bool:
     return x is None or isinstance(x, P)
 
 
-def _data_shards(batch, data, k, mesh) -> int:
-    n = 1
-    for a in data:
-        n *= axis_size(a, mesh)
+def _data_shards(batch, data, k, mesh, seq_axes=()) -> int:
+    """How many pieces the batch is split into (rows over ``data`` times the sequence over
+    ``seq_axes``); ValueError naming the argument whose shape does not split."""
+    n = math.prod(axis_size(a, mesh) for a in data)
+    s = math.prod(axis_size(a, mesh) for a in seq_axes)
     for i, b in enumerate(batch):
         if b.ndim == 0 or b.shape[0] % (n * k):
             raise ValueError(
                 f"fsdp value_and_grad: batch argument {i} of shape {tuple(b.shape)} needs a "
                 f"leading dim divisible by the data axes {data} ({n} shards) x grad_accum {k}"
             )
-    return n
+        if seq_axes and (b.ndim < 2 or b.shape[1] % s):
+            raise ValueError(
+                f"fsdp value_and_grad: batch argument {i} of shape {tuple(b.shape)} needs a "
+                f"second dim divisible by the sequence axes {seq_axes} ({s} shards)"
+            )
+    return n * s
 
 
 def _check_dims(params, dims, axis, n):

@@ -171,7 +171,7 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
-        for axis, what in (("pp", "pipeline"), ("cp", "ring attention"), ("ep", "experts")):
+        for axis, what in (("pp", "pipeline"), ("ep", "experts")):
             if mesh_shape.get(axis, 1) > 1:
                 blockers.append(f"a '{axis}' mesh axis ({what} runs its own shard_map)")
     return blockers
@@ -328,7 +328,7 @@ def resolve(config: TrainConfig) -> Resolved:
         prefers_xla = _auto_prefers_xla(mesh.shape)
         why = (f"auto: explicit does not run with {blockers[0]}" if blockers else
                f"auto: xla is faster with {prefers_xla}" if prefers_xla else
-               "auto: explicit applies (dense llama, 'fsdp' axis, no pp/cp/ep, no 'tp')")
+               "auto: explicit applies (dense llama, 'fsdp' axis, no pp/ep, no 'tp')")
     if mode == "explicit":
         recompute, keep_why = fsdp_recompute(config, mesh.shape, model, policy,
                                              _device_memory())
