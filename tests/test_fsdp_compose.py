@@ -1,8 +1,9 @@
 """Explicit FSDP composed with the other axes: with rule-based tensor parallelism every parameter
 moves over 'fsdp' alone (the compiled program's all-gathers and permute rings read from
 `shardax.hlo`), and 5 SGD steps on HSDP x TP (dp=2, fsdp=2, tp=2) with gradient accumulation
-and on HSDP x CP (dp=2, fsdp=2, cp=2: the region manual over 'cp' too, ring attention inside)
-equal one device.
+on HSDP x CP (dp=2, fsdp=2, cp=2: the region manual over 'cp' too, ring attention inside) and
+on HSDP x EP with the MoE llama (dp=2, fsdp=2, ep=2: manual over 'ep' too, each device gathering
+its own experts over 'fsdp', the all-to-alls inside) equal one device.
 Without remat the gathered layers are kept from forward to backward (no second gather), equal
 to one device too, and the banner says so and why.
 
@@ -29,6 +30,7 @@ from shardax.train.step import train_step
 
 STEPS = 5
 CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
+MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, scan_layers=True)
 
 
 def _batches():
@@ -37,9 +39,16 @@ def _batches():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """The one-device run of `CONFIG` on `_batches` (SGD)."""
-    return train_one_device(CONFIG, optax.sgd(0.1), _batches())
+def references():
+    """Per model config: its one-device run on `_batches` (SGD), made on first use."""
+    runs = {}
+
+    def get(config):
+        if config not in runs:
+            runs[config] = train_one_device(config, optax.sgd(0.1), _batches())
+        return runs[config]
+
+    return get
 
 
 def _step(mesh_spec, config, grad_accum=1, recompute=True):
@@ -73,11 +82,14 @@ def test_explicit_fsdp_with_tp_moves_parameters_over_fsdp_only(tied):
     assert not wrong, wrong  # nothing gathered or scattered over 'tp'
 
 
-@pytest.mark.parametrize("mesh_spec,grad_accum", [("dp=2,fsdp=2,tp=2", 2),
-                                                  ("dp=2,fsdp=2,cp=2", 1)])
-def test_hsdp_composed_equals_one_device(reference, mesh_spec, grad_accum):
-    want = reference
-    step, state, _ = _step(mesh_spec, CONFIG, grad_accum=grad_accum)
+# No accumulation with experts: the load-balancing loss of two microbatches is not the batch's.
+@pytest.mark.parametrize("mesh_spec,config,grad_accum", [("dp=2,fsdp=2,tp=2", CONFIG, 2),
+                                                         ("dp=2,fsdp=2,cp=2", CONFIG, 1),
+                                                         ("dp=2,fsdp=2,ep=2", MOE, 1)],
+                         ids=["tp", "cp", "ep"])
+def test_hsdp_composed_equals_one_device(references, mesh_spec, config, grad_accum):
+    want = references(config)
+    step, state, _ = _step(mesh_spec, config, grad_accum=grad_accum)
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)
@@ -92,8 +104,8 @@ def _gathered_bytes(step, state):
     return sum(c.bytes for c in hlo_collectives(hlo) if c.kind == "all-gather")
 
 
-def test_kept_gathered_layers_gather_once_and_equal_one_device(reference):
-    want = reference
+def test_kept_gathered_layers_gather_once_and_equal_one_device(references):
+    want = references(CONFIG)
     step, state, _ = _step("fsdp=8", CONFIG, recompute=False)
     regather, _, _ = _step("fsdp=8", CONFIG, recompute=True)
     kept, again = _gathered_bytes(step, state), _gathered_bytes(regather, state)
@@ -121,4 +133,7 @@ def test_recompute_choice_and_banner():
     assert "fsdp: explicit" in line and "kept from forward to backward" in line, line
     assert "why: auto: explicit applies" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=4,cp=2", batch_size=8))).fsdp_summary()
+    assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,ep=2", model="llama-moe-tiny",
+                                     batch_size=8))).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line

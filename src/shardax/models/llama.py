@@ -545,15 +545,23 @@ class Llama(nnx.Module):
         ``(x, aux)``."""
         c = self.config
         if stack is not None:
-            if c.n_experts or c.mixed_layers:
-                raise ValueError("a custom layer stack (explicit FSDP) needs identical dense "
-                                 "layers (n_experts=0, no global_every)")
+            if c.mixed_layers:
+                raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
+                                 "(no global_every)")
             graphdef = nnx.graphdef(self.layers if c.scan_layers else self.layers[0])
 
             def layer_fn(state, h):
                 return nnx.merge(graphdef, state)(h, cos, sin, load_balanced, segment_ids)[0]
 
-            return stack(layer_fn, x), jnp.zeros((), jnp.float32)
+            if not c.n_experts:
+                return stack(layer_fn, x), jnp.zeros((), jnp.float32)
+
+            def moe_layer_fn(state, h):  # h: (x, the load-balancing losses so far)
+                y, a = nnx.merge(graphdef, state)(h[0], cos, sin, load_balanced, segment_ids)
+                return y, h[1] + a
+
+            x, aux = stack(moe_layer_fn, (x, jnp.zeros((), jnp.float32)))
+            return x, aux / c.n_layers
         if c.n_experts:
             def call(layer, h):
                 y, a = layer(h[0], cos, sin, load_balanced, segment_ids)

@@ -74,13 +74,15 @@ def fsdp_dim(spec: P | None, axis: str = "fsdp") -> int | None:
 class _Leaf:
     """A parameter inside the region: its shard and, as static data, the sharded dim counted
     from the end (so it survives slicing off a leading layer axis) and the spec entries of the
-    other, non-manual mesh axes (one per dim, also read from the end; None: no such axis)."""
+    other, non-manual mesh axes (one per dim, also read from the end; None: no such axis) and
+    ``owned``, the other manual axes it is split over (experts over 'ep': each device holds
+    its own, so they are neither cast to varying nor summed over them)."""
 
-    def __init__(self, shard, dim, auto=None):
-        self.shard, self.dim, self.auto = shard, dim, auto
+    def __init__(self, shard, dim, auto=None, owned=()):
+        self.shard, self.dim, self.auto, self.owned = shard, dim, auto, owned
 
     def tree_flatten(self):
-        return (self.shard,), (self.dim, self.auto)
+        return (self.shard,), (self.dim, self.auto, self.owned)
 
     @classmethod
     def tree_unflatten(cls, static, children):
@@ -114,31 +116,33 @@ class Gather:
             return leaf.astype(self.dtype) if self.dtype and _is_float(leaf) else leaf
         dim = None if leaf.dim is None else leaf.shard.ndim + leaf.dim
         auto = None if leaf.auto is None else P(*leaf.auto[len(leaf.auto) - leaf.shard.ndim:])
-        return _gather_rs(self, dim, auto, leaf.shard)
+        return _gather_rs(self, dim, auto, leaf.owned, leaf.shard)
 
-    def all_gather(self, shard, dim, auto=None):
+    def all_gather(self, shard, dim, auto=None, owned=()):
         """Forward: cast, all-gather over ``axis``, vary over the batch axes. ``auto``: the
         spec over the other (non-manual) axes, which the gathered array keeps: a
-        tensor-parallel shard is gathered over ``axis`` alone, never over 'tp'."""
+        tensor-parallel shard is gathered over ``axis`` alone, never over 'tp'. ``owned``:
+        manual axes the shard is split over besides ``axis`` (it already varies over them)."""
         x = _keep(shard.astype(self.dtype) if self.dtype and _is_float(shard) else shard, auto)
-        manual = (self.axis, *self.batch_axes)
+        replicas = tuple(a for a in self.batch_axes if a not in owned)
         if dim is not None:
             x = (lax.all_gather(x, self.axis, axis=dim, tiled=True) if auto is None
                  else _ring_all_gather(x, self.axis, dim, auto))
-            return lax.pcast(x, self.batch_axes, to="varying") if self.batch_axes else x
-        return lax.pcast(x, manual, to="varying")
+            return lax.pcast(x, replicas, to="varying") if replicas else x
+        return lax.pcast(x, (self.axis, *replicas), to="varying")
 
-    def reduce(self, g, dim, dtype, auto=None):
+    def reduce(self, g, dim, dtype, auto=None, owned=()):
         """Backward: the gradient of the full array summed over devices, this device's shard
-        (kept on ``auto``, as in `all_gather`)."""
+        (kept on ``auto``, as in `all_gather`; not summed over the ``owned`` axes)."""
         g = _keep(g.astype(self.reduce_dtype or g.dtype), auto)
+        replicas = tuple(a for a in self.batch_axes if a not in owned)
         if dim is not None:
             g = (lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True)
                  if auto is None else _ring_reduce_scatter(g, self.axis, dim, auto))
-            if self.batch_axes:
-                g = lax.psum(g, self.batch_axes)
+            if replicas:
+                g = lax.psum(g, replicas)
         else:
-            g = lax.psum(g, (self.axis, *self.batch_axes))
+            g = lax.psum(g, (self.axis, *replicas))
         return g.astype(dtype)
 
 
@@ -184,17 +188,17 @@ def _ring_reduce_scatter(g, axis, dim, auto):
     return acc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather_rs(g: Gather, dim, auto, shard):
-    return g.all_gather(shard, dim, auto)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gather_rs(g: Gather, dim, auto, owned, shard):
+    return g.all_gather(shard, dim, auto, owned)
 
 
-def _gather_rs_fwd(g, dim, auto, shard):
-    return g.all_gather(shard, dim, auto), jnp.zeros((), shard.dtype)
+def _gather_rs_fwd(g, dim, auto, owned, shard):
+    return g.all_gather(shard, dim, auto, owned), jnp.zeros((), shard.dtype)
 
 
-def _gather_rs_bwd(g, dim, auto, like, ct):
-    return (g.reduce(ct, dim, like.dtype, auto),)
+def _gather_rs_bwd(g, dim, auto, owned, like, ct):
+    return (g.reduce(ct, dim, like.dtype, auto, owned),)
 
 
 _gather_rs.defvjp(_gather_rs_fwd, _gather_rs_bwd)
@@ -327,9 +331,13 @@ def value_and_grad(
         is_leaf=_is_spec,
     )
     _check_dims(params, dims, axis, axis_size(axis, mesh))
+    owned = jax.tree.map(  # the other manual axes a leaf is split over ('ep' for experts)
+        lambda s, sub: jax.tree.map(lambda a: _owned(s, a.ndim, manual, axis), sub), specs,
+        params, is_leaf=_is_spec,
+    )
     param_specs = jax.tree.map(
-        lambda a, d: P() if d is None else P(*(axis if i == d else None for i in range(a.ndim))),
-        params, dims,
+        lambda a, d, own: P(*((axis if i == d else own[i]) for i in range(a.ndim))),
+        params, dims, owned, is_leaf=lambda x: x is None,
     )
     autos = jax.tree.map(  # the other axes' spec entries, kept through gathers
         lambda s, sub: jax.tree.map(lambda a: _auto(s, a.ndim, manual, m), sub), specs, params,
@@ -340,7 +348,8 @@ def value_and_grad(
 
     def body(params, *batch):
         def local(params, *mb):
-            return loss_fn(gather, _wrap(params, dims, autos), *mb) / (shards * grad_accum)
+            return (loss_fn(gather, _wrap(params, dims, autos, owned), *mb)
+                    / (shards * grad_accum))
 
         if grad_accum == 1:
             loss, grads = jax.value_and_grad(local)(params, *batch)
@@ -380,12 +389,28 @@ def _acc_dtype(a):
     return jnp.float32 if _is_float(a) else a.dtype
 
 
-def _wrap(values, dims, autos):
+def _wrap(values, dims, autos, owned):
     """The parameters as ``loss_fn`` sees them: ``_Leaf`` nodes of this device's shards."""
     return jax.tree.map(
-        lambda a, d, auto: _Leaf(a, None if d is None else d - a.ndim, auto),
-        values, dims, autos, is_leaf=lambda x: x is None,
+        lambda a, d, auto, own: _Leaf(a, None if d is None else d - a.ndim, auto,
+                                      tuple(x for x in own if x is not None)),
+        values, dims, autos, owned, is_leaf=lambda x: x is None,
     )
+
+
+def _owned(spec, ndim, manual, axis):
+    """Per dim of a leaf, the one manual axis other than ``axis`` its ``spec`` splits it over
+    (None where there is none); ValueError for a dim split over several."""
+    entries = []
+    for d in range(ndim):
+        e = spec[d] if spec is not None and d < len(spec) else None
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        own = tuple(a for a in axes if a in manual and a != axis)
+        if len(own) > 1 or (own and axis in axes):
+            raise ValueError(f"fsdp value_and_grad: a parameter spec {spec} splits dim {d} "
+                             f"over several manual axes {axes}")
+        entries.append(own[0] if own else None)
+    return tuple(entries)
 
 
 def _auto(spec, ndim, manual, mesh):

@@ -157,8 +157,11 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
     blockers = []
     if mesh_shape.get("fsdp", 1) == 1:
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
-    if not isinstance(model_config, models.LlamaConfig) or model_config.n_experts:
-        blockers.append(f"--model {config.model} (needs a dense llama model)")
+    if not isinstance(model_config, models.LlamaConfig):
+        blockers.append(f"--model {config.model} (needs a llama model)")
+    elif model_config.n_experts and model_config.moe_impl == "dropless":
+        blockers.append(f"--model {config.model} (dropless experts run their own shard_map; "
+                        "the capacity MoE runs inside explicit FSDP)")
     elif model_config.mixed_layers:
         blockers.append(f"--model {config.model} (its sliding-window and global layers differ; "
                         "explicit FSDP runs one layer body)")
@@ -171,9 +174,11 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
-        for axis, what in (("pp", "pipeline"), ("ep", "experts")):
-            if mesh_shape.get(axis, 1) > 1:
-                blockers.append(f"a '{axis}' mesh axis ({what} runs its own shard_map)")
+        if mesh_shape.get("pp", 1) > 1:
+            blockers.append("a 'pp' mesh axis (pipeline runs its own shard_map)")
+        if mesh_shape.get("cp", 1) > 1 and mesh_shape.get("ep", 1) > 1:
+            blockers.append("'cp' and 'ep' axes together (the experts' routing statistics "
+                            "are summed over the token axes, not 'cp')")
     return blockers
 
 
@@ -328,7 +333,7 @@ def resolve(config: TrainConfig) -> Resolved:
         prefers_xla = _auto_prefers_xla(mesh.shape)
         why = (f"auto: explicit does not run with {blockers[0]}" if blockers else
                f"auto: xla is faster with {prefers_xla}" if prefers_xla else
-               "auto: explicit applies (dense llama, 'fsdp' axis, no pp/ep, no 'tp')")
+               "auto: explicit applies (llama, 'fsdp' axis, no 'pp', no 'tp')")
     if mode == "explicit":
         recompute, keep_why = fsdp_recompute(config, mesh.shape, model, policy,
                                              _device_memory())

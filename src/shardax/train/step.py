@@ -270,7 +270,9 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
     layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
     in float32; the other parameters (embedding, head, final norm) are gathered once. With a
     'cp' axis the region is manual over it too: each device holds its load-balanced piece of
-    the sequence and ring attention runs its body directly."""
+    the sequence and ring attention runs its body directly. With an 'ep' axis it splits the
+    rows (experts' tokens) too: each device gathers its own experts over 'fsdp' and the MoE
+    layer runs its all-to-alls directly."""
     if param_rules is None:
         raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
     rest = state.rest
@@ -320,7 +322,8 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
     names = tuple(kwargs)
     return fsdp.value_and_grad(
         loss_fn, state.params, param_rules.apply(state.params), inputs, targets,
-        *kwargs.values(), seq_axes=("cp",) if axis_size("cp") > 1 else (),
+        *kwargs.values(), batch_axes=("ep", "dp"),
+        seq_axes=("cp",) if axis_size("cp") > 1 else (),
         grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
 
 
