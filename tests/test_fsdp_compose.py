@@ -3,7 +3,8 @@ moves over 'fsdp' alone (the compiled program's all-gathers and permute rings re
 `shardax.hlo`), and 5 SGD steps on HSDP x TP (dp=2, fsdp=2, tp=2) with gradient accumulation
 on HSDP x CP (dp=2, fsdp=2, cp=2: the region manual over 'cp' too, ring attention inside) and
 on HSDP x EP with the MoE llama (dp=2, fsdp=2, ep=2: manual over 'ep' too, each device gathering
-its own experts over 'fsdp', the all-to-alls inside) equal one device.
+its own experts over 'fsdp', the all-to-alls inside) and on FSDP x PP (pp=2, fsdp=4: each
+pipeline stage gathers its layer over 'fsdp') equal one device.
 Without remat the gathered layers are kept from forward to backward (no second gather), equal
 to one device too, and the banner says so and why.
 
@@ -31,6 +32,7 @@ from shardax.train.step import train_step
 STEPS = 5
 CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
 MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, scan_layers=True)
+PIPED = dataclasses.replace(CONFIG, pp_microbatches=2)  # gpipe, each stage gathering its layer
 
 
 def _batches():
@@ -44,6 +46,7 @@ def references():
     runs = {}
 
     def get(config):
+        config = dataclasses.replace(config, pp_microbatches=1)  # no pipeline on one device
         if config not in runs:
             runs[config] = train_one_device(config, optax.sgd(0.1), _batches())
         return runs[config]
@@ -85,8 +88,9 @@ def test_explicit_fsdp_with_tp_moves_parameters_over_fsdp_only(tied):
 # No accumulation with experts: the load-balancing loss of two microbatches is not the batch's.
 @pytest.mark.parametrize("mesh_spec,config,grad_accum", [("dp=2,fsdp=2,tp=2", CONFIG, 2),
                                                          ("dp=2,fsdp=2,cp=2", CONFIG, 1),
-                                                         ("dp=2,fsdp=2,ep=2", MOE, 1)],
-                         ids=["tp", "cp", "ep"])
+                                                         ("dp=2,fsdp=2,ep=2", MOE, 1),
+                                                         ("pp=2,fsdp=4", PIPED, 1)],
+                         ids=["tp", "cp", "ep", "pp"])
 def test_hsdp_composed_equals_one_device(references, mesh_spec, config, grad_accum):
     want = references(config)
     step, state, _ = _step(mesh_spec, config, grad_accum=grad_accum)
@@ -137,3 +141,6 @@ def test_recompute_choice_and_banner():
     line = resolve(check(TrainConfig(mesh="fsdp=4,ep=2", model="llama-moe-tiny",
                                      batch_size=8))).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8))).fsdp_summary()
+    assert line.startswith("fsdp: explicit") and "forward recomputed" in line, line
+    assert "a 'pp' axis (the pipeline keeps each layer's input" in line, line

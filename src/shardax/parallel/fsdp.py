@@ -115,7 +115,9 @@ class Gather:
         if not _is_leaf(leaf):  # no FSDP axis: a plain array, only cast
             return leaf.astype(self.dtype) if self.dtype and _is_float(leaf) else leaf
         dim = None if leaf.dim is None else leaf.shard.ndim + leaf.dim
-        auto = None if leaf.auto is None else P(*leaf.auto[len(leaf.auto) - leaf.shard.ndim:])
+        auto = None if leaf.auto is None else leaf.auto[len(leaf.auto) - leaf.shard.ndim:]
+        # A slice of stacked layers drops the layer dim's entry ('pp'): nothing may be left.
+        auto = P(*auto) if auto is not None and any(e is not None for e in auto) else None
         return _gather_rs(self, dim, auto, leaf.owned, leaf.shard)
 
     def all_gather(self, shard, dim, auto=None, owned=()):

@@ -174,8 +174,11 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
-        if mesh_shape.get("pp", 1) > 1:
-            blockers.append("a 'pp' mesh axis (pipeline runs its own shard_map)")
+        if mesh_shape.get("pp", 1) > 1 and model_config.pp_schedule != "gpipe":
+            blockers.append(f"--pp-schedule {model_config.pp_schedule} (explicit FSDP runs the "
+                            "gpipe schedule; its loss region over 'pp' cannot nest in the "
+                            "FSDP region under differentiation in JAX 0.10: "
+                            "https://github.com/jax-ml/jax/pull/26588)")
         if mesh_shape.get("cp", 1) > 1 and mesh_shape.get("ep", 1) > 1:
             blockers.append("'cp' and 'ep' axes together (the experts' routing statistics "
                             "are summed over the token axes, not 'cp')")
@@ -199,6 +202,8 @@ def fsdp_recompute(config: TrainConfig, mesh_shape: dict[str, int], model_config
     """
     if config.remat != "none":
         return True, f"{flag('remat')} {config.remat}"
+    if mesh_shape.get("pp", 1) > 1:
+        return True, "a 'pp' axis (the pipeline keeps each layer's input and recomputes it)"
     tp = mesh_shape.get("tp", 1)  # tensor-parallel shards stay shards once gathered
     gathered = models.param_count(model_config) * policy.compute.itemsize / tp
     size = f"the gathered layers ({gathered / 2**30:.2f} GiB per device)"
@@ -333,7 +338,7 @@ def resolve(config: TrainConfig) -> Resolved:
         prefers_xla = _auto_prefers_xla(mesh.shape)
         why = (f"auto: explicit does not run with {blockers[0]}" if blockers else
                f"auto: xla is faster with {prefers_xla}" if prefers_xla else
-               "auto: explicit applies (llama, 'fsdp' axis, no 'pp', no 'tp')")
+               "auto: explicit applies (llama, 'fsdp' axis, no 'tp')")
     if mode == "explicit":
         recompute, keep_why = fsdp_recompute(config, mesh.shape, model, policy,
                                              _device_memory())

@@ -281,6 +281,8 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
     # tied one is gathered for the head anyway.
     untied = "lm_head" in state.params
     local = ("layers", "embed") if untied else ("layers",)
+    # On a 'pp' mesh the layers reach the pipeline as shards, each gathered inside its stage.
+    piped = axis_size("pp") > 1
     table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
 
     def lookup(table, tokens):
@@ -290,7 +292,8 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
 
     def loss_fn(gather, params, inputs, targets, *extras):
         top = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: gather.local(leaf) if _key(path) in local else gather(leaf),
+            lambda path, leaf: (leaf if piped and _key(path) == "layers" else
+                                gather.local(leaf) if _key(path) in local else gather(leaf)),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
         model = nnx.merge(graphdef, top, rest)
         if not isinstance(model, Llama):
@@ -310,7 +313,9 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
                                     x, **keep)
 
         kwargs = dict(zip(names, extras), load_balanced=load_balanced)
-        return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
+        return model.training_loss(inputs, targets, cast=policy.cast_to_output,
+                                   stack=None if piped else stack,
+                                   layer_gather=gather if piped else None,
                                    lookup=lookup if untied else None, **kwargs)[0]
 
     # Positions, segments and the load-balanced order are computed on the whole sequence,
