@@ -170,7 +170,8 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
             blockers.append(f"--tp-mode {model_config.tp_mode}"
                             + (" / --sequence-parallel" if model_config.sp else "")
                             + " (explicit TP blocks cannot nest in the FSDP shard_map under "
-                            "JAX 0.10; --tp-mode none shards 'tp' by --rules)")
+                            "differentiation in JAX 0.10: https://github.com/jax-ml/jax/pull/26588;"
+                            " --tp-mode none shards 'tp' by --rules)")
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
