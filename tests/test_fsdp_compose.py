@@ -4,7 +4,8 @@ moves over 'fsdp' alone (the compiled program's all-gathers and permute rings re
 on HSDP x CP (dp=2, fsdp=2, cp=2: the region manual over 'cp' too, ring attention inside) and
 on HSDP x EP with the MoE llama (dp=2, fsdp=2, ep=2: manual over 'ep' too, each device gathering
 its own experts over 'fsdp', the all-to-alls inside) and on FSDP x PP (pp=2, fsdp=4: each
-pipeline stage gathers its layer over 'fsdp') equal one device.
+circular pipeline stage gathers its layer over 'fsdp'; gpipe runs through the CLI in
+`test_parallel_train`) equal one device.
 Without remat the gathered layers are kept from forward to backward (no second gather), equal
 to one device too, and the banner says so and why.
 
@@ -32,7 +33,9 @@ from shardax.train.step import train_step
 STEPS = 5
 CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
 MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, scan_layers=True)
-PIPED = dataclasses.replace(CONFIG, pp_microbatches=2)  # gpipe, each stage gathering its layer
+# Circular, 2 virtual stages: each stage gathers its layers, moved between stages per trip.
+PIPED = dataclasses.replace(CONFIG, n_layers=4, pp_schedule="circular", pp_virtual_stages=2,
+                            pp_microbatches=2)
 
 
 def _batches():
@@ -46,7 +49,8 @@ def references():
     runs = {}
 
     def get(config):
-        config = dataclasses.replace(config, pp_microbatches=1)  # no pipeline on one device
+        config = dataclasses.replace(config, pp_schedule="gpipe", pp_virtual_stages=1,
+                                     pp_microbatches=1)  # no pipeline on one device
         if config not in runs:
             runs[config] = train_one_device(config, optax.sgd(0.1), _batches())
         return runs[config]

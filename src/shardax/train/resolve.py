@@ -175,11 +175,11 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
-        if mesh_shape.get("pp", 1) > 1 and model_config.pp_schedule != "gpipe":
-            blockers.append(f"--pp-schedule {model_config.pp_schedule} (explicit FSDP runs the "
-                            "gpipe schedule; its loss region over 'pp' cannot nest in the "
-                            "FSDP region under differentiation in JAX 0.10: "
-                            "https://github.com/jax-ml/jax/pull/26588)")
+        if mesh_shape.get("pp", 1) > 1 and model_config.pp_schedule == "1f1b":
+            blockers.append("--pp-schedule 1f1b (it differentiates inside its own shard_map "
+                            "over 'pp', which cannot nest in the FSDP region under "
+                            "differentiation in JAX 0.10: https://github.com/jax-ml/jax/pull/26588;"
+                            " gpipe and circular run)")
         if mesh_shape.get("cp", 1) > 1 and mesh_shape.get("ep", 1) > 1:
             blockers.append("'cp' and 'ep' axes together (the experts' routing statistics "
                             "are summed over the token axes, not 'cp')")
