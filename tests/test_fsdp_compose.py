@@ -1,6 +1,11 @@
-"""Explicit FSDP composed with rule-based tensor parallelism: every parameter moves over 'fsdp'
-alone (the compiled program's all-gathers and permute rings read from `shardax.hlo`), and
-5 SGD steps on HSDP x TP (dp=2, fsdp=2, tp=2) with gradient accumulation equal one device.
+"""Explicit FSDP composed with the other axes: with rule-based tensor parallelism every parameter
+moves over 'fsdp' alone (the compiled program's all-gathers and permute rings read from
+`shardax.hlo`), and 5 SGD steps on HSDP x TP (dp=2, fsdp=2, tp=2) with gradient accumulation
+on HSDP x CP (dp=2, fsdp=2, cp=2: the region manual over 'cp' too, ring attention inside) and
+on HSDP x EP with the MoE llama (dp=2, fsdp=2, ep=2: manual over 'ep' too, each device gathering
+its own experts over 'fsdp', the all-to-alls inside) and on FSDP x PP (pp=2, fsdp=4: each
+circular pipeline stage gathers its layer over 'fsdp'; gpipe runs through the CLI in
+`test_parallel_train`) equal one device.
 Without remat the gathered layers are kept from forward to backward (no second gather), equal
 to one device too, and the banner says so and why.
 
@@ -27,6 +32,10 @@ from shardax.train.step import train_step
 
 STEPS = 5
 CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
+MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, scan_layers=True)
+# Circular, 2 virtual stages: each stage gathers its layers, moved between stages per trip.
+PIPED = dataclasses.replace(CONFIG, n_layers=4, pp_schedule="circular", pp_virtual_stages=2,
+                            pp_microbatches=2)
 
 
 def _batches():
@@ -34,10 +43,25 @@ def _batches():
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
+@pytest.fixture(scope="module")
+def references():
+    """Per model config: its one-device run on `_batches` (SGD), made on first use."""
+    runs = {}
+
+    def get(config):
+        config = dataclasses.replace(config, pp_schedule="gpipe", pp_virtual_stages=1,
+                                     pp_microbatches=1)  # no pipeline on one device
+        if config not in runs:
+            runs[config] = train_one_device(config, optax.sgd(0.1), _batches())
+        return runs[config]
+
+    return get
+
+
 def _step(mesh_spec, config, grad_accum=1, recompute=True):
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    rules = LogicalAxisRules(models.presets.resolve(models.PRESETS["fsdp_tp"], mesh.shape))
     graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              fsdp_mode="explicit", grad_accum=grad_accum,
@@ -65,9 +89,15 @@ def test_explicit_fsdp_with_tp_moves_parameters_over_fsdp_only(tied):
     assert not wrong, wrong  # nothing gathered or scattered over 'tp'
 
 
-def test_hsdp_with_tp_and_accumulation_equals_one_device():
-    want = train_one_device(CONFIG, optax.sgd(0.1), _batches())
-    step, state, _ = _step("dp=2,fsdp=2,tp=2", CONFIG, grad_accum=2)
+# No accumulation with experts: the load-balancing loss of two microbatches is not the batch's.
+@pytest.mark.parametrize("mesh_spec,config,grad_accum", [("dp=2,fsdp=2,tp=2", CONFIG, 2),
+                                                         ("dp=2,fsdp=2,cp=2", CONFIG, 1),
+                                                         ("dp=2,fsdp=2,ep=2", MOE, 1),
+                                                         ("pp=2,fsdp=4", PIPED, 1)],
+                         ids=["tp", "cp", "ep", "pp"])
+def test_hsdp_composed_equals_one_device(references, mesh_spec, config, grad_accum):
+    want = references(config)
+    step, state, _ = _step(mesh_spec, config, grad_accum=grad_accum)
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)
@@ -82,8 +112,8 @@ def _gathered_bytes(step, state):
     return sum(c.bytes for c in hlo_collectives(hlo) if c.kind == "all-gather")
 
 
-def test_kept_gathered_layers_gather_once_and_equal_one_device():
-    want = train_one_device(CONFIG, optax.sgd(0.1), _batches())
+def test_kept_gathered_layers_gather_once_and_equal_one_device(references):
+    want = references(CONFIG)
     step, state, _ = _step("fsdp=8", CONFIG, recompute=False)
     regather, _, _ = _step("fsdp=8", CONFIG, recompute=True)
     kept, again = _gathered_bytes(step, state), _gathered_bytes(regather, state)
@@ -111,4 +141,10 @@ def test_recompute_choice_and_banner():
     assert "fsdp: explicit" in line and "kept from forward to backward" in line, line
     assert "why: auto: explicit applies" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=4,cp=2", batch_size=8))).fsdp_summary()
-    assert line.startswith("fsdp: xla") and "auto: explicit does not run with a 'cp'" in line
+    assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,ep=2", model="llama-moe-tiny",
+                                     batch_size=8))).fsdp_summary()
+    assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8))).fsdp_summary()
+    assert line.startswith("fsdp: explicit") and "forward recomputed" in line, line
+    assert "a 'pp' axis (the pipeline keeps each layer's input" in line, line

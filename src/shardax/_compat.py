@@ -70,6 +70,15 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def shape_varying_axes(s: Any) -> frozenset:
+    """`varying_axes` of a ``jax.ShapeDtypeStruct`` (what ``jax.eval_shape`` returns inside
+    ``shard_map``)."""
+    mat = getattr(s, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(s, "vma", ()) or ())
+
+
 def abstract_mesh() -> Any | None:
     """The ambient abstract mesh set by ``jax.set_mesh``, or None when there is none."""
     mesh = jax.sharding.get_abstract_mesh()

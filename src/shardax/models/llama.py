@@ -414,7 +414,8 @@ class Llama(nnx.Module):
              *, segment_ids: jax.Array | None = None, load_balanced: bool = False,
              cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
              stack: Callable | None = None, loss_weights: jax.Array | None = None,
-             lookup: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+             lookup: Callable | None = None, layer_gather: Callable | None = None
+             ) -> tuple[jax.Array, jax.Array]:
         """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
         ``cast(logits)``, and the MoE load-balancing loss (0 for a dense model).
         ``loss_weights`` [b, s]: each token's cross-entropy is multiplied by its weight before
@@ -431,7 +432,12 @@ class Llama(nnx.Module):
         ``nnx.state(self.layers)`` (stacked) or one item of it (list). Explicit FSDP passes
         its gathering loop here. ``lookup(table, tokens)``, when given, looks up the token
         embeddings instead of `shardax.models.embedding.lookup` (explicit FSDP passes its
-        table shard and `embedding.lookup_manual`).
+        table shard and `embedding.lookup_manual`). ``layer_gather(layer_state)``, when given on a
+        'pp' mesh, turns one layer's parameters, as the pipeline stage slices them, into the
+        state the layer merges (explicit FSDP gathers them there); the pipeline then returns
+        its outputs and the head and cross-entropy run after it (a loss region over 'pp'
+        nested in explicit FSDP's does not lower under differentiation in JAX 0.10:
+        https://github.com/jax-ml/jax/pull/26588).
 
         Example::
 
@@ -441,7 +447,12 @@ class Llama(nnx.Module):
         x, cos, sin = self._embed(tokens, positions, lookup)
         if stack is not None and axis_size("pp") > 1:
             raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
-                             "pipeline")
+                             "pipeline; pass layer_gather")
+        if layer_gather is not None and axis_size("pp") > 1:
+            x, aux = self._pipeline(x, cos, sin, load_balanced, segment_ids=segment_ids,
+                                    layer_gather=layer_gather)
+            return self._cross_entropy(x, targets, *self._head_params(), cast=cast,
+                                       weights=loss_weights), aux
         if axis_size("pp") <= 1:
             x, aux = self._layers(x, cos, sin, load_balanced, stack, segment_ids)
             return self._cross_entropy(x, targets, *self._head_params(), cast=cast,
@@ -478,7 +489,8 @@ class Llama(nnx.Module):
                       segment_ids: jax.Array | None = None, load_balanced: bool = False,
                       cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
                       stack: Callable | None = None, loss_weights: jax.Array | None = None,
-                      lookup: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+                      lookup: Callable | None = None, layer_gather: Callable | None = None
+                      ) -> tuple[jax.Array, jax.Array]:
         """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
         ``moe_aux_weight`` times the MoE load-balancing loss (the cross-entropy alone for a
         dense model), and the cross-entropy, to report. Arguments as for :meth:`loss`.
@@ -492,10 +504,12 @@ class Llama(nnx.Module):
             objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
         """
         c = self.config
-        if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"):
+        if not (c.n_experts and axis_size("pp") > 1 and c.pp_schedule == "1f1b"
+                and layer_gather is None):
             ce, aux = self.loss(tokens, targets, positions, segment_ids=segment_ids,
                                 load_balanced=load_balanced, cast=cast, stack=stack,
-                                loss_weights=loss_weights, lookup=lookup)
+                                loss_weights=loss_weights, lookup=lookup,
+                                layer_gather=layer_gather)
             return (ce + c.moe_aux_weight * aux if c.n_experts else ce), ce
 
         def objective(out, labels, *head):
@@ -545,15 +559,23 @@ class Llama(nnx.Module):
         ``(x, aux)``."""
         c = self.config
         if stack is not None:
-            if c.n_experts or c.mixed_layers:
-                raise ValueError("a custom layer stack (explicit FSDP) needs identical dense "
-                                 "layers (n_experts=0, no global_every)")
+            if c.mixed_layers:
+                raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
+                                 "(no global_every)")
             graphdef = nnx.graphdef(self.layers if c.scan_layers else self.layers[0])
 
             def layer_fn(state, h):
                 return nnx.merge(graphdef, state)(h, cos, sin, load_balanced, segment_ids)[0]
 
-            return stack(layer_fn, x), jnp.zeros((), jnp.float32)
+            if not c.n_experts:
+                return stack(layer_fn, x), jnp.zeros((), jnp.float32)
+
+            def moe_layer_fn(state, h):  # h: (x, the load-balancing losses so far)
+                y, a = nnx.merge(graphdef, state)(h[0], cos, sin, load_balanced, segment_ids)
+                return y, h[1] + a
+
+            x, aux = stack(moe_layer_fn, (x, jnp.zeros((), jnp.float32)))
+            return x, aux / c.n_layers
         if c.n_experts:
             def call(layer, h):
                 y, a = layer(h[0], cos, sin, load_balanced, segment_ids)
@@ -584,7 +606,7 @@ class Llama(nnx.Module):
         return constrain(logits, ("batch", "length", "vocab"))
 
     def _pipeline(self, x, cos, sin, load_balanced, loss_fn=None, loss_batch_args=(),
-                  loss_args=(), loss_has_aux=False, segment_ids=None):
+                  loss_args=(), loss_has_aux=False, segment_ids=None, layer_gather=None):
         """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
         stage), or with ``loss_fn`` what ``pipeline(loss_fn=...)`` returns, computed on the
         output stage alone. Without ``loss_fn`` (logits only) '1f1b' runs as 'gpipe', the same
@@ -594,7 +616,8 @@ class Llama(nnx.Module):
 
         An MoE model carries its load-balancing loss through the pipeline as one value per
         row (every row of a microbatch holds that microbatch's loss), so ``aux`` is the mean
-        over microbatches: equal to the unpipelined loss when ``pp_microbatches == 1``."""
+        over microbatches: equal to the unpipelined loss when ``pp_microbatches == 1``.
+        ``layer_gather``: applied to each layer's parameters inside the stage (see `loss`)."""
         c = self.config
         if not c.scan_layers:
             raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
@@ -606,6 +629,8 @@ class Llama(nnx.Module):
         segs = segment_ids is not None
 
         def layer_fn(params, h):
+            if layer_gather is not None:
+                params = layer_gather(params)
             y, aux = nnx.merge(graphdef, params)(h[0], h[1], h[2], load_balanced,
                                                  h[-1].astype(jnp.int32) if segs else None)
             rest = h[3:]

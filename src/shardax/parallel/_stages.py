@@ -15,6 +15,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardax import _compat
+
 _X = "pipeline_layer_input"
 
 
@@ -107,10 +109,14 @@ def loss_on_stage0(loss_fn, buf, loss_args, axis, mesh):
 
 
 def varying_zeros(shapes, axis):
-    """Zeros of ``shapes`` (a tree of ``ShapeDtypeStruct``), varying over manual ``axis``: the
-    branch of a ``lax.cond`` that the stages without the loss take."""
-    return jax.tree.map(lambda a: lax.pcast(jnp.zeros(a.shape, a.dtype), axis, to="varying"),
-                        shapes)
+    """Zeros of ``shapes`` (a tree of ``ShapeDtypeStruct``), varying over manual ``axis`` and
+    over the enclosing manual axes the shapes vary over (the pipeline inside explicit FSDP's
+    region): the branch of a ``lax.cond`` that the stages without the loss take."""
+    def one(a):
+        axes = tuple(sorted({axis} | _compat.shape_varying_axes(a)))
+        return lax.pcast(jnp.zeros(a.shape, a.dtype), axes, to="varying")
+
+    return jax.tree.map(one, shapes)
 
 
 def ring_shift(axis, mesh, p, direction):

@@ -156,16 +156,18 @@ def _finish_aux(stats, num_tokens: int, top_k: int) -> dict[str, Array]:
     }
 
 
-def _token_shards(mesh, axis: str, batch_axes: tuple[str, ...]) -> tuple[int, int]:
-    """(ep size, token shards) from the explicit or context mesh; ep is 1 without `axis`."""
+def _token_shards(mesh, axis: str, batch_axes: tuple[str, ...]) -> tuple[int, int, bool]:
+    """(ep size, token shards, whether ``axis`` and ``batch_axes`` are already manual) from the
+    explicit or context mesh; ep is 1 without `axis`."""
     ep = axis_size(axis, mesh)
     if ep == 1:
-        return 1, 1
+        return 1, 1, False
     manual = manual_axes(mesh) & {axis, *batch_axes}
-    if manual:
+    if manual and manual != {axis, *batch_axes}:
         raise ValueError(
             f"moe_mlp: mesh axes {sorted(manual)} are already manual (called inside a shard_map "
-            "over them); call moe_mlp outside shard_map, it adds its own."
+            f"over them) but {sorted({axis, *batch_axes} - manual)} are not; call moe_mlp "
+            "outside shard_map (it adds its own) or inside one manual over all of them."
         )
     m = mesh_or_context(mesh)
     bad = [a for a in batch_axes if a == axis or a not in m.axis_names]
@@ -174,10 +176,11 @@ def _token_shards(mesh, axis: str, batch_axes: tuple[str, ...]) -> tuple[int, in
             f"moe_mlp: batch_axes {bad} must be mesh axes other than {axis!r}; mesh axes "
             f"{dict(m.shape)}"
         )
-    return ep, ep * math.prod(axis_size(a, mesh) for a in batch_axes)
+    return ep, ep * math.prod(axis_size(a, mesh) for a in batch_axes), bool(manual)
 
 
-def _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, shards, num_groups):
+def _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, shards, num_groups,
+           expert_shards=1):
     shapes = (
         f"x {tuple(x.shape)}, router_w {tuple(router_w.shape)}, w_in {tuple(w_in.shape)}, "
         f"w_out {tuple(w_out.shape)}"
@@ -190,10 +193,12 @@ def _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, 
         )
     d, num_experts = router_w.shape
     _, _, h = w_in.shape
+    local = num_experts // expert_shards  # inside a region manual over `axis`: its experts
     ok = (
         x.shape[-1] == d
-        and w_in.shape == (num_experts, d, h)
-        and w_out.shape == (num_experts, h, d)
+        and local * expert_shards == num_experts
+        and w_in.shape == (local, d, h)
+        and w_out.shape == (local, h, d)
         and (w_gate is None or w_gate.shape == w_in.shape)
     )
     if not ok:
@@ -251,6 +256,10 @@ def moe_mlp(
         its ``axis`` group, and expert weights are gathered over these axes like FSDP does.
         Mesh axes not named here or in ``axis`` are left to XLA, which may replicate the
         token work over them (the shard_map is manual over ``axis`` and ``batch_axes`` only).
+        Called inside a ``shard_map`` already manual over ``axis`` and ``batch_axes`` (explicit
+        FSDP's region), the body runs directly: ``x`` is this device's tokens, ``num_groups``
+        (default: 1) counts its groups, ``w_in``/``w_gate``/``w_out`` hold its experts
+        (``E / ep`` of them) and ``router_w`` all ``E``.
 
     Returns:
       ``(y, aux)``: ``y`` like ``x`` (dropped assignments contribute zero), and ``aux`` with
@@ -266,18 +275,26 @@ def moe_mlp(
     (2, 4, 8)
     """
     batch_axes = tuple(batch_axes)
-    ep, shards = _token_shards(mesh, axis, batch_axes)
-    num_groups = shards if num_groups is None else num_groups
-    where = f"mesh axis {axis!r} of size {ep}" + (
-        f" x batch_axes {batch_axes} ({shards} token shards)" if shards != ep else ""
-    )
-    _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, shards, num_groups)
+    ep, shards, inside = _token_shards(mesh, axis, batch_axes)
+    if inside:  # x is this device's tokens, its groups its own
+        num_groups = 1 if num_groups is None else num_groups
+        where = f"manual mesh axis {axis!r} of size {ep} (called inside a shard_map over it)"
+        _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, 1,
+               num_groups, expert_shards=ep)
+        num_groups *= shards  # the groups of all devices' tokens, as outside
+    else:
+        num_groups = shards if num_groups is None else num_groups
+        where = f"mesh axis {axis!r} of size {ep}" + (
+            f" x batch_axes {batch_axes} ({shards} token shards)" if shards != ep else ""
+        )
+        _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, shards,
+               num_groups)
     d = x.shape[-1]
-    num_tokens = math.prod(x.shape[:-1])
+    num_tokens = math.prod(x.shape[:-1]) * (shards if inside else 1)
     group_tokens = num_tokens // num_groups
     capacity = expert_capacity(group_tokens, router_w.shape[1], top_k, capacity_factor)
     moe = partial(_moe_groups, top_k=top_k, capacity=capacity, activation=activation)
-    tokens = x.reshape(num_tokens, d)
+    tokens = x.reshape(-1, d)
 
     if ep == 1:
         y, stats = moe(
@@ -311,6 +328,9 @@ def moe_mlp(
         return y.reshape(-1, d), jax.tree.map(lambda s: jax.lax.psum(s, manual), stats)
 
     args = (tokens, router_w, w_in, w_out) + (() if w_gate is None else (w_gate,))
+    if inside:
+        y, stats = local(*args)
+        return y.reshape(x.shape), _finish_aux(stats, num_tokens, top_k)
     specs = (P(manual), P(), P(axis), P(axis)) + (() if w_gate is None else (P(axis),))
     y, stats = jax.shard_map(
         local, mesh=mesh, in_specs=specs, out_specs=(P(manual), P()), axis_names=set(manual)

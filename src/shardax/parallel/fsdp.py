@@ -8,8 +8,11 @@ communication is written out, so peak memory and bytes moved follow ZeRO-3 on an
 * the loss runs manual over ``axis`` (``'fsdp'``) and ``batch_axes`` (``'dp'``: parameters are
   replicated over it, HSDP); every other mesh axis stays with XLA (Auto), so tensor
   parallelism from sharding rules composes. ``shard_map`` blocks over another axis inside
-  ``loss_fn`` (explicit TP/SP, ring attention) do not lower in JAX 0.10: Shardy rejects the
-  residuals of a differentiated manual computation nested in this one;
+  ``loss_fn`` (explicit TP/SP) do not lower in JAX 0.10: Shardy rejects the residuals of a
+  differentiated manual computation nested in this one
+  (https://github.com/jax-ml/jax/pull/26588). So an axis that parallel code inside
+  communicates over is made manual here too: ``seq_axes`` (``'cp'``) split the batch's
+  sequence dim, and ring attention, finding 'cp' already manual, runs its body directly;
 * :meth:`Gather.__call__` all-gathers a subtree (cast to the compute ``dtype`` first, so bf16
   compute moves bf16). Its backward is one ``psum_scatter`` over ``axis`` in ``reduce_dtype``
   (then a ``psum`` over ``batch_axes``); replicated leaves get one ``psum``;
@@ -37,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,13 +74,15 @@ def fsdp_dim(spec: P | None, axis: str = "fsdp") -> int | None:
 class _Leaf:
     """A parameter inside the region: its shard and, as static data, the sharded dim counted
     from the end (so it survives slicing off a leading layer axis) and the spec entries of the
-    other, non-manual mesh axes (one per dim, also read from the end; None: no such axis)."""
+    other, non-manual mesh axes (one per dim, also read from the end; None: no such axis) and
+    ``owned``, the other manual axes it is split over (experts over 'ep': each device holds
+    its own, so they are neither cast to varying nor summed over them)."""
 
-    def __init__(self, shard, dim, auto=None):
-        self.shard, self.dim, self.auto = shard, dim, auto
+    def __init__(self, shard, dim, auto=None, owned=()):
+        self.shard, self.dim, self.auto, self.owned = shard, dim, auto, owned
 
     def tree_flatten(self):
-        return (self.shard,), (self.dim, self.auto)
+        return (self.shard,), (self.dim, self.auto, self.owned)
 
     @classmethod
     def tree_unflatten(cls, static, children):
@@ -109,32 +115,36 @@ class Gather:
         if not _is_leaf(leaf):  # no FSDP axis: a plain array, only cast
             return leaf.astype(self.dtype) if self.dtype and _is_float(leaf) else leaf
         dim = None if leaf.dim is None else leaf.shard.ndim + leaf.dim
-        auto = None if leaf.auto is None else P(*leaf.auto[len(leaf.auto) - leaf.shard.ndim:])
-        return _gather_rs(self, dim, auto, leaf.shard)
+        auto = None if leaf.auto is None else leaf.auto[len(leaf.auto) - leaf.shard.ndim:]
+        # A slice of stacked layers drops the layer dim's entry ('pp'): nothing may be left.
+        auto = P(*auto) if auto is not None and any(e is not None for e in auto) else None
+        return _gather_rs(self, dim, auto, leaf.owned, leaf.shard)
 
-    def all_gather(self, shard, dim, auto=None):
+    def all_gather(self, shard, dim, auto=None, owned=()):
         """Forward: cast, all-gather over ``axis``, vary over the batch axes. ``auto``: the
         spec over the other (non-manual) axes, which the gathered array keeps: a
-        tensor-parallel shard is gathered over ``axis`` alone, never over 'tp'."""
+        tensor-parallel shard is gathered over ``axis`` alone, never over 'tp'. ``owned``:
+        manual axes the shard is split over besides ``axis`` (it already varies over them)."""
         x = _keep(shard.astype(self.dtype) if self.dtype and _is_float(shard) else shard, auto)
-        manual = (self.axis, *self.batch_axes)
+        replicas = tuple(a for a in self.batch_axes if a not in owned)
         if dim is not None:
             x = (lax.all_gather(x, self.axis, axis=dim, tiled=True) if auto is None
                  else _ring_all_gather(x, self.axis, dim, auto))
-            return lax.pcast(x, self.batch_axes, to="varying") if self.batch_axes else x
-        return lax.pcast(x, manual, to="varying")
+            return lax.pcast(x, replicas, to="varying") if replicas else x
+        return lax.pcast(x, (self.axis, *replicas), to="varying")
 
-    def reduce(self, g, dim, dtype, auto=None):
+    def reduce(self, g, dim, dtype, auto=None, owned=()):
         """Backward: the gradient of the full array summed over devices, this device's shard
-        (kept on ``auto``, as in `all_gather`)."""
+        (kept on ``auto``, as in `all_gather`; not summed over the ``owned`` axes)."""
         g = _keep(g.astype(self.reduce_dtype or g.dtype), auto)
+        replicas = tuple(a for a in self.batch_axes if a not in owned)
         if dim is not None:
             g = (lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True)
                  if auto is None else _ring_reduce_scatter(g, self.axis, dim, auto))
-            if self.batch_axes:
-                g = lax.psum(g, self.batch_axes)
+            if replicas:
+                g = lax.psum(g, replicas)
         else:
-            g = lax.psum(g, (self.axis, *self.batch_axes))
+            g = lax.psum(g, (self.axis, *replicas))
         return g.astype(dtype)
 
 
@@ -180,17 +190,17 @@ def _ring_reduce_scatter(g, axis, dim, auto):
     return acc
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _gather_rs(g: Gather, dim, auto, shard):
-    return g.all_gather(shard, dim, auto)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _gather_rs(g: Gather, dim, auto, owned, shard):
+    return g.all_gather(shard, dim, auto, owned)
 
 
-def _gather_rs_fwd(g, dim, auto, shard):
-    return g.all_gather(shard, dim, auto), jnp.zeros((), shard.dtype)
+def _gather_rs_fwd(g, dim, auto, owned, shard):
+    return g.all_gather(shard, dim, auto, owned), jnp.zeros((), shard.dtype)
 
 
-def _gather_rs_bwd(g, dim, auto, like, ct):
-    return (g.reduce(ct, dim, like.dtype, auto),)
+def _gather_rs_bwd(g, dim, auto, owned, like, ct):
+    return (g.reduce(ct, dim, like.dtype, auto, owned),)
 
 
 _gather_rs.defvjp(_gather_rs_fwd, _gather_rs_bwd)
@@ -266,6 +276,7 @@ def value_and_grad(
     *batch: jax.Array,
     axis: str = "fsdp",
     batch_axes: Sequence[str] = ("dp",),
+    seq_axes: Sequence[str] = (),
     grad_accum: int = 1,
     dtype: Any = None,
     reduce_dtype: Any = jnp.float32,
@@ -282,6 +293,10 @@ def value_and_grad(
       specs: a ``PartitionSpec`` per leaf of ``params``; only where it places ``axis``
         matters (:func:`fsdp_dim`), the other axes are left to XLA.
       batch: arrays with a leading batch dim, split over ``(*batch_axes, axis)``.
+      seq_axes: mesh axes (e.g. ``('cp',)``) that split the batch arrays' second (sequence)
+        dim; the region is manual over them too, so code inside that communicates over them
+        (ring attention) runs its body directly. Parameters are replicated over them and
+        their gradients summed over them, like a batch axis.
       grad_accum: microbatches per step; each one's gradients are reduce-scattered and
         summed into a sharded float32 accumulator.
       dtype: compute dtype the parameters are gathered in (default: their own).
@@ -301,47 +316,57 @@ def value_and_grad(
         raise ValueError(f"fsdp value_and_grad: grad_accum={grad_accum} must be >= 1")
     if axis_size(axis, mesh) == 1 and manual_axes(mesh) == frozenset():
         return _unsharded(loss_fn, params, batch, grad_accum, dtype)
-    if manual_axes(mesh) & {axis, *batch_axes}:
+    if manual_axes(mesh) & {axis, *batch_axes, *seq_axes}:
         raise ValueError(
-            f"fsdp value_and_grad: mesh axes {sorted(manual_axes(mesh) & {axis, *batch_axes})} "
+            "fsdp value_and_grad: mesh axes "
+            f"{sorted(manual_axes(mesh) & {axis, *batch_axes, *seq_axes})} "
             "are already manual (called inside a shard_map over them)"
         )
     m = mesh_or_context(mesh)
     batch_axes = tuple(a for a in batch_axes if a in m.axis_names and a != axis)
+    seq_axes = tuple(a for a in seq_axes if a in m.axis_names and a not in (axis, *batch_axes))
     data = (*batch_axes, axis)
-    shards = _data_shards(batch, data, grad_accum, mesh)
+    manual = (*data, *seq_axes)
+    shards = _data_shards(batch, data, grad_accum, mesh, seq_axes)
     dims = jax.tree.map(  # one spec per leaf (specs may stop at framework boxes)
         lambda s, sub: jax.tree.map(lambda _: fsdp_dim(s, axis), sub), specs, params,
         is_leaf=_is_spec,
     )
     _check_dims(params, dims, axis, axis_size(axis, mesh))
+    owned = jax.tree.map(  # the other manual axes a leaf is split over ('ep' for experts)
+        lambda s, sub: jax.tree.map(lambda a: _owned(s, a.ndim, manual, axis), sub), specs,
+        params, is_leaf=_is_spec,
+    )
     param_specs = jax.tree.map(
-        lambda a, d: P() if d is None else P(*(axis if i == d else None for i in range(a.ndim))),
-        params, dims,
+        lambda a, d, own: P(*((axis if i == d else own[i]) for i in range(a.ndim))),
+        params, dims, owned, is_leaf=lambda x: x is None,
     )
     autos = jax.tree.map(  # the other axes' spec entries, kept through gathers
-        lambda s, sub: jax.tree.map(lambda a: _auto(s, a.ndim, data, m), sub), specs, params,
+        lambda s, sub: jax.tree.map(lambda a: _auto(s, a.ndim, manual, m), sub), specs, params,
         is_leaf=_is_spec,
     )
-    gather = Gather(axis, batch_axes, dtype, reduce_dtype)
+    # Parameters are replicated over the sequence axes: their gradients sum over them too.
+    gather = Gather(axis, (*batch_axes, *seq_axes), dtype, reduce_dtype)
 
     def body(params, *batch):
         def local(params, *mb):
-            return loss_fn(gather, _wrap(params, dims, autos), *mb) / (shards * grad_accum)
+            return (loss_fn(gather, _wrap(params, dims, autos, owned), *mb)
+                    / (shards * grad_accum))
 
         if grad_accum == 1:
             loss, grads = jax.value_and_grad(local)(params, *batch)
         else:
             loss, grads = _accumulate(local, params, batch, grad_accum,
                                       (gather.axis, *gather.batch_axes))
-        return lax.psum(loss, data), grads
+        return lax.psum(loss, manual), grads
 
+    rows = P(data, seq_axes) if seq_axes else P(data)
     return jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(param_specs, *(P(data) for _ in batch)),
+        in_specs=(param_specs, *(rows for _ in batch)),
         out_specs=(P(), param_specs),
-        axis_names=set(data),
+        axis_names=set(manual),
     )(params, *batch)
 
 
@@ -366,12 +391,28 @@ def _acc_dtype(a):
     return jnp.float32 if _is_float(a) else a.dtype
 
 
-def _wrap(values, dims, autos):
+def _wrap(values, dims, autos, owned):
     """The parameters as ``loss_fn`` sees them: ``_Leaf`` nodes of this device's shards."""
     return jax.tree.map(
-        lambda a, d, auto: _Leaf(a, None if d is None else d - a.ndim, auto),
-        values, dims, autos, is_leaf=lambda x: x is None,
+        lambda a, d, auto, own: _Leaf(a, None if d is None else d - a.ndim, auto,
+                                      tuple(x for x in own if x is not None)),
+        values, dims, autos, owned, is_leaf=lambda x: x is None,
     )
+
+
+def _owned(spec, ndim, manual, axis):
+    """Per dim of a leaf, the one manual axis other than ``axis`` its ``spec`` splits it over
+    (None where there is none); ValueError for a dim split over several."""
+    entries = []
+    for d in range(ndim):
+        e = spec[d] if spec is not None and d < len(spec) else None
+        axes = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+        own = tuple(a for a in axes if a in manual and a != axis)
+        if len(own) > 1 or (own and axis in axes):
+            raise ValueError(f"fsdp value_and_grad: a parameter spec {spec} splits dim {d} "
+                             f"over several manual axes {axes}")
+        entries.append(own[0] if own else None)
+    return tuple(entries)
 
 
 def _auto(spec, ndim, manual, mesh):
@@ -413,17 +454,23 @@ def _is_spec(x) -> bool:
     return x is None or isinstance(x, P)
 
 
-def _data_shards(batch, data, k, mesh) -> int:
-    n = 1
-    for a in data:
-        n *= axis_size(a, mesh)
+def _data_shards(batch, data, k, mesh, seq_axes=()) -> int:
+    """How many pieces the batch is split into (rows over ``data`` times the sequence over
+    ``seq_axes``); ValueError naming the argument whose shape does not split."""
+    n = math.prod(axis_size(a, mesh) for a in data)
+    s = math.prod(axis_size(a, mesh) for a in seq_axes)
     for i, b in enumerate(batch):
         if b.ndim == 0 or b.shape[0] % (n * k):
             raise ValueError(
                 f"fsdp value_and_grad: batch argument {i} of shape {tuple(b.shape)} needs a "
                 f"leading dim divisible by the data axes {data} ({n} shards) x grad_accum {k}"
             )
-    return n
+        if seq_axes and (b.ndim < 2 or b.shape[1] % s):
+            raise ValueError(
+                f"fsdp value_and_grad: batch argument {i} of shape {tuple(b.shape)} needs a "
+                f"second dim divisible by the sequence axes {seq_axes} ({s} shards)"
+            )
+    return n * s
 
 
 def _check_dims(params, dims, axis, n):

@@ -157,8 +157,11 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
     blockers = []
     if mesh_shape.get("fsdp", 1) == 1:
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
-    if not isinstance(model_config, models.LlamaConfig) or model_config.n_experts:
-        blockers.append(f"--model {config.model} (needs a dense llama model)")
+    if not isinstance(model_config, models.LlamaConfig):
+        blockers.append(f"--model {config.model} (needs a llama model)")
+    elif model_config.n_experts and model_config.moe_impl == "dropless":
+        blockers.append(f"--model {config.model} (dropless experts run their own shard_map; "
+                        "the capacity MoE runs inside explicit FSDP)")
     elif model_config.mixed_layers:
         blockers.append(f"--model {config.model} (its sliding-window and global layers differ; "
                         "explicit FSDP runs one layer body)")
@@ -167,13 +170,19 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
             blockers.append(f"--tp-mode {model_config.tp_mode}"
                             + (" / --sequence-parallel" if model_config.sp else "")
                             + " (explicit TP blocks cannot nest in the FSDP shard_map under "
-                            "JAX 0.10; --tp-mode none shards 'tp' by --rules)")
+                            "differentiation in JAX 0.10: https://github.com/jax-ml/jax/pull/26588;"
+                            " --tp-mode none shards 'tp' by --rules)")
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
-        for axis, what in (("pp", "pipeline"), ("cp", "ring attention"), ("ep", "experts")):
-            if mesh_shape.get(axis, 1) > 1:
-                blockers.append(f"a '{axis}' mesh axis ({what} runs its own shard_map)")
+        if mesh_shape.get("pp", 1) > 1 and model_config.pp_schedule == "1f1b":
+            blockers.append("--pp-schedule 1f1b (it differentiates inside its own shard_map "
+                            "over 'pp', which cannot nest in the FSDP region under "
+                            "differentiation in JAX 0.10: https://github.com/jax-ml/jax/pull/26588;"
+                            " gpipe and circular run)")
+        if mesh_shape.get("cp", 1) > 1 and mesh_shape.get("ep", 1) > 1:
+            blockers.append("'cp' and 'ep' axes together (the experts' routing statistics "
+                            "are summed over the token axes, not 'cp')")
     return blockers
 
 
@@ -194,6 +203,8 @@ def fsdp_recompute(config: TrainConfig, mesh_shape: dict[str, int], model_config
     """
     if config.remat != "none":
         return True, f"{flag('remat')} {config.remat}"
+    if mesh_shape.get("pp", 1) > 1:
+        return True, "a 'pp' axis (the pipeline keeps each layer's input and recomputes it)"
     tp = mesh_shape.get("tp", 1)  # tensor-parallel shards stay shards once gathered
     gathered = models.param_count(model_config) * policy.compute.itemsize / tp
     size = f"the gathered layers ({gathered / 2**30:.2f} GiB per device)"
@@ -328,7 +339,7 @@ def resolve(config: TrainConfig) -> Resolved:
         prefers_xla = _auto_prefers_xla(mesh.shape)
         why = (f"auto: explicit does not run with {blockers[0]}" if blockers else
                f"auto: xla is faster with {prefers_xla}" if prefers_xla else
-               "auto: explicit applies (dense llama, 'fsdp' axis, no pp/cp/ep, no 'tp')")
+               "auto: explicit applies (llama, 'fsdp' axis, no 'tp')")
     if mode == "explicit":
         recompute, keep_why = fsdp_recompute(config, mesh.shape, model, policy,
                                              _device_memory())

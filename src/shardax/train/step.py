@@ -268,7 +268,11 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
                    end_id: int | None, recompute: bool = True):
     """``(loss, grads)`` under explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked
     layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
-    in float32; the other parameters (embedding, head, final norm) are gathered once."""
+    in float32; the other parameters (embedding, head, final norm) are gathered once. With a
+    'cp' axis the region is manual over it too: each device holds its load-balanced piece of
+    the sequence and ring attention runs its body directly. With an 'ep' axis it splits the
+    rows (experts' tokens) too: each device gathers its own experts over 'fsdp' and the MoE
+    layer runs its all-to-alls directly."""
     if param_rules is None:
         raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
     rest = state.rest
@@ -277,6 +281,8 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
     # tied one is gathered for the head anyway.
     untied = "lm_head" in state.params
     local = ("layers", "embed") if untied else ("layers",)
+    # On a 'pp' mesh the layers reach the pipeline as shards, each gathered inside its stage.
+    piped = axis_size("pp") > 1
     table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
 
     def lookup(table, tokens):
@@ -284,9 +290,10 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
             table = table.astype(policy.compute)
         return embedding.lookup_manual(table, tokens, "fsdp", table_dim)
 
-    def loss_fn(gather, params, inputs, targets, *weights):
+    def loss_fn(gather, params, inputs, targets, *extras):
         top = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: gather.local(leaf) if _key(path) in local else gather(leaf),
+            lambda path, leaf: (leaf if piped and _key(path) == "layers" else
+                                gather.local(leaf) if _key(path) in local else gather(leaf)),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
         model = nnx.merge(graphdef, top, rest)
         if not isinstance(model, Llama):
@@ -305,13 +312,23 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
                                     x, **keep)
 
-        inputs, targets, kwargs = _with_positions(inputs, targets, *weights[:1], end_id=end_id,
-                                                  segment_ids=(weights[1:] or (None,))[0])
-        return model.training_loss(inputs, targets, cast=policy.cast_to_output, stack=stack,
+        kwargs = dict(zip(names, extras), load_balanced=load_balanced)
+        return model.training_loss(inputs, targets, cast=policy.cast_to_output,
+                                   stack=None if piped else stack,
+                                   layer_gather=gather if piped else None,
                                    lookup=lookup if untied else None, **kwargs)[0]
 
+    # Positions, segments and the load-balanced order are computed on the whole sequence,
+    # outside the region: with 'cp' it splits the sequence, and RoPE and ring attention need
+    # each token's global position.
+    inputs, targets, kwargs = _with_positions(*batch[:3], end_id=end_id,
+                                              segment_ids=(batch[3:] or (None,))[0])
+    load_balanced = kwargs.pop("load_balanced")
+    names = tuple(kwargs)
     return fsdp.value_and_grad(
-        loss_fn, state.params, param_rules.apply(state.params), *batch,
+        loss_fn, state.params, param_rules.apply(state.params), inputs, targets,
+        *kwargs.values(), batch_axes=("ep", "dp"),
+        seq_axes=("cp",) if axis_size("cp") > 1 else (),
         grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
 
 
