@@ -146,5 +146,8 @@ def test_recompute_choice_and_banner():
                                      batch_size=8))).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8))).fsdp_summary()
+    assert line.startswith("fsdp: xla") and "auto: xla is faster with a 'pp' axis" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8,
+                                     fsdp_mode="explicit"))).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "forward recomputed" in line, line
     assert "a 'pp' axis (the pipeline keeps each layer's input" in line, line

@@ -144,10 +144,15 @@ def _auto_prefers_xla(mesh_shape: dict[str, int]) -> str | None:
     """Why ``--fsdp-mode auto`` picks xla where explicit could run (None: it picks explicit).
     With a 'tp' axis explicit FSDP moves the TP-split parameters over 'fsdp' in rings of
     collective-permutes (XLA would gather them over 'tp' too); measured on 8 emulated CPU
-    devices at fsdp=4,tp=2 at 0.48-0.58x the tokens/s of the partitioner's FSDP."""
+    devices at fsdp=4,tp=2 at 0.48-0.58x the tokens/s of the partitioner's FSDP. With a 'pp'
+    axis each stage's gather runs inside the pipeline's vmap over stages, where the stage dim
+    stays whole: 1.76x the ZeRO-3 bytes at fsdp=4,pp=2 (benchmarks, section 7)."""
     if mesh_shape.get("tp", 1) > 1:
         return ("a 'tp' axis (explicit FSDP moves TP-split parameters in permute rings, "
                 "slower than the partitioner's FSDP; --fsdp-mode explicit forces it)")
+    if mesh_shape.get("pp", 1) > 1:
+        return ("a 'pp' axis (explicit FSDP gathers the stages' layers inside the pipeline's "
+                "vmap over stages: about 1.8x ZeRO-3's bytes; --fsdp-mode explicit forces it)")
     return None
 
 
