@@ -8,8 +8,10 @@ barriers and common-subexpression elimination merges the recomputation back into
 so ``remat='full'`` holds every layer's activations, exactly like no remat (the compiled
 ``memory_analysis()`` of a list-layer Llama shows the same temporaries for both); explicit
 FSDP's per-layer gathers are all hoisted to the start. Here each layer is a
-``jax.custom_vjp`` whose values are tied with ``v + 0 * other[0]`` (bit-identical for finite
-values; a NaN or inf in the tying element spreads, as it would through the gradient anyway):
+``jax.custom_vjp`` whose values are tied with ``v + 0 * max(other[:2])`` (bit-identical for
+finite values; a NaN or inf in the tying elements spreads, as it would through the gradient
+anyway; the max is a reduction, which XLA materializes: one element read directly would be
+fused into every consumer with the chain of layers that computed it, quadratic in depth):
 its inputs to each other in the forward (parameter gathers wait for the layer's input), its
 saved residuals to the incoming cotangent in the backward (the recomputation runs only once
 that cotangent exists, and never equals a forward value), and its gradients to each other
@@ -40,17 +42,24 @@ def _floating(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def _first(x: jax.Array) -> jax.Array:
+    """One float32 value read from ``x``, through a reduction so that XLA materializes it
+    (a plain element would be fused into every consumer, recomputing the chain of layers
+    that produced it)."""
+    return jnp.max(x.ravel()[:2]).astype(jnp.float32)
+
+
 def _zero_from(cotangent: Any) -> jax.Array | None:
     """A float32 zero computed from one element of the cotangent (None if it has no floats)."""
     leaves = [g for g in jax.tree.leaves(cotangent) if _floating(g) and g.size]
     if not leaves:
         return None
-    return leaves[0].ravel()[0].astype(jnp.float32) * 0
+    return _first(leaves[0]) * 0
 
 
 def _zero_from_all(tree: Any) -> jax.Array | None:
     """A float32 zero computed from one element of every floating leaf of ``tree``."""
-    firsts = [g.ravel()[0].astype(jnp.float32) for g in jax.tree.leaves(tree)
+    firsts = [_first(g) for g in jax.tree.leaves(tree)
               if _floating(g) and g.size]
     return sum(firsts) * 0 if firsts else None
 
