@@ -23,6 +23,8 @@ from shardax import models
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel import fsdp
 from shardax.rules import LogicalAxisRules
+from shardax.train.config import TrainConfig, check
+from shardax.train.resolve import resolve
 from shardax.train.step import train_step
 
 D, V, B, S = 16, 32, 16, 8
@@ -115,3 +117,11 @@ def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():
     np.testing.assert_allclose(losses, want.losses, rtol=2e-5, atol=0)
     assert_trained_alike(state.params, want.state.params, want.start, steps=5,
                          optimizer="sgd")
+
+
+def test_banner_states_the_prefetch_and_its_memory():
+    run = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8, remat="full")))
+    assert "the next layer's gather prefetched: one more gathered layer live" in \
+        run.fsdp_summary(), run.fsdp_summary()
+    kept = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8))).fsdp_summary()
+    assert "prefetched" not in kept and "kept from forward to backward" in kept, kept
