@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 from jax.sharding import PartitionSpec as P
 
@@ -31,18 +32,41 @@ D, V, B, S = 16, 32, 16, 8
 WIDTHS = (24, 40, 56)  # one per layer: no other dim of the program has these sizes
 
 
-def _toy():
+def _toy(tp=False):
     k = jax.random.split(jax.random.key(0), 3 + 2 * len(WIDTHS))
     layers = [{"w1": jax.random.normal(k[3 + 2 * i], (D, h)) * 0.3, "b": jnp.zeros((h,)),
                "w2": jax.random.normal(k[4 + 2 * i], (h, D)) * 0.3}
               for i, h in enumerate(WIDTHS)]
     params = {"embed": jax.random.normal(k[0], (V, D)) * 0.3, "layers": layers}
+    # With 'tp': a tensor-parallel weight, which moves over 'fsdp' alone (in permute rings).
     specs = {"embed": P(None, "fsdp"),
-             "layers": [{"w1": P(None, "fsdp"), "b": P(), "w2": P("fsdp", None)}
-                        for _ in WIDTHS]}
+             "layers": [{"w1": P("tp" if tp else None, "fsdp"), "b": P(),
+                         "w2": P("fsdp", None)} for _ in WIDTHS]}
     tokens = jax.random.randint(k[1], (B, S), 0, V)
     targets = jax.random.randint(k[2], (B, S), 0, V)
     return params, specs, tokens, targets
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    params, specs, tokens, targets = _toy()
+    with jax.default_device(jax.devices()[0]):  # no 'fsdp' axis: the plain value and grad
+        return jax.jit(lambda p, a, b: fsdp.value_and_grad(_loss, p, specs, a, b))(
+            params, tokens, targets)
+
+
+def _sharded(shape, names):
+    params, specs, tokens, targets = _toy(tp="tp" in names)
+    fn = jax.jit(lambda p, a, b: fsdp.value_and_grad(_loss, p, specs, a, b))
+    mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(params, tokens, targets).compile()
+        return compiled(params, tokens, targets), compiled.as_text()
+
+
+def _assert_equal(got, want):
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), got[1], want[1])
 
 
 def _loss(gather, params, tokens, targets):
@@ -74,19 +98,10 @@ def _entry_order(hlo: str) -> list[tuple[str, int]]:
     return out
 
 
-def test_gathers_are_prefetched_and_values_equal_one_device():
-    params, specs, tokens, targets = _toy()
-    fn = jax.jit(lambda p, a, b: fsdp.value_and_grad(_loss, p, specs, a, b))
-    with jax.default_device(jax.devices()[0]):
-        want_loss, want_grads = fn(params, tokens, targets)  # no 'fsdp' axis: one device
-    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    with jax.set_mesh(mesh):
-        compiled = fn.lower(params, tokens, targets).compile()
-        loss, grads = compiled(params, tokens, targets)
-    order = _entry_order(compiled.as_text())
-    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
-    jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-7), grads, want_grads)
-
+def test_gathers_are_prefetched_and_values_equal_one_device(one_device):
+    got, hlo = _sharded((8,), ("fsdp",))
+    _assert_equal(got, one_device)
+    order = _entry_order(hlo)
     gathers = {i: [k for k, e in enumerate(order) if e == ("gather", i)] for i in range(3)}
     dots = {i: [k for k, e in enumerate(order) if e == ("dot", i)] for i in range(3)}
     # Two split weights a layer: gathered twice each, in the forward and in the backward.
@@ -96,6 +111,10 @@ def test_gathers_are_prefetched_and_values_equal_one_device():
     for i in (1, 2):  # backward: layer i - 1 re-gathered before layer i's backward dots
         backward = [k for k in dots[i] if k > gathers[i][3]]
         assert backward and gathers[i - 1][3] < backward[0], order
+
+
+def test_prefetched_loop_with_hsdp_and_tp_equals_one_device(one_device):
+    _assert_equal(_sharded((2, 2, 2), ("dp", "fsdp", "tp"))[0], one_device)
 
 
 def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():

@@ -351,7 +351,7 @@ def _prefetched(gather, layer_fn, params, x):
             _, pullback = jax.vjp(functools.partial(closed, i), g, x, consts)
             dg, ct, dc = pullback(ct)
             grads[i] = _reduced(gather, params[i], dg)
-            dconsts = dc if dconsts is None else jax.tree.map(jnp.add, dconsts, dc)
+            dconsts = dc if dconsts is None else jax.tree.map(_add, dconsts, dc)
             # layer i's gradients are reduce-scattered before layer i - 1's backward starts
             ct = tie(ct, zero_of(grads[i]))
             g = g_prev if i > 0 else None
@@ -359,6 +359,11 @@ def _prefetched(gather, layer_fn, params, x):
 
     stack.defvjp(forward, backward)
     return stack(params, x, consts)
+
+
+def _add(a, b):
+    """``a + b`` for cotangents (an integer input's cotangent, float0, has no sum)."""
+    return a if a.dtype == jax.dtypes.float0 else a + b
 
 
 def value_and_grad(
