@@ -18,6 +18,7 @@ difference is noise). Step: paired interleaved rounds.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 from functools import partial
@@ -117,16 +118,18 @@ def measure(model: str, rounds: int) -> dict[str, Any]:
             states[name] = jax.device_put(
                 states[name], run.mesh.match_sharding_rule(run.rules, state_shape))
 
+        load = [os.getloadavg()[0]]
         samples = interleaved({"cli": partial(_call, states, "cli", cli, batch),
                                "jax.jit": partial(_call, states, "jax.jit", jit_step, batch)},
                               rounds=rounds, warmup=1)
+        load.append(os.getloadavg()[0])
         out.append({
             "mesh": mesh_text, "remat": remat, "fsdp": run.fsdp_summary(),
             "compile_cpu_s": compile_s, "same_program": same,
             "step_s": {k: median(v) for k, v in samples.items()},
             # tokens/s of the CLI over jax.jit's = jax.jit's step time over the CLI's
             "tokens_ratio": 1 / paired_ratio(samples["cli"], samples["jax.jit"]),
-            "samples": samples,
+            "samples": samples, "load": load,
         })
     return {"model": model, "rounds": rounds, "layouts": out}
 
@@ -153,6 +156,17 @@ def render(r: dict[str, Any]) -> str:
                      f"| {ratio:.2f} | {'yes' if row.get('same_program') else 'no'} "
                      f"| {s['cli'] * 1e3:,.1f} | {s['jax.jit'] * 1e3:,.1f} | "
                      f"{row['tokens_ratio']:.3f} | {'yes' if met else '**no**'} |")
+    same = [f"{row['mesh']} remat {row['remat']}" for row in r["layouts"]
+            if row.get("same_program")]
+    if same:
+        lines += ["", f"Same compiled program in {', '.join(same)}: there the tokens/s ratio "
+                  "differs from 1 by dispatch (tens of µs a step, section 3) and the machine's "
+                  "noise only."]
+    loads = [x for row in r["layouts"] for x in row.get("load", [])]
+    if loads:
+        lines += ["", f"1-minute load average before and after the rounds: {min(loads):.1f}–"
+                  f"{max(loads):.1f} on {os.cpu_count()} cores (above the core count, the steps "
+                  "share the CPU with other work and their times carry its noise)."]
     lines += ["", "What the CLI ran: " + "; ".join(
         f"{row['mesh']} remat {row['remat']}: {row['fsdp']}" for row in r["layouts"]), ""]
     return "\n".join(lines)
