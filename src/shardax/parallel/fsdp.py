@@ -16,7 +16,9 @@ communication is written out, so peak memory and bytes moved follow ZeRO-3 on an
 * :func:`scan_layers` (:func:`loop_layers` for a list of layers) runs the layers, gathering
   layer ``i`` inside a ``jax.checkpoint``: the gathered copy is not kept for the backward
   pass, which gathers it again, and layer ``i``'s gradient is reduce-scattered before layer
-  ``i-1``'s backward runs;
+  ``i-1``'s backward runs; :func:`loop_layers` with full remat prefetches: layer ``i+1`` is
+  gathered before layer ``i`` computes, layer ``i-1`` re-gathered before layer ``i``'s
+  backward (one more gathered layer live);
 * a subtree gathered once and used twice (a tied embedding) has one gradient reduction;
 * with ``grad_accum > 1`` each microbatch's gradient is reduce-scattered as it is formed and
   summed into a float32 accumulator sharded like the parameters (no full-size buffer);
