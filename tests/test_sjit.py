@@ -418,6 +418,26 @@ def test_the_cache_is_bounded_least_recently_used_first(mesh, monkeypatch):
     assert traces == [1, 2, 3, 4, 2]
 
 
+def test_the_function_is_traced_once_for_its_output_rules_lower_and_call(mesh):
+    """Resolving the output rules traces the function on the abstract values the call and
+    ``lower`` pass (committed inputs on their rule's sharding, NumPy ones without), so jit's
+    trace cache serves both: one trace, where a second would double the CLI step's lowering."""
+    traces = []
+
+    def double(x):
+        traces.append(x.shape)
+        return x * 2
+
+    committed = jax.device_put(arange(8), NamedSharding(mesh.mesh, PS()))  # moved to 'fsdp'
+    for x in (committed, arange(8)):
+        f = sharding.sjit(double, in_shardings=PS("fsdp"), out_shardings=PS("fsdp"))
+        with mesh.get_context():
+            f.lower(x)
+            f(x)
+        assert len(traces) == 1, traces
+        traces.clear()
+
+
 def test_tree_structure_is_part_of_the_cache_key(mesh):
     f = mesh.sjit(lambda t: jax.tree.map(lambda x: x + 1, t),
                   in_shardings=FSDPShardingRule(min_fsdp_size=0))

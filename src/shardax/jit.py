@@ -306,9 +306,15 @@ class ShardedFunction:
                                                                        static_args)
         out_shardings = None
         if self.out_shardings is not None or in_place is not None:
-            # Traced as the call traces it (same function, no ambient mesh), so jit reuses it.
-            # This trace also tells in_place which Variables the function updates.
-            out_shape = jax.eval_shape(body, *abstract)
+            # Traced as the call and `lower` trace it (same function, input shardings and
+            # donation, no ambient mesh), so jit's trace cache serves the jax.jit below: the
+            # step is traced once. This trace also tells in_place which Variables the
+            # function updates.
+            sharded = _abstract(flat, in_shardings)  # as `lower` and the call pass them
+            if positional:
+                sharded = jax.tree_util.tree_unflatten(args_treedef, sharded)
+            out_shape = jax.jit(body, in_shardings=jit_in, donate_argnums=donate,
+                                **self.jit_kwargs).trace(*sharded).out_info
             if in_place is not None and in_place.sources:
                 out_shape = out_shape[0]
             else:
@@ -548,16 +554,27 @@ def _join(name: str, path: tuple) -> str:
 def _abstract(flat: Sequence[Any], shardings: Sequence[Any] | None = None) -> list:
     """Abstract values of the leaves (keeps tracing free of device transfers).
 
-    With ``shardings``, a leaf with a rule is described on that sharding, so a committed input
-    on another sharding does not stop lowering (the call moves it).
+    With ``shardings``, each leaf is described as the call passes it to ``jax.jit``: a leaf
+    with a sharding of its own (a committed array, a ``ShapeDtypeStruct`` with one) on its
+    rule's sharding, where the call moves it (so a committed input on another sharding does
+    not stop lowering), other leaves without one. The out-shape trace, ``lower`` and the call
+    then trace the same abstract values, and jit's trace cache serves all three.
     """
     shardings = shardings or [None] * len(flat)
     return [
         x if isinstance(x, _SCALARS) or _compat.is_tracer(x)
-        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s,
+        else jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=_placed_on(x, s),
                                   weak_type=getattr(x, "weak_type", False))
         for x, s in zip(flat, shardings)
     ]
+
+
+def _placed_on(x: Any, rule: Any) -> Any:
+    """The sharding ``x`` reaches ``jax.jit`` on: none if it has none of its own (a NumPy
+    array, an uncommitted one), else ``rule``'s, else its own."""
+    own = (x.sharding if x.committed else None) if isinstance(x, jax.Array) \
+        else getattr(x, "sharding", None)
+    return own if own is None or rule is None else rule
 
 
 def _placed(flat: list, shardings: list) -> list:
@@ -593,7 +610,8 @@ def sjit(
       fun: the single-device function; leave it out to get a decorator.
       in_shardings: a tree prefix of the dynamic positional arguments whose leaves are
         ``ShardingRule``s, ``PartitionSpec``s or None (XLA decides).
-      out_shardings: the same for the output, resolved from ``jax.eval_shape``.
+      out_shardings: the same for the output, resolved from a trace of the function (the
+        ``jax.jit`` it builds reuses that trace: the function is traced once).
       static_argnums: positional arguments that are compile-time constants.
       args_sharding_constraint: rules applied to the dynamic positional arguments as the
         first thing inside the function.

@@ -19,7 +19,9 @@ communication is written out, so peak memory and bytes moved follow ZeRO-3 on an
 * :func:`scan_layers` (:func:`loop_layers` for a list of layers) runs the layers, gathering
   layer ``i`` inside a ``jax.checkpoint``: the gathered copy is not kept for the backward
   pass, which gathers it again, and layer ``i``'s gradient is reduce-scattered before layer
-  ``i-1``'s backward runs;
+  ``i-1``'s backward runs; :func:`loop_layers` with full remat prefetches: layer ``i+1`` is
+  gathered before layer ``i`` computes, layer ``i-1`` re-gathered before layer ``i``'s
+  backward (one more gathered layer live);
 * a subtree gathered once and used twice (a tied embedding) has one gradient reduction;
 * with ``grad_accum > 1`` each microbatch's gradient is reduce-scattered as it is formed and
   summed into a float32 accumulator sharded like the parameters (no full-size buffer);
@@ -51,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardax.parallel._stages import to_microbatches
 from shardax.parallel.axes import axis_size, manual_axes, mesh_or_context
-from shardax.parallel.remat import checkpoint_in_order
+from shardax.parallel.remat import checkpoint_in_order, tie, zero_of
 
 __all__ = ["Gather", "fsdp_dim", "loop_layers", "scan_layers", "value_and_grad"]
 
@@ -114,11 +116,7 @@ class Gather:
     def _one(self, leaf):
         if not _is_leaf(leaf):  # no FSDP axis: a plain array, only cast
             return leaf.astype(self.dtype) if self.dtype and _is_float(leaf) else leaf
-        dim = None if leaf.dim is None else leaf.shard.ndim + leaf.dim
-        auto = None if leaf.auto is None else leaf.auto[len(leaf.auto) - leaf.shard.ndim:]
-        # A slice of stacked layers drops the layer dim's entry ('pp'): nothing may be left.
-        auto = P(*auto) if auto is not None and any(e is not None for e in auto) else None
-        return _gather_rs(self, dim, auto, leaf.owned, leaf.shard)
+        return _gather_rs(self, *_placement(leaf), leaf.shard)
 
     def all_gather(self, shard, dim, auto=None, owned=()):
         """Forward: cast, all-gather over ``axis``, vary over the batch axes. ``auto``: the
@@ -146,6 +144,17 @@ class Gather:
         else:
             g = lax.psum(g, (self.axis, *replicas))
         return g.astype(dtype)
+
+
+def _placement(leaf: _Leaf) -> tuple[int | None, P | None, tuple[str, ...]]:
+    """``(dim, auto, owned)`` of a parameter's shard as it is now (a stacked layer's slice or
+    not): the dimension split over the FSDP axis, the spec over the other axes and the other
+    manual axes the shard is split over."""
+    dim = None if leaf.dim is None else leaf.shard.ndim + leaf.dim
+    auto = None if leaf.auto is None else leaf.auto[len(leaf.auto) - leaf.shard.ndim:]
+    # A slice of stacked layers drops the layer dim's entry ('pp'): nothing may be left.
+    auto = P(*auto) if auto is not None and any(e is not None for e in auto) else None
+    return dim, auto, leaf.owned
 
 
 def _keep(x, auto):
@@ -259,14 +268,116 @@ def loop_layers(
 ) -> PyTree:
     """:func:`scan_layers` for a list of (unstacked) layers: a Python loop, one gather each.
 
+    Resharding with the default ``policy`` (save only each layer's input), the gathers are
+    prefetched: layer ``i + 1`` is gathered before layer ``i`` computes, and in the backward
+    pass layer ``i - 1`` is re-gathered before layer ``i``'s backward, so one more gathered
+    layer is live than without prefetch (two in all).
+
     Example::
 
         h = loop_layers(gather, block, [params["layers"][i] for i in range(n)], h)
     """
+    params = list(params)
+    if reshard_after_forward and policy is None and len(params) > 1:
+        return _prefetched(gather, layer_fn, params, x)
     one = _layer(gather, layer_fn, policy, reshard_after_forward, unrolled=True)
     for p in params:
         x = one(p, x)
     return x
+
+
+def _gathered_after(gather, p, zero):
+    """``gather(p)``, issued once ``zero`` exists: only the leaves that are really gathered
+    (split over the FSDP axis) wait; a replicated leaf's "gather" moves nothing."""
+    waits = jax.tree.map(lambda leaf: _is_leaf(leaf) and leaf.dim is not None, p,
+                         is_leaf=_is_leaf)
+    return gather(jax.tree.map(lambda leaf, w: tie(leaf, zero) if w else leaf, p, waits,
+                               is_leaf=_is_leaf))
+
+
+def _reduced(gather, p, dg):
+    """The gradient of ``p``'s shards from ``dg``, the gradient of ``gather(p)``: what the
+    gather's own backward computes (a reduce-scatter per split leaf)."""
+
+    def one(leaf, g):
+        if not _is_leaf(leaf):  # no FSDP axis: the gather only cast
+            return g.astype(leaf.dtype) if _is_float(leaf) else g
+        dim, auto, owned = _placement(leaf)
+        return _Leaf(gather.reduce(g, dim, leaf.shard.dtype, auto, owned), leaf.dim, leaf.auto,
+                     leaf.owned)
+
+    return jax.tree.map(one, p, dg, is_leaf=_is_leaf)
+
+
+def _prefetched(gather, layer_fn, params, x):
+    """``loop_layers`` with full remat and prefetched gathers: one ``jax.custom_vjp`` over the
+    whole loop, which saves each layer's input only. The order is data, not a hint:
+    layer ``i + 1``'s gather waits for layer ``i``'s input and layer ``i``'s compute waits
+    for that gather (backward: layer ``i - 1``'s re-gather waits for layer ``i``'s incoming
+    cotangent, layer ``i``'s recomputation for that re-gather, and layer ``i - 1``'s
+    backward for layer ``i``'s reduce-scatters)."""
+    # layer_fn may close over traced values (positions, segment ids): hoisted into arguments,
+    # once per distinct layer signature (identical layers share one conversion).
+    converted, kinds = {}, []
+    for p in params:
+        key = (jax.tree.structure(p), tuple((a.shape, a.dtype) for a in jax.tree.leaves(p)))
+        if key not in converted:
+            converted[key] = jax.closure_convert(layer_fn, gather(p), x)
+        kinds.append(list(converted).index(key))
+    fns = [f for f, _ in converted.values()]
+    consts = [c for _, c in converted.values()]
+    n = len(params)
+
+    def closed(i, g, x, consts):
+        return fns[kinds[i]](g, x, *consts[kinds[i]])
+
+    def run(params, x, consts):
+        inputs = []
+        g = _gathered_after(gather, params[0], zero_of(x))
+        for i in range(n):
+            inputs.append(x)
+            if i + 1 < n:
+                g_next = _gathered_after(gather, params[i + 1], zero_of(x))
+                x = tie(x, zero_of(g_next))  # layer i runs after layer i + 1's gather
+            x = closed(i, g, x, consts)
+            g = g_next if i + 1 < n else None
+        return x, inputs
+
+    @jax.custom_vjp
+    def stack(params, x, consts):
+        return run(params, x, consts)[0]
+
+    def forward(params, x, consts):
+        out, inputs = run(params, x, consts)
+        return out, (params, inputs, consts)
+
+    def backward(saved, ct):
+        params, inputs, consts = saved
+        grads = [None] * n
+        g = _gathered_after(gather, params[n - 1], zero_of(ct))
+        dconsts = None
+        for i in reversed(range(n)):
+            zero = zero_of(ct)
+            x = tie(inputs[i], zero)  # the recomputation waits for the cotangent
+            if i > 0:
+                g_prev = _gathered_after(gather, params[i - 1], zero)
+                x = tie(x, zero_of(g_prev))  # and for layer i - 1's re-gather
+            _, pullback = jax.vjp(functools.partial(closed, i), g, x, consts)
+            dg, ct, dc = pullback(ct)
+            grads[i] = _reduced(gather, params[i], dg)
+            dconsts = dc if dconsts is None else jax.tree.map(_add, dconsts, dc)
+            # layer i's gradients are reduce-scattered before layer i - 1's backward starts
+            ct = tie(ct, zero_of(grads[i]))
+            g = g_prev if i > 0 else None
+        return grads, ct, dconsts
+
+    stack.defvjp(forward, backward)
+    return stack(params, x, consts)
+
+
+def _add(a, b):
+    """``a + b`` for cotangents (an integer input's cotangent, float0, has no sum)."""
+    return a if a.dtype == jax.dtypes.float0 else a + b
 
 
 def value_and_grad(

@@ -8,8 +8,10 @@ barriers and common-subexpression elimination merges the recomputation back into
 so ``remat='full'`` holds every layer's activations, exactly like no remat (the compiled
 ``memory_analysis()`` of a list-layer Llama shows the same temporaries for both); explicit
 FSDP's per-layer gathers are all hoisted to the start. Here each layer is a
-``jax.custom_vjp`` whose values are tied with ``v + 0 * other[0]`` (bit-identical for finite
-values; a NaN or inf in the tying element spreads, as it would through the gradient anyway):
+``jax.custom_vjp`` whose values are tied with ``v + 0 * max(other[:2])`` (bit-identical for
+finite values; a NaN or inf in the tying elements spreads, as it would through the gradient
+anyway; the max is a reduction, which XLA materializes: one element read directly would be
+fused into every consumer with the chain of layers that computed it, quadratic in depth):
 its inputs to each other in the forward (parameter gathers wait for the layer's input), its
 saved residuals to the incoming cotangent in the backward (the recomputation runs only once
 that cotangent exists, and never equals a forward value), and its gradients to each other
@@ -33,11 +35,18 @@ from jax import lax
 
 from shardax import _compat
 
-__all__ = ["checkpoint_in_order"]
+__all__ = ["checkpoint_in_order", "tie", "zero_of"]
 
 
 def _floating(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _first(x: jax.Array) -> jax.Array:
+    """One float32 value read from ``x``, through a reduction so that XLA materializes it
+    (a plain element would be fused into every consumer, recomputing the chain of layers
+    that produced it)."""
+    return jnp.max(x.ravel()[:2]).astype(jnp.float32)
 
 
 def _zero_from(cotangent: Any) -> jax.Array | None:
@@ -45,25 +54,36 @@ def _zero_from(cotangent: Any) -> jax.Array | None:
     leaves = [g for g in jax.tree.leaves(cotangent) if _floating(g) and g.size]
     if not leaves:
         return None
-    return leaves[0].ravel()[0].astype(jnp.float32) * 0
+    return _first(leaves[0]) * 0
 
 
-def _zero_from_all(tree: Any) -> jax.Array | None:
-    """A float32 zero computed from one element of every floating leaf of ``tree``."""
-    firsts = [g.ravel()[0].astype(jnp.float32) for g in jax.tree.leaves(tree)
+def zero_of(tree: Any) -> jax.Array | None:
+    """A float32 zero computed from two elements of every floating leaf of ``tree`` (None if
+    it has none): adding it to a value makes that value wait for all of ``tree``.
+
+    >>> float(zero_of({"w": jnp.ones((2, 3))}))
+    0.0
+    """
+    firsts = [_first(g) for g in jax.tree.leaves(tree)
               if _floating(g) and g.size]
     return sum(firsts) * 0 if firsts else None
 
 
-def _tie(tree: Any, zero: jax.Array | None) -> Any:
-    """Every floating leaf of ``tree`` plus ``zero`` (now depending on it). Inside
-    ``shard_map`` a leaf that varies over fewer manual axes than ``zero`` gets it summed over
-    the others first (a scalar psum), so no leaf changes its type."""
+def tie(tree: Any, zero: jax.Array | None) -> Any:
+    """Every floating leaf of ``tree`` plus ``zero`` (now depending on it; bit-identical for
+    finite values). Inside ``shard_map`` a leaf that varies over fewer manual axes than
+    ``zero`` gets it summed over the others first (a scalar psum), so no leaf changes its
+    type.
+
+    >>> x = jnp.arange(3.0)
+    >>> bool((tie(x, zero_of(x)) == x).all())
+    True
+    """
     if zero is None:
         return tree
     zeros: dict[frozenset, jax.Array] = {}
 
-    def tie(x):
+    def one(x):
         if not _floating(x):
             return x
         extra = _compat.varying_axes(zero) - _compat.varying_axes(x)
@@ -71,7 +91,7 @@ def _tie(tree: Any, zero: jax.Array | None) -> Any:
             zeros[extra] = lax.psum(zero, tuple(sorted(extra))) if extra else zero
         return x + zeros[extra].astype(x.dtype)
 
-    return jax.tree.map(tie, tree)
+    return jax.tree.map(one, tree)
 
 
 def checkpoint_in_order(
@@ -110,7 +130,7 @@ def checkpoint_in_order(
         def forward(*inputs: Any) -> tuple[Any, Any]:
             params, x = inputs[: n - 1], inputs[n - 1]
             if tie_params:  # the layer's parameter gathers wait for its input
-                params = _tie(params, _zero_from_all(x))
+                params = tie(params, zero_of(x))
             used = (*params, x, *inputs[n:])
             out, pullback = jax.vjp(remat, *used)
             # The pullback keeps the untied inputs (the same values), not copies of them.
@@ -128,12 +148,12 @@ def checkpoint_in_order(
             if zero is None:
                 return pullback(cotangent)
             residuals, tree = jax.tree.flatten(pullback)
-            residuals = [_tie(r, zero) if tie else r for r, tie in zip(residuals, tie_mask)]
+            residuals = [tie(r, zero) if wait else r for r, wait in zip(residuals, tie_mask)]
             grads = jax.tree.unflatten(tree, residuals)(cotangent)
             # The input's gradient waits for the parameter gradients, so they (and their
             # reduce-scatters) are done before the layer below starts its backward.
-            zero_all = _zero_from_all(grads[: n - 1])
-            return (*grads[: n - 1], _tie(grads[n - 1], zero_all), *grads[n:])
+            zero_all = zero_of(grads[: n - 1])
+            return (*grads[: n - 1], tie(grads[n - 1], zero_all), *grads[n:])
 
         layer.defvjp(forward, backward)
         return layer(*args, *consts)
