@@ -25,7 +25,7 @@ from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
 from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
-from shardax.plan.estimate import across_bytes, train_command
+from shardax.plan.estimate import across_bytes, comm_seconds, train_command
 from shardax.plan.search import axes_across_hosts
 from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.resolve import resolve
@@ -60,6 +60,11 @@ def test_plan_memory_equals_the_real_runs_compiled_memory(real_run):
     assert 0 < est.compute_s < est.flops_per_device / (H100.peak_flops * H100.flops_fraction) \
         * 1.01
     assert est.comm_s > 0 and est.step_s == est.compute_s + est.comm_s
+    # Communication: bytes over bandwidth, plus a fixed latency per collective executed.
+    count = sum(v["count"] for v in est.compiled.collectives.values())
+    slow = dataclasses.replace(H100, collective_latency_s=1e-3)
+    assert comm_seconds(est.compiled, slow)[0] - comm_seconds(est.compiled, H100)[0] \
+        == pytest.approx(count * (1e-3 - H100.collective_latency_s))
 
 
 def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, monkeypatch):

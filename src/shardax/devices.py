@@ -26,8 +26,10 @@ class DeviceSpec:
     across hosts (InfiniBand / RoCE NICs; DCN between TPU slices), ``devices_per_host`` (for
     TPUs: the chips one ICI domain can hold), ``flops_fraction`` and ``link_fraction``, the
     fractions of the peaks a training step achieves (``shardax plan --calibrate`` fits the
-    first from real runs), and ``reserved_bytes``, memory the framework holds outside the
-    compiled program (CUDA context, NCCL and cuBLAS workspaces)."""
+    first from real runs), ``reserved_bytes``, memory the framework holds outside the
+    compiled program (CUDA context, NCCL and cuBLAS workspaces), and
+    ``collective_latency_s``, the fixed cost of one collective whatever its size (launch and
+    synchronisation of the devices taking part)."""
 
     name: str
     peak_flops: float
@@ -38,6 +40,7 @@ class DeviceSpec:
     flops_fraction: float = 0.4
     link_fraction: float = 0.75
     reserved_bytes: float = 2 * 1024**3
+    collective_latency_s: float = 10e-6
 
 
 def _tpu(name: str, peak: float, hbm: float, ici: float, domain: int) -> DeviceSpec:
@@ -52,7 +55,10 @@ def _tpu(name: str, peak: float, hbm: float, ici: float, domain: int) -> DeviceS
 # 25 Gb/s per chip. Achievable fractions: GPUs 0.4 of peak FLOP/s (published FSDP Llama runs
 # on H100 measure 33-45% MFU), TPUs 0.5 (MaxText's tables: 45-60%); 0.75 of link bandwidth
 # (NCCL bus bandwidth). Matched in order against jax's ``device_kind`` (case-insensitive, first
-# hit wins), so the more specific names come first.
+# hit wins), so the more specific names come first. Latency per collective: 10 µs, the order of
+# NCCL's small-message all-reduce time within a node (nccl-tests); a TPU's ICI collectives are
+# not faster by an order of magnitude, so the same default (it matters only for layouts issuing
+# thousands of collectives per step: tensor and pipeline parallelism with many microbatches).
 DEVICES: tuple[tuple[str, DeviceSpec], ...] = (
     ("h100 pcie", DeviceSpec("H100 PCIe", 756e12, 80e9, 64e9, 50e9, 8)),
     ("h100 nvl", DeviceSpec("H100 NVL", 835e12, 94e9, 300e9, 50e9, 8)),

@@ -12,8 +12,8 @@ estimate reads the compiled program:
   ``compute_s + comm_s`` with ``compute_s = model FLOPs per device x remat factor /
   (peak FLOP/s x achievable fraction) / (1 - pipeline bubble)`` and ``comm_s`` = the bytes of
   each collective (x 2 for all-reduce) over the achievable bandwidth of its tier: within a host,
-  or across hosts where one of its device groups spans hosts (no overlap of compute and
-  communication assumed).
+  or across hosts where one of its device groups spans hosts, plus a fixed latency per
+  collective executed (no overlap of compute and communication assumed).
 
 >>> est = plan_config(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
 >>> print(est.summary())  # doctest: +SKIP
@@ -145,7 +145,8 @@ def assumptions(device: DeviceSpec, hbm_bytes: float) -> str:
             f"{_human(d.reserved_bytes)} of it reserved outside the program; "
             f"{d.devices_per_host} devices per host; links {d.link_bytes_per_s / 1e9:.0f} GB/s "
             f"within a host and {d.host_link_bytes_per_s / 1e9:.1f} GB/s across hosts per "
-            f"device, x {d.link_fraction:.2f} achievable; no overlap of compute and "
+            f"device, x {d.link_fraction:.2f} achievable, + {d.collective_latency_s * 1e6:.0f} µs "
+            "per collective; no overlap of compute and "
             "communication; memory from a CPU compile of the same program (GPU/TPU temporaries "
             "differ: keep a few GiB spare)")
 
@@ -165,7 +166,11 @@ def across_bytes(ops: list[Any], devices: int) -> dict[str, int]:
 
 
 def comm_seconds(compiled: Compiled, device: DeviceSpec) -> tuple[float, float]:
-    """``(total, across hosts)`` seconds of a compiled step's collectives on ``device``."""
+    """``(total, across hosts)`` seconds of a compiled step's collectives on ``device``: their
+    bytes over the bandwidth of their tier, plus ``device.collective_latency_s`` for each
+    collective executed (a pipeline's per-iteration send and TP's per-layer all-reduces are
+    many small ones)."""
+    latency = sum(v["count"] for v in compiled.collectives.values()) * device.collective_latency_s
     moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
                 for k, v in compiled.collectives.items())
     per_host = device.devices_per_host
@@ -174,8 +179,8 @@ def comm_seconds(compiled: Compiled, device: DeviceSpec) -> tuple[float, float]:
     else:
         across = compiled.across.get(str(per_host), moved)
     across_s = across / (device.host_link_bytes_per_s * device.link_fraction)
-    return (moved - across) / (device.link_bytes_per_s * device.link_fraction) + across_s, \
-        across_s
+    within_s = (moved - across) / (device.link_bytes_per_s * device.link_fraction)
+    return within_s + across_s + latency, across_s
 
 
 def seconds(s: float) -> str:
