@@ -75,18 +75,20 @@ def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, mo
     code = main(["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32",
                  "--mesh", "fsdp=4,tp=2", "--remat", "full", "--hbm", "1MiB", "--target",
                  "a100", "--json", str(tmp_path / "plan.json"), "--host-link-gbps", "12.5",
-                 "--devices-per-host", "4", "--flops-fraction", "0.3"])
+                 "--devices-per-host", "4", "--flops-fraction", "0.3",
+                 "--collective-latency-us", "20", "--comm-overlap", "0"])
     out = capsys.readouterr().out
     assert code == 0
     assert "DOES NOT FIT" in out and "A100" in out  # a few MiB over a 1 MiB limit
     (line,) = [ln for ln in out.splitlines() if ln.startswith("assumptions: ")]
     for needle in ("A100, 312 TFLOP/s peak bf16 x 0.30 achievable", "4 devices per host",
                    "300 GB/s within a host and 12.5 GB/s across hosts", "x 0.75 achievable",
-                   "10 µs per collective", "hidden under compute"):
+                   "+ 20 µs per collective; 0% of the all-gathers'"):
         assert needle in line, line
     assert "train it: shardax train --model llama-tiny --mesh fsdp=4,tp=2" in out
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["memory"] == real["memory"] and saved["fits"] is False
+    assert saved["hidden_s"] == 0 and saved["step_s"] == saved["compute_s"] + saved["comm_s"]
 
 
 def test_search_returns_only_fitting_layouts(tmp_path):
