@@ -240,6 +240,11 @@ def render(result: dict[str, Any]) -> str:
                          f"first choice measured {run['first_over_best']:.2f}x the measured "
                          f"best ({'within' if run['first_over_best'] <= 1.10 else 'not within'}"
                          " 10%)")
+        per_round = [median([r["rounds_s"][i] for r in s["rows"]]) for i in range(ROUNDS)]
+        lines += ["- the median step of each round: "
+                  + ", ".join(seconds(t) for t in per_round)
+                  + f": load moved during the run, and a run is the median of {ROUNDS // RUNS} "
+                  "rounds, so one loaded round can swap layouts within that spread"]
         lines += [f"- all rounds: Spearman **{s['spearman']:.2f}** (without the latency term: "
                   f"{s['spearman_without_latency']:.2f}); first choice "
                   f"{s['first_over_best']:.2f}x the best",
