@@ -42,8 +42,14 @@ from shardax.train.resolve import resolve
 
 BASE = TrainConfig(model="llama-small", batch_size=16, seq_len=128)
 MAX_COMPILES = 10
-TOP = 5
-TIMED_STEPS = 4
+TOP = 3
+ROUNDS = 4  # interleaved timing rounds; run k is the median of rounds k, k + RUNS, ...
+RUNS = 2
+# A pipeline layout, planned and measured beside the search's (the search leaves pipelines out
+# within one host): 4 stages of 2 devices, 8 microbatches (earlier runs underestimated such
+# deep pipelines on the emulated devices).
+PIPELINE = {"mesh": "pp=4,fsdp=2", "rules": "fsdp", "scan_layers": True, "microbatches": 8,
+            "pp_schedule": "gpipe"}
 GiB = 2**30
 
 
@@ -58,8 +64,9 @@ def _best_time(fn, repeats: int = 5) -> float:
 
 
 def measure_device() -> DeviceSpec:
-    """This machine as 8 emulated devices: per-device FLOP/s of a sharded f32 matmul, and the
-    bytes per second one device receives in an all-gather."""
+    """This machine as 8 emulated devices: per-device FLOP/s of a sharded f32 matmul, the
+    bytes per second one device receives in an all-gather, and the fixed cost of one
+    collective (a loop of 200 all-reduces of 8 floats inside one program)."""
     mesh = make_mesh(np.array(jax.devices()[:8]), ("d",))
     n = 512
     a = jax.device_put(jnp.ones((8 * n, n), jnp.float32), NamedSharding(mesh, P("d")))
@@ -69,30 +76,40 @@ def measure_device() -> DeviceSpec:
     big = jax.device_put(jnp.ones((8 * 1024, 1024), jnp.float32), NamedSharding(mesh, P("d")))
     gather = jax.jit(lambda x: x * 1, out_shardings=NamedSharding(mesh, P()))
     link = big.nbytes / _best_time(lambda: gather(big))
-    # Measured numbers: achieved already (fractions 1), one "host", nothing reserved.
+    loops = 200
+
+    def reduces(x):
+        return jax.lax.fori_loop(0, loops, lambda i, y: (y + jax.lax.psum(y, "d")) * 0.1, x)
+
+    tiny = jax.device_put(jnp.ones((8, 8), jnp.float32), NamedSharding(mesh, P("d")))
+    many = jax.jit(jax.shard_map(reduces, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    latency = _best_time(lambda: many(tiny)) / loops
+    # Measured numbers: achieved already (fractions 1), one "host", nothing reserved; nothing
+    # hidden under compute: the emulated devices' "links" are copies by the cores that compute.
     return DeviceSpec("CPU (8 emulated, measured)", flops_s / 8, 64 * GiB, link, link, 8,
-                      flops_fraction=1.0, link_fraction=1.0, reserved_bytes=0.0)
+                      flops_fraction=1.0, link_fraction=1.0, reserved_bytes=0.0,
+                      collective_latency_s=latency, comm_overlap=0.0)
 
 
-def measure_step(config: TrainConfig) -> float:
-    """Median seconds of ``TIMED_STEPS`` real train steps (after a compile + warm-up step)."""
-    run = resolve(config)
-    graphdef, _ = abstract(run.model_config, run.tx, config.seed, run.mesh)
-    state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed)[1],
-                          out_shardings=run.rules)()
-    step = step_function(run, graphdef, end_id=0)  # any id: the program the planner compiled
-    key = jax.random.key(0)
-    tokens = jax.random.randint(key, (config.batch_size, config.seq_len + 1), 0, 32000)
-    batch = (tokens[:, :-1], tokens[:, 1:])
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(TIMED_STEPS):
+class Timed:
+    """One layout built for real (state and compiled step alive), timed one step at a time."""
+
+    def __init__(self, config: TrainConfig):
+        run = resolve(config)
+        graphdef, _ = abstract(run.model_config, run.tx, config.seed, run.mesh)
+        self.state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed)[1],
+                                   out_shardings=run.rules)()
+        self.step = step_function(run, graphdef, end_id=0)  # the program the planner compiled
+        tokens = jax.random.randint(jax.random.key(0),
+                                    (config.batch_size, config.seq_len + 1), 0, 32000)
+        self.batch = (tokens[:, :-1], tokens[:, 1:])
+        self.once()  # compile + warm-up
+
+    def once(self) -> float:
         start = time.perf_counter()
-        state, metrics = step(state, batch)
+        self.state, metrics = self.step(self.state, self.batch)
         jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return median(times)
+        return time.perf_counter() - start
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -101,34 +118,63 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
+def _row(rank: Any, est: Any) -> dict[str, Any]:
+    return {"rank": rank, "config": est.config, "command": train_command(est.config),
+            "estimate_s": est.step_s, "compute_s": est.compute_s, "comm_s": est.comm_s,
+            "latency_s": sum(v["count"] for v in est.compiled.collectives.values())
+            * est.device.collective_latency_s,
+            "peak_gib": est.compiled.peak_bytes / GiB}
+
+
+def spread(ranked: list[Any]) -> list[tuple[str, Any]]:
+    """The layouts to measure from the search's fitting list: the top ``TOP``, the middle,
+    the last, and plain FSDP with full remat (always compiled), each once."""
+    n = len(ranked)
+    picks = [(str(i + 1), i) for i in range(min(TOP, n))]
+    picks += [(f"{n // 2 + 1} (middle)", n // 2), (f"{n} (last)", n - 1)]
+    picks += [(f"{i + 1} (fsdp, remat full)", i) for i, e in enumerate(ranked)
+              if e.config["mesh"] == "fsdp=8" and e.config["remat"] == "full"][:1]
+    out, seen = [], set()
+    for label, i in picks:
+        if i not in seen:
+            seen.add(i)
+            out.append((label, ranked[i]))
+    return out
+
+
 def small() -> dict[str, Any]:
     device = measure_device()
     start = time.perf_counter()
     result = search(BASE, device, device.hbm_bytes, max_compiles=MAX_COMPILES, budget_s=900,
-                    jobs=1, cache=None)
+                    jobs=2, cache=None)
     search_s = time.perf_counter() - start
-    chosen = result.ranked[:TOP]
-    default_fields = {k: getattr(BASE, k) for k in chosen[0].config} if chosen else {}
-    rows = []
-    for rank, est in enumerate(chosen, 1):
-        rows.append({"rank": rank, "config": est.config, "command": train_command(est.config),
-                     "estimate_s": est.step_s, "compute_s": est.compute_s,
-                     "comm_s": est.comm_s, "peak_gib": est.compiled.peak_bytes / GiB})
-    if default_fields not in [r["config"] for r in rows]:
-        est = plan_config(BASE, device, device.hbm_bytes)
-        rows.append({"rank": "default", "config": est.config,
-                     "command": train_command(est.config), "estimate_s": est.step_s,
-                     "compute_s": est.compute_s, "comm_s": est.comm_s,
-                     "peak_gib": est.compiled.peak_bytes / GiB})
-    for row in rows:
-        row["measured_s"] = measure_step(dataclasses.replace(BASE, **row["config"]))
-    est_s = [r["estimate_s"] for r in rows]
-    meas = [r["measured_s"] for r in rows]
-    best = min(meas)
+    rows = [_row(label, est) for label, est in spread(result.ranked)]
+    for label, config in (("default", BASE),
+                          ("pipeline", dataclasses.replace(BASE, **PIPELINE))):
+        est = plan_config(config, device, device.hbm_bytes)
+        if est.config not in [r["config"] for r in rows]:
+            rows.append(_row(label, est))
+    # All layouts built first, then timed round-robin (each round in a rotated order), so load
+    # and drift on the shared machine hit every layout alike.
+    timed = [Timed(dataclasses.replace(BASE, **r["config"])) for r in rows]
+    for r in range(ROUNDS):
+        for i in [(j + r) % len(rows) for j in range(len(rows))]:
+            rows[i].setdefault("rounds_s", []).append(timed[i].once())
+    del timed
+    runs = []
+    for k in range(RUNS):
+        meas = [median(r["rounds_s"][k::RUNS]) for r in rows]
+        runs.append({"measured_s": meas, "spearman": spearman(
+            [r["estimate_s"] for r in rows], meas), "first_over_best": meas[0] / min(meas)})
+    for r in rows:
+        r["measured_s"] = median(r["rounds_s"])
+    est_s, meas = [r["estimate_s"] for r in rows], [r["measured_s"] for r in rows]
+    no_latency = [r["estimate_s"] - r["latency_s"] for r in rows]
     return {"device": dataclasses.asdict(device), "search": {
                 k: v for k, v in result.to_dict().items() if k != "ranked"},
-            "search_s": search_s, "rows": rows, "spearman": spearman(est_s, meas),
-            "first_over_best": rows[0]["measured_s"] / best}
+            "fitting": len(result.ranked), "search_s": search_s, "rows": rows, "runs": runs,
+            "spearman": spearman(est_s, meas), "first_over_best": meas[0] / min(meas),
+            "spearman_without_latency": spearman(no_latency, meas)}
 
 
 def big(devices: int) -> dict[str, Any]:
@@ -162,29 +208,55 @@ def render(result: dict[str, Any]) -> str:
         lines += [
             f"`shardax plan --search` for llama-small (batch {BASE.batch_size} x "
             f"{BASE.seq_len}, adamw, float32) on the 8 emulated CPU devices, with this "
-            f"machine's numbers measured first: {d['peak_flops'] / 1e9:.1f} GFLOP/s and "
-            f"{d['link_bytes_per_s'] / 1e9:.2f} GB/s per emulated device. The search compiled "
-            f"{s['search']['compiled']} of {s['search']['enumerated']} layouts in "
-            f"{s['search_s']:.0f} s; the top {TOP} and the default configuration were then "
-            f"trained for real (median of {TIMED_STEPS} steps after a warm-up step).",
+            f"machine's numbers measured first: {d['peak_flops'] / 1e9:.1f} GFLOP/s, "
+            f"{d['link_bytes_per_s'] / 1e9:.2f} GB/s and "
+            f"{d['collective_latency_s'] * 1e6:.0f} µs per collective per emulated device. "
+            f"The search compiled {s['search']['compiled']} of {s['search']['enumerated']} "
+            f"layouts in {s['search_s']:.0f} s ({s['fitting']} fit). Measured: a spread of "
+            f"the fitting list (the top {TOP}, the middle, the last, plain FSDP with full "
+            "remat), the default configuration and a pipeline (`--mesh "
+            f"{PIPELINE['mesh']} --microbatches {PIPELINE['microbatches']}`, planned alone: the "
+            "search keeps pipelines across hosts). All were built first (state and compiled step "
+            f"alive in one process), then timed one step at a time in {ROUNDS} round-robin "
+            "rounds (each round in a rotated order), so load and drift on the shared machine "
+            f"hit every layout alike; {RUNS} independent runs, each the median of every "
+            f"{RUNS}nd round, and the median of all rounds in the table.",
             "",
-            "| rank | command | estimate | measured | peak per device |",
-            "|---|---|---|---|---|",
+            "| rank | command | estimate | of it latency | measured (median) | estimate / "
+            "measured | peak per device |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in s["rows"]:
             lines.append(f"| {r['rank']} | `{r['command']}` | {seconds(r['estimate_s'])} | "
-                         f"{seconds(r['measured_s'])} | {r['peak_gib'] * 1024:.0f} MiB |")
-        lines += ["", f"Spearman correlation of estimate and measurement: "
-                      f"**{s['spearman']:.2f}**; the first choice's measured time is "
-                      f"{s['first_over_best']:.2f}x the measured best "
-                      f"({'within' if s['first_over_best'] <= 1.10 else 'not within'} 10%).",
+                         f"{seconds(r['latency_s'])} | {seconds(r['measured_s'])} | "
+                         f"{r['estimate_s'] / r['measured_s']:.2f} | "
+                         f"{r['peak_gib'] * 1024:.0f} MiB |")
+        ratios = {str(r["rank"]): r["estimate_s"] / r["measured_s"] for r in s["rows"]}
+        pipe = ratios.pop("pipeline", float("nan"))
+        others = median(list(ratios.values()))
+        lines.append("")
+        for k, run in enumerate(s["runs"], 1):
+            lines.append(f"- run {k}: Spearman(estimate, measured) **{run['spearman']:.2f}**; "
+                         f"first choice measured {run['first_over_best']:.2f}x the measured "
+                         f"best ({'within' if run['first_over_best'] <= 1.10 else 'not within'}"
+                         " 10%)")
+        per_round = [median([r["rounds_s"][i] for r in s["rows"]]) for i in range(ROUNDS)]
+        lines += ["- the median step of each round: "
+                  + ", ".join(seconds(t) for t in per_round)
+                  + f": load moved during the run, and a run is the median of {ROUNDS // RUNS} "
+                  "rounds, so one loaded round can swap layouts within that spread"]
+        lines += [f"- all rounds: Spearman **{s['spearman']:.2f}** (without the latency term: "
+                  f"{s['spearman_without_latency']:.2f}); first choice "
+                  f"{s['first_over_best']:.2f}x the best",
                   "",
-                  "Where the estimate misses: pipelines on emulated devices. Each of the M + P - 1 "
-                  "pipeline iterations ends in a collective-permute for which all 8 emulated "
-                  "devices (threads sharing the cores) must meet, a per-iteration cost the "
-                  "roofline (FLOPs / peak + bytes / bandwidth) does not model; on GPUs it is a "
-                  "point-to-point send. Single measurements on a shared 2-core machine also "
-                  "carry ~20% noise, enough to swap near-ties.",
+                  f"The estimate includes a latency per collective (measured above); at this "
+                  f"model size it is milliseconds against seconds (Spearman without it: "
+                  f"{s['spearman_without_latency']:.2f}). The pipeline's estimate / measured is "
+                  f"{pipe:.2f} against a median of {others:.2f} for the other layouts (a lower "
+                  "ratio: underestimated relative to them). The absolute estimate rests on FLOP/s "
+                  "and bandwidth measured once, before the search, on a machine whose load "
+                  "changes by the minute: the ratio column moves together, and the ranking, "
+                  "which is what the planner is for, does not mind.",
                   ""]
     for b in result.get("big", []):
         if "error" in b:
@@ -215,10 +287,12 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     if "small" in result:
         s = result["small"]
-        rows.append(goal_row("10 planner", "first choice measured / measured best",
-                             s["first_over_best"], "≤ 1.10", s["first_over_best"] <= 1.10))
-        rows.append(goal_row("10 planner", "Spearman(estimate, measured)", s["spearman"],
-                             "> 0", s["spearman"] > 0))
+        for k, run in enumerate(s["runs"], 1):
+            rows.append(goal_row("10 planner", f"run {k}: first choice measured / measured "
+                                 "best", run["first_over_best"], "≤ 1.10",
+                                 run["first_over_best"] <= 1.10))
+            rows.append(goal_row("10 planner", f"run {k}: Spearman(estimate, measured)",
+                                 run["spearman"], "> 0.5", run["spearman"] > 0.5))
     for b in result.get("big", []):
         ok = "error" not in b and b["wall_s"] <= 600 and b["top"] and all(
             t["fits"] for t in b["top"])

@@ -41,7 +41,7 @@ SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "cli_
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0,  # seconds, over --timeout
-                   "cli_step": 1800.0}
+                   "cli_step": 1800.0, "published": 1200.0}
 RAW = HERE / ".results.json"  # the last run's raw numbers, for --render-only
 
 

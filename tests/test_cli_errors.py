@@ -207,6 +207,9 @@ CASES = [
     ("plan bad model", ["plan", "--model", "llama-huge"], ["llama-huge"]),
     ("plan hbm", ["plan", "--hbm", "lots"], ["--hbm 'lots'"]),
     ("plan target", ["plan", "--target", "abacus"], ["--target 'abacus'"]),
+    ("plan comm-overlap 2", ["plan", "--comm-overlap", "2"], ["--comm-overlap 2"]),
+    ("plan latency -1", ["plan", "--collective-latency-us", "-1"],
+     ["--collective-latency-us -1"]),
     ("unknown command", ["trian"], ["trian", "train"]),
 ]
 

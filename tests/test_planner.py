@@ -25,7 +25,7 @@ from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
 from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
-from shardax.plan.estimate import across_bytes, train_command
+from shardax.plan.estimate import across_bytes, comm_seconds, train_command
 from shardax.plan.search import axes_across_hosts
 from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.resolve import resolve
@@ -59,7 +59,13 @@ def test_plan_memory_equals_the_real_runs_compiled_memory(real_run):
     # split over fsdp x tp = 8 devices, at the H100's peak.
     assert 0 < est.compute_s < est.flops_per_device / (H100.peak_flops * H100.flops_fraction) \
         * 1.01
-    assert est.comm_s > 0 and est.step_s == est.compute_s + est.comm_s
+    assert est.comm_s > 0 and est.step_s == est.compute_s + est.comm_s - est.hidden_s
+    assert 0 < est.hidden_s <= min(est.compute_s, est.comm_s)  # FSDP's gathers, under compute
+    # Communication: bytes over bandwidth, plus a fixed latency per collective executed.
+    count = sum(v["count"] for v in est.compiled.collectives.values())
+    slow = dataclasses.replace(H100, collective_latency_s=1e-3)
+    assert comm_seconds(est.compiled, slow)[0] - comm_seconds(est.compiled, H100)[0] \
+        == pytest.approx(count * (1e-3 - H100.collective_latency_s))
 
 
 def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, monkeypatch):
@@ -69,18 +75,20 @@ def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, mo
     code = main(["plan", "--model", "llama-tiny", "--batch-size", "8", "--seq-len", "32",
                  "--mesh", "fsdp=4,tp=2", "--remat", "full", "--hbm", "1MiB", "--target",
                  "a100", "--json", str(tmp_path / "plan.json"), "--host-link-gbps", "12.5",
-                 "--devices-per-host", "4", "--flops-fraction", "0.3"])
+                 "--devices-per-host", "4", "--flops-fraction", "0.3",
+                 "--collective-latency-us", "20", "--comm-overlap", "0"])
     out = capsys.readouterr().out
     assert code == 0
     assert "DOES NOT FIT" in out and "A100" in out  # a few MiB over a 1 MiB limit
     (line,) = [ln for ln in out.splitlines() if ln.startswith("assumptions: ")]
     for needle in ("A100, 312 TFLOP/s peak bf16 x 0.30 achievable", "4 devices per host",
                    "300 GB/s within a host and 12.5 GB/s across hosts", "x 0.75 achievable",
-                   "no overlap"):
+                   "+ 20 µs per collective; 0% of the all-gathers'"):
         assert needle in line, line
     assert "train it: shardax train --model llama-tiny --mesh fsdp=4,tp=2" in out
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["memory"] == real["memory"] and saved["fits"] is False
+    assert saved["hidden_s"] == 0 and saved["step_s"] == saved["compute_s"] + saved["comm_s"]
 
 
 def test_search_returns_only_fitting_layouts(tmp_path):

@@ -4,7 +4,8 @@
 ``config.json`` (what ran), ``plan.json`` (what its compiled step held and moved per device)
 and ``metrics.jsonl`` (measured ``step_time_s``; the median of the logged steps after the
 first, which includes compilation). The estimate of a run on the target is
-``compute_at_peak / fraction + comm_s``, the same roofline as `shardax.plan.estimate`; the
+``compute_at_peak / fraction + comm_s - hidden``, the same roofline as
+`shardax.plan.estimate` (``hidden``: the communication run under that compute); the
 fraction that minimises the squared log error over the runs replaces the target's
 ``flops_fraction``. The runs are taken to have run on the target (the run directory does not
 record the device kind): calibrate with runs of the kind you plan for.
@@ -27,7 +28,7 @@ import numpy as np
 from shardax import models
 from shardax.devices import DeviceSpec
 from shardax.parallel.pipeline import bubble_fraction
-from shardax.plan.estimate import Compiled, comm_seconds, remat_factor, seconds
+from shardax.plan.estimate import Compiled, comm_seconds, hidden_seconds, remat_factor, seconds
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.configfile import from_dict
 from shardax.train.mfu import flops_per_token
@@ -47,6 +48,13 @@ class RunFit:
     after_s: float = 0.0
     measured_peak_bytes: float | None = None
     compiled_peak_bytes: float = 0.0
+    compiled: Compiled | None = None  # for the communication hidden under compute
+
+    def estimate_s(self, fraction: float, device: DeviceSpec) -> float:
+        """The roofline step time of this run at ``fraction`` of ``device``'s peak FLOP/s."""
+        compute = self.compute_at_peak_s / fraction
+        hidden = hidden_seconds(self.compiled, device, compute) if self.compiled else 0.0
+        return compute + self.comm_s - hidden
 
     def line(self) -> str:
         memory = "" if self.measured_peak_bytes is None else (
@@ -98,7 +106,7 @@ def read_run(run_dir: Path, device: DeviceSpec) -> RunFit:
     return RunFit(run_dir, statistics.median(times),
                   flops / device.peak_flops / (1.0 - bubble), comm_seconds(compiled, device)[0],
                   measured_peak_bytes=max(peaks) * 2**30 if peaks else None,
-                  compiled_peak_bytes=compiled.peak_bytes)
+                  compiled_peak_bytes=compiled.peak_bytes, compiled=compiled)
 
 
 def calibrate(run_dirs: list[Path], device: DeviceSpec) -> tuple[DeviceSpec, list[RunFit]]:
@@ -107,11 +115,11 @@ def calibrate(run_dirs: list[Path], device: DeviceSpec) -> tuple[DeviceSpec, lis
     grid = np.geomspace(1e-9, 1.0, 4001)  # CPU runs against a GPU's peak land far down
 
     def error(fraction: float) -> float:
-        return sum((math.log(f.compute_at_peak_s / fraction + f.comm_s) - math.log(f.measured_s))
-                   ** 2 for f in fits)
+        return sum((math.log(f.estimate_s(fraction, device)) - math.log(f.measured_s)) ** 2
+                   for f in fits)
 
     best = float(min(grid, key=error))
     for f in fits:
-        f.before_s = f.compute_at_peak_s / device.flops_fraction + f.comm_s
-        f.after_s = f.compute_at_peak_s / best + f.comm_s
+        f.before_s = f.estimate_s(device.flops_fraction, device)
+        f.after_s = f.estimate_s(best, device)
     return dataclasses.replace(device, flops_fraction=best), fits

@@ -64,10 +64,15 @@ def target_device(name: str | None, peak_tflops: float = 0.0, link_gbps: float =
 
 def _hardware(config: TrainConfig, args: PlanConfig) -> DeviceSpec:
     """The target with every ``shardax plan`` override applied."""
-    return target_device(args.target, config.peak_tflops, args.link_gbps,
-                         host_link_bytes_per_s=args.host_link_gbps * 1e9,
-                         devices_per_host=args.devices_per_host,
-                         flops_fraction=args.flops_fraction, link_fraction=args.link_fraction)
+    device = target_device(args.target, config.peak_tflops, args.link_gbps,
+                           host_link_bytes_per_s=args.host_link_gbps * 1e9,
+                           devices_per_host=args.devices_per_host,
+                           flops_fraction=args.flops_fraction,
+                           link_fraction=args.link_fraction,
+                           collective_latency_s=args.collective_latency_us * 1e-6)
+    if args.comm_overlap >= 0:  # 0 is a setting here (no overlap), not "the target's"
+        device = dataclasses.replace(device, comm_overlap=args.comm_overlap)
+    return device
 
 
 def check_device_flags(args: PlanConfig) -> None:

@@ -12,8 +12,10 @@ estimate reads the compiled program:
   ``compute_s + comm_s`` with ``compute_s = model FLOPs per device x remat factor /
   (peak FLOP/s x achievable fraction) / (1 - pipeline bubble)`` and ``comm_s`` = the bytes of
   each collective (x 2 for all-reduce) over the achievable bandwidth of its tier: within a host,
-  or across hosts where one of its device groups spans hosts (no overlap of compute and
-  communication assumed).
+  or across hosts where one of its device groups spans hosts, plus a fixed latency per
+  collective executed; less the part of the all-gathers' and reduce-scatters' time (FSDP's
+  traffic) that the device model takes as hidden under compute (``comm_overlap``, at most the
+  compute time).
 
 >>> est = plan_config(TrainConfig(model="llama-small"), device_spec("h100"))  # doctest: +SKIP
 >>> print(est.summary())  # doctest: +SKIP
@@ -40,8 +42,8 @@ from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
 
 __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",
-           "compile_config", "estimate", "plan_config", "remat_factor", "seconds",
-           "train_command", "work_split"]
+           "compile_config", "estimate", "hidden_seconds", "plan_config", "remat_factor",
+           "seconds", "train_command", "work_split"]
 
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
@@ -52,6 +54,9 @@ STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "
 # 'names:'/'offload:' policy recomputes the matmuls whose outputs it does not save
 # (`_names_factor`).
 _REMAT_FACTOR = {"none": 1.0, "dots": 1.0, "save_dots": 1.0, "offload": 1.0, "full": 8 / 6}
+# Collectives a framework can run under compute: FSDP's parameter gathers (prefetched) and
+# gradient reduce-scatters (issued as the backward produces each layer's gradients).
+OVERLAPPED = ("all-gather", "reduce-scatter")
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
     across_s: float = 0.0  # the part of comm_s spent on links across hosts
+    hidden_s: float = 0.0  # the part of comm_s run under compute
 
     @property
     def fits(self) -> bool:
@@ -96,7 +102,7 @@ class Estimate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s - self.hidden_s
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config, "command": train_command(self.config),
@@ -106,6 +112,7 @@ class Estimate:
                 "collectives": self.compiled.collectives, "bubble": self.bubble,
                 "flops_per_device": self.flops_per_device, "compute_s": self.compute_s,
                 "comm_s": self.comm_s, "across_hosts_s": self.across_s,
+                "hidden_s": self.hidden_s,
                 "step_s": self.step_s, "device": self.device.name,
                 "hardware": dataclasses.asdict(self.device),
                 "compile_s": self.compiled.compile_s}
@@ -132,7 +139,7 @@ class Estimate:
             f"estimated step time on {self.device.name}: {seconds(self.step_s)} = compute "
             f"{seconds(self.compute_s)} ({self.flops_per_device:.3g} FLOPs per device) + "
             f"communication {seconds(self.comm_s)} ({seconds(self.across_s)} of it across "
-            "hosts)",
+            f"hosts) - {seconds(self.hidden_s)} of it hidden under compute",
             f"train it: {train_command(self.config)}",
         ]
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
@@ -146,8 +153,10 @@ def assumptions(device: DeviceSpec, hbm_bytes: float) -> str:
             f"{_human(d.reserved_bytes)} of it reserved outside the program; "
             f"{d.devices_per_host} devices per host; links {d.link_bytes_per_s / 1e9:.0f} GB/s "
             f"within a host and {d.host_link_bytes_per_s / 1e9:.1f} GB/s across hosts per "
-            f"device, x {d.link_fraction:.2f} achievable; no overlap of compute and "
-            f"communication; {memory_source()}")
+            f"device, x {d.link_fraction:.2f} achievable, + {d.collective_latency_s * 1e6:.0f} µs "
+            f"per collective; {d.comm_overlap:.0%} of the all-gathers' and reduce-scatters' "
+            f"time hidden under compute (at most the compute time), no other overlap; "
+            f"{memory_source()}")
 
 
 def across_bytes(ops: list[Any], devices: int) -> dict[str, int]:
@@ -165,7 +174,11 @@ def across_bytes(ops: list[Any], devices: int) -> dict[str, int]:
 
 
 def comm_seconds(compiled: Compiled, device: DeviceSpec) -> tuple[float, float]:
-    """``(total, across hosts)`` seconds of a compiled step's collectives on ``device``."""
+    """``(total, across hosts)`` seconds of a compiled step's collectives on ``device``: their
+    bytes over the bandwidth of their tier, plus ``device.collective_latency_s`` for each
+    collective executed (a pipeline's per-iteration send and TP's per-layer all-reduces are
+    many small ones)."""
+    latency = sum(v["count"] for v in compiled.collectives.values()) * device.collective_latency_s
     moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
                 for k, v in compiled.collectives.items())
     per_host = device.devices_per_host
@@ -174,8 +187,22 @@ def comm_seconds(compiled: Compiled, device: DeviceSpec) -> tuple[float, float]:
     else:
         across = compiled.across.get(str(per_host), moved)
     across_s = across / (device.host_link_bytes_per_s * device.link_fraction)
-    return (moved - across) / (device.link_bytes_per_s * device.link_fraction) + across_s, \
-        across_s
+    within_s = (moved - across) / (device.link_bytes_per_s * device.link_fraction)
+    return within_s + across_s + latency, across_s
+
+
+def hidden_seconds(compiled: Compiled, device: DeviceSpec, compute_s: float) -> float:
+    """Seconds of a compiled step's communication run under its ``compute_s``: the
+    ``device.comm_overlap`` fraction of the all-gathers' and reduce-scatters' share of the
+    bandwidth time, at most ``compute_s``."""
+    moved = sum(v["bytes"] * (2 if k == "all-reduce" else 1)
+                for k, v in compiled.collectives.items())
+    if not moved:
+        return 0.0
+    latency = sum(v["count"] for v in compiled.collectives.values()) * device.collective_latency_s
+    share = sum(compiled.collectives.get(k, {"bytes": 0})["bytes"] for k in OVERLAPPED) / moved
+    return min(compute_s, device.comm_overlap * share * (comm_seconds(compiled, device)[0]
+                                                          - latency))
 
 
 def seconds(s: float) -> str:
@@ -279,7 +306,7 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
         config={k: getattr(config, k) for k in STEP_FIELDS}, compiled=compiled, device=device,
         hbm_bytes=hbm_bytes if hbm_bytes is not None else device.hbm_bytes, bubble=bubble,
         flops_per_device=flops, compute_s=compute_s, comm_s=comm_s, notes=notes,
-        across_s=across_s)
+        across_s=across_s, hidden_s=hidden_seconds(compiled, device, compute_s))
 
 
 def plan_config(config: TrainConfig, device: DeviceSpec,

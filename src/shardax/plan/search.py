@@ -210,10 +210,12 @@ def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[flo
     if sizes["pp"] > 1:  # each microbatch's activations cross each stage boundary twice
         comm["pp"] += 2 * rows * config.seq_len / sizes["cp"] * c.dim * act
     spans = axes_across_hosts(config.mesh, device.devices_per_host)
-    comm_s = sum(b / ((device.host_link_bytes_per_s if a in spans else device.link_bytes_per_s)
-                      * device.link_fraction) for a, b in comm.items())
-    step = flops / (device.peak_flops * device.flops_fraction) / (1 - bubble) + comm_s
-    return state, step
+    axis_s = {a: b / ((device.host_link_bytes_per_s if a in spans else device.link_bytes_per_s)
+                      * device.link_fraction) for a, b in comm.items()}
+    compute_s = flops / (device.peak_flops * device.flops_fraction) / (1 - bubble)
+    # FSDP's gathers and gradient reduce-scatters run under compute (`estimate.hidden_seconds`).
+    hidden = min(compute_s, device.comm_overlap * axis_s["fsdp"])
+    return state, compute_s + sum(axis_s.values()) - hidden
 
 
 def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],

@@ -261,6 +261,11 @@ class PlanConfig:
     """fraction of peak FLOP/s a step achieves (0: the target's, or --calibrate's fit)"""
     link_fraction: float = 0.0
     """fraction of link bandwidth a collective achieves (0: the target's)"""
+    collective_latency_us: float = 0.0
+    """fixed cost of one collective in microseconds, whatever its size (0: the target's)"""
+    comm_overlap: float = -1.0
+    """fraction of the all-gathers' and reduce-scatters' time (FSDP's) hidden under compute;
+    0: none (-1: the target's)"""
     search: bool = False
     """search meshes, remat, scan and microbatching for the fastest layout that fits (model,
     batch, sequence, precision and optimizer stay)"""
@@ -525,6 +530,12 @@ def check_plan(config: PlanConfig) -> PlanConfig:
         value = getattr(config, name)
         _usage(math.isfinite(value) and 0 <= value <= 1,
                f"{flag(name)} {value}: must be a fraction in (0, 1] (0: the target's)")
+    _usage(math.isfinite(config.collective_latency_us) and config.collective_latency_us >= 0,
+           f"--collective-latency-us {config.collective_latency_us}: must be a finite number "
+           ">= 0 (0: the target's)")
+    _usage(config.comm_overlap == -1 or 0 <= config.comm_overlap <= 1,
+           f"--comm-overlap {config.comm_overlap}: must be a fraction in [0, 1] (-1: the "
+           "target's)")
     _usage(config.devices_per_host >= 0,
            f"--devices-per-host {config.devices_per_host}: must be >= 1 (0: the target's)")
     _usage(math.isfinite(config.time_budget) and config.time_budget > 0,
