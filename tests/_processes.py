@@ -42,3 +42,12 @@ def wait_for_line(stream, pattern: str, proc: subprocess.Popen, seconds: float) 
         if re.search(pattern, line):
             return line
     raise AssertionError(f"no {pattern!r} within {seconds} s")
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, command: str, needle: str) -> None:
+    """The CLI's contract for bad input: exit status 2 and one line on stderr,
+    ``shardax COMMAND: error: ...``, naming ``needle``."""
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"shardax {command}: error: "), proc.stderr
+    assert needle in lines[0], lines[0]

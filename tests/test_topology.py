@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _processes import assert_one_line_error
 
 from shardax.plan.topology import topology_name
 from shardax.train.config import UsageError
@@ -34,10 +35,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
 ])
 def test_a_topology_shardax_cannot_compile_for_is_one_line_and_exit_code_2(args, needle):
     proc = _plan(*args)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shardax plan: error: "), proc.stderr
-    assert needle in lines[0]
+    assert_one_line_error(proc, "plan", needle)
 
 
 def test_topology_names():

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _processes import assert_one_line_error
 from jax.sharding import PartitionSpec as P
 
 from shardax import FSDPShardingRule, LogicalAxisRules, TreePathShardingRule
@@ -137,10 +138,7 @@ def test_rule_conflicts_are_found():
 ])
 def test_bad_verify_input_is_one_line_and_exit_code_2(args, needle):
     proc = _cli(*args)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shardax verify: error: "), proc.stderr
-    assert needle in lines[0]
+    assert_one_line_error(proc, "verify", needle)
 
 
 def test_rules_naming_an_axis_no_layout_has_are_a_usage_error():
