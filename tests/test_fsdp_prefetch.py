@@ -1,7 +1,8 @@
-"""Explicit FSDP's prefetched layer loop (`shardax.parallel.fsdp.loop_layers`, full remat):
-the compiled program gathers layer i + 1 before layer i computes (forward) and re-gathers
-layer i - 1 before layer i's backward, and the loss and gradients equal one device, as do
-5 SGD steps of the llama train step with list layers and ``remat='full'``.
+"""Explicit FSDP's prefetched layer loop (`shardax.parallel.fsdp.loop_layers(prefetch=True)`,
+full remat): the compiled program gathers layer i + 1 before layer i computes (forward) and
+re-gathers layer i - 1 before layer i's backward, and the loss and gradients equal one device;
+5 SGD steps of the llama train step with list layers and ``remat='full'`` (the CLI's path,
+which does not prefetch) equal one device too.
 
 The layers have different widths, so the shapes in the compiled HLO name the layer of each
 all-gather and of each dot; the scheduled HLO lists the entry computation in execution order.
@@ -74,7 +75,7 @@ def _loss(gather, params, tokens, targets):
     scale = jnp.arange(S, dtype=jnp.float32) / S  # a traced value the layers close over
     x = fsdp.loop_layers(
         gather, lambda p, h: h + jnp.tanh(h @ p["w1"] + p["b"]) @ p["w2"] * scale[:, None],
-        params["layers"], table[tokens])
+        params["layers"], table[tokens], prefetch=True)
     logits = x @ table.T
     picked = jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits, -1) - picked)
@@ -138,9 +139,10 @@ def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():
                          optimizer="sgd")
 
 
-def test_banner_states_the_prefetch_and_its_memory():
+def test_banner_states_what_the_cli_runs():
     run = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8, remat="full")))
-    assert "the next layer's gather prefetched: one more gathered layer live" in \
+    assert "forward recomputed in the backward pass (each layer re-gathered)" in \
         run.fsdp_summary(), run.fsdp_summary()
+    assert "prefetched" not in run.fsdp_summary()  # the CLI does not prefetch
     kept = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8))).fsdp_summary()
     assert "prefetched" not in kept and "kept from forward to backward" in kept, kept

@@ -265,11 +265,7 @@ class Resolved:
     def fsdp_summary(self) -> str:
         """One line for the train plan: which FSDP mode is active."""
         if self.fsdp_mode == "explicit":
-            prefetch = (not self.model_config.scan_layers and self.model_config.n_layers > 1
-                        and self.config.remat in ("none", "full"))
-            kept = ("forward recomputed in the backward pass (each layer re-gathered"
-                    + ("; the next layer's gather prefetched: one more gathered layer live)"
-                       if prefetch else ")")
+            kept = ("forward recomputed in the backward pass (each layer re-gathered)"
                     if self.fsdp_recompute else
                     "gathered layers kept from forward to backward, no recomputed forward")
             return ("fsdp: explicit (ZeRO-3: each layer gathered in the compute dtype right "
