@@ -162,6 +162,14 @@ def render(r: dict[str, Any]) -> str:
         lines += ["", f"Same compiled program in {', '.join(same)}: there the tokens/s ratio "
                   "differs from 1 by dispatch (tens of µs a step, section 3) and the machine's "
                   "noise only."]
+    slow = [f"{row['mesh']} remat {row['remat']}" for row in r["layouts"]
+            if not row.get("same_program") and row["tokens_ratio"] < STEP_GOAL]
+    if slow:
+        lines += ["", f"Below the tokens/s goal: {', '.join(slow)}. There the CLI runs explicit "
+                  "FSDP (`--fsdp-mode auto`) and the hand-written `jax.jit` the partitioner's "
+                  "FSDP: two programs. On this CPU explicit's step is slower by about section "
+                  "7's paired ratio (step time explicit / XLA FSDP), the price of its written-out "
+                  "per-layer collectives; `--fsdp-mode xla` runs jax.jit's program."]
     loads = [x for row in r["layouts"] for x in row.get("load", [])]
     if loads:
         lines += ["", f"1-minute load average before and after the rounds: {min(loads):.1f}–"
