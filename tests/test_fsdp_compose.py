@@ -137,14 +137,26 @@ def test_recompute_choice_and_banner():
     assert not fsdp_recompute(TrainConfig(), {}, c, Policy(), 4 * full)[0]
     assert fsdp_recompute(TrainConfig(), {}, c, Policy(), 2 * full)[0]
     assert not fsdp_recompute(TrainConfig(), {"tp": 2}, c, Policy(), 2 * full)[0]  # tp shards
-    line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8))).fsdp_summary()
-    assert "fsdp: explicit" in line and "kept from forward to backward" in line, line
-    assert "why: auto: explicit applies" in line, line
-    line = resolve(check(TrainConfig(mesh="fsdp=4,cp=2", batch_size=8))).fsdp_summary()
-    assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
-    line = resolve(check(TrainConfig(mesh="fsdp=4,ep=2", model="llama-moe-tiny",
-                                     batch_size=8))).fsdp_summary()
-    assert line.startswith("fsdp: explicit") and "auto: explicit applies" in line, line
+    # auto: xla where explicit would keep its gathered layers (the same memory, a faster step)
+    for mesh, model in (("fsdp=8", "llama-tiny"), ("fsdp=4,cp=2", "llama-tiny"),
+                        ("fsdp=4,ep=2", "llama-moe-tiny")):
+        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8))).fsdp_summary()
+        assert line.startswith("fsdp: xla") and "auto: xla holds what explicit would" in line, \
+            line
+        # explicit where it holds less: re-gathering (remat) or a sharded grad accumulator
+        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8,
+                                         remat="full"))).fsdp_summary()
+        assert line.startswith("fsdp: explicit") and "auto: explicit re-gathers" in line, line
+        assert "forward recomputed" in line, line
+        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=16,
+                                         grad_accum=2))).fsdp_summary()
+        assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, \
+            line
+        assert "auto: explicit reduce-scatters each microbatch's gradient" in line, line
+    line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8,
+                                     fsdp_mode="explicit"))).fsdp_summary()
+    assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, line
+    assert "why: --fsdp-mode explicit; no --remat" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8))).fsdp_summary()
     assert line.startswith("fsdp: xla") and "auto: xla is faster with a 'pp' axis" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8,

@@ -144,5 +144,6 @@ def test_banner_states_what_the_cli_runs():
     assert "forward recomputed in the backward pass (each layer re-gathered)" in \
         run.fsdp_summary(), run.fsdp_summary()
     assert "prefetched" not in run.fsdp_summary()  # the CLI does not prefetch
-    kept = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8))).fsdp_summary()
+    kept = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8,
+                                     fsdp_mode="explicit"))).fsdp_summary()
     assert "prefetched" not in kept and "kept from forward to backward" in kept, kept

@@ -254,11 +254,12 @@ def small_disk(tmp_path):
 def _fill(disk: Path, leave: int) -> Path:
     """Fills ``disk`` up to ``leave`` bytes free (another job's files, say)."""
     filler = disk / "filler"
-    with open(filler, "wb") as f:
+    # Unbuffered: a buffered file keeps the bytes a full disk refused and raises ENOSPC again
+    # when it is closed.
+    with open(filler, "wb", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 65536)
-                f.flush()
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
     os.truncate(filler, filler.stat().st_size - leave)

@@ -276,19 +276,20 @@ def moe_mlp(
     """
     batch_axes = tuple(batch_axes)
     ep, shards, inside = _token_shards(mesh, axis, batch_axes)
-    if inside:  # x is this device's tokens, its groups its own
+    if inside:  # x is this device's tokens, its groups its own, w_* its experts
         num_groups = 1 if num_groups is None else num_groups
         where = f"manual mesh axis {axis!r} of size {ep} (called inside a shard_map over it)"
-        _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, 1,
-               num_groups, expert_shards=ep)
-        num_groups *= shards  # the groups of all devices' tokens, as outside
+        token_shards, expert_shards = 1, ep
     else:
         num_groups = shards if num_groups is None else num_groups
         where = f"mesh axis {axis!r} of size {ep}" + (
             f" x batch_axes {batch_axes} ({shards} token shards)" if shards != ep else ""
         )
-        _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, shards,
-               num_groups)
+        token_shards, expert_shards = shards, 1
+    _check(x, router_w, w_in, w_gate, w_out, top_k, capacity_factor, where, ep, token_shards,
+           num_groups, expert_shards)
+    if inside:
+        num_groups *= shards  # the groups of all devices' tokens, as outside
     d = x.shape[-1]
     num_tokens = math.prod(x.shape[:-1]) * (shards if inside else 1)
     group_tokens = num_tokens // num_groups

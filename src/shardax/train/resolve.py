@@ -128,16 +128,47 @@ def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: 
     return model_config, rules
 
 
-def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any) -> str:
-    """The FSDP mode a run uses, ``'explicit'`` or ``'xla'`` (``--fsdp-mode auto``: explicit
-    where it applies); UsageError (one line naming the combination) when explicit is asked for
-    where it cannot run."""
+def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any,
+              policy: Policy, memory_bytes: int | None) -> tuple[str, bool, str]:
+    """``(mode, recompute, why)``: the FSDP mode a run uses (``'explicit'`` or ``'xla'``),
+    whether explicit FSDP re-gathers each layer and recomputes its forward in the backward pass
+    (`fsdp_recompute`), and why, for the banner. UsageError (one line naming the combination)
+    when explicit is asked for where it cannot run.
+
+    ``--fsdp-mode auto`` takes the faster mode at the memory that fits: where explicit would
+    keep its gathered layers from forward to backward (no ``--remat``, they fit, no
+    ``--grad-accum``) it holds what the partitioner's FSDP holds (llama-small on fsdp=8: 243.9
+    MiB of temporaries each), and the partitioner's step is faster (explicit / xla about 1.06 on
+    8 CPU devices, ``benchmarks/cli_step.py``): xla. Where explicit re-gathers (``--remat``, or
+    the gathered layers would not fit) or reduce-scatters microbatch gradients into a sharded
+    accumulator, it holds less (113.9 against 203.0 MiB with ``--remat full``; 242.4 against
+    302.2 with ``--grad-accum 2``): explicit.
+
+    >>> fsdp_mode(TrainConfig(mesh="fsdp=8", remat="full"), {"fsdp": 8},
+    ...           models.CONFIGS["llama-tiny"], Policy(), None)[:2]
+    ('explicit', True)
+    """
     blockers = _explicit_blockers(config, mesh_shape, model_config)
     if config.fsdp_mode == "explicit" and blockers:
         raise UsageError(f"--fsdp-mode explicit does not run with {blockers[0]}; "
                          "use --fsdp-mode xla")
-    auto_xla = config.fsdp_mode == "auto" and _auto_prefers_xla(mesh_shape)
-    return "xla" if config.fsdp_mode == "xla" or blockers or auto_xla else "explicit"
+    if config.fsdp_mode == "xla":
+        return "xla", True, "--fsdp-mode xla"
+    if config.fsdp_mode == "auto" and blockers:
+        return "xla", True, f"auto: explicit does not run with {blockers[0]}"
+    prefers_xla = _auto_prefers_xla(mesh_shape)
+    if config.fsdp_mode == "auto" and prefers_xla:
+        return "xla", True, f"auto: xla is faster with {prefers_xla}"
+    recompute, keep_why = fsdp_recompute(config, mesh_shape, model_config, policy, memory_bytes)
+    if config.fsdp_mode == "explicit":
+        return "explicit", recompute, f"--fsdp-mode explicit; {keep_why}"
+    if not recompute and config.grad_accum == 1:
+        return "xla", True, (f"auto: xla holds what explicit would here ({keep_why}; the "
+                             "partitioner keeps them too) and its step is faster")
+    saves = ("re-gathers each layer" if recompute else
+             "reduce-scatters each microbatch's gradient into a sharded accumulator")
+    return "explicit", recompute, (f"auto: explicit {saves}, less memory than the "
+                                   f"partitioner's FSDP; {keep_why}")
 
 
 def _auto_prefers_xla(mesh_shape: dict[str, int]) -> str | None:
@@ -337,18 +368,8 @@ def resolve(config: TrainConfig) -> Resolved:
                                         model_config(config, policy, init_dir))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    mode = fsdp_mode(config, mesh.shape, model)  # UsageError if it cannot run
-    recompute, why = True, f"--fsdp-mode {config.fsdp_mode}"
-    if config.fsdp_mode == "auto":
-        blockers = _explicit_blockers(config, mesh.shape, model)
-        prefers_xla = _auto_prefers_xla(mesh.shape)
-        why = (f"auto: explicit does not run with {blockers[0]}" if blockers else
-               f"auto: xla is faster with {prefers_xla}" if prefers_xla else
-               "auto: explicit applies (llama, 'fsdp' axis, no 'tp')")
-    if mode == "explicit":
-        recompute, keep_why = fsdp_recompute(config, mesh.shape, model, policy,
-                                             _device_memory())
-        why += f"; {keep_why}"
+    mode, recompute, why = fsdp_mode(config, mesh.shape, model, policy,
+                                     _device_memory())  # UsageError if it cannot run
     rules = LogicalAxisRules(rule_list)
     spec = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())

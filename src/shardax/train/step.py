@@ -313,10 +313,10 @@ def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rul
                                     x, **keep)
 
         kwargs = dict(zip(names, extras), load_balanced=load_balanced)
+        layer_stack = dict(layer_gather=gather) if piped else dict(stack=stack)
         return model.training_loss(inputs, targets, cast=policy.cast_to_output,
-                                   stack=None if piped else stack,
-                                   layer_gather=gather if piped else None,
-                                   lookup=lookup if untied else None, **kwargs)[0]
+                                   lookup=lookup if untied else None, **layer_stack,
+                                   **kwargs)[0]
 
     # Positions, segments and the load-balanced order are computed on the whole sequence,
     # outside the region: with 'cp' it splits the sequence, and RoPE and ring attention need
