@@ -178,6 +178,8 @@ def test_cli_trains_on_chat_data(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "chat data: 4 conversations packed into" in r.stdout
     assert "longer than --seq-len truncated" in r.stdout
+    assert "; pack: conversations (whole, into rows;" in r.stdout  # not end-of-text documents
+    assert "loss on the assistant tokens)" in r.stdout
     losses = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses and all(np.isfinite(m["loss"]) for m in losses if "loss" in m)
     r = _shardax("export", "--out", str(out), "--to", str(tmp_path / "x"), "--adapter-only")

@@ -36,8 +36,8 @@ def tuned(tmp_path_factory):
     common = ("--data", data, "--mesh", "fsdp=4,tp=2", "--batch-size", 8, "--seq-len", 32,
               "--eval-every", 0, "--ckpt-every", 1, "--out", run, "--devices", 8)
     first = ok(shardax("train", "--init-from", f"hf:{base}", "--steps", 2, *common))
-    again = ok(shardax("train", "--init-from", f"hf:{base}", "--steps", 3, "--resume",
-                       *common))
+    again = ok(shardax("train", "--init-from", f"hf:{base}", "--steps", 3, "--lr", "1e-5",
+                       "--resume", *common))  # the schedule may change on resume
     ok(shardax("export", "--out", run, "--to", exp))
     return base, run, exp, first.stdout, again.stdout
 
@@ -60,6 +60,10 @@ def test_a_resumed_run_says_from_which_step_and_checkpoint(tuned):
     assert "resumed from" not in first
     assert f"shardax train: resumed from step 2 (checkpoint {run / 'checkpoints' / '2'})" \
         in again, again
+    # a lower --lr (what a non-finite loss's message advises) and a cosine that now ends at
+    # step 3, not 2: the run says what its lr becomes
+    assert "shardax train: --lr 1e-05 (was 2e-05), --steps 3 (was 2) changes the " \
+        "learning-rate schedule: the lr at step 2 is " in again, again
 
 
 def test_export_writes_the_tokenizer_and_its_special_ids(tuned):

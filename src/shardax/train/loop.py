@@ -34,6 +34,7 @@ from shardax import _compat
 from shardax.devices import device_spec
 from shardax.distributed import RESTART_ENV
 from shardax.train import build, report
+from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
@@ -47,7 +48,7 @@ from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
 from shardax.train.nonfinite import NonFinite, NonFiniteWatch
 from shardax.train.profiler import StepProfiler, parse_profile_steps
-from shardax.train.resolve import Resolved, resolve
+from shardax.train.resolve import Resolved, resolve, schedule_change
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
 from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
@@ -132,6 +133,9 @@ def _initial_state(p: Prepared, state_shape: Any, shardings: Any
         if jax.process_index() == 0:
             print(f"shardax train: resumed from step {start} (checkpoint "
                   f"{p.run_dir.checkpoints / str(start)})", flush=True)
+            stretched = schedule_change(p.run_dir.saved, run.config, start)
+            if stretched:
+                print(f"shardax train: {stretched}", flush=True)
         if start == run.config.steps:
             return start, None
         if jax.process_index() == 0:
@@ -195,7 +199,7 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
         print(f"lora: rank {lora.rank}, alpha {lora.alpha:g} on --lora-targets "
               f"{lora.targets!r}: {n_params:,} trainable parameters; {frozen:,} frozen (no "
               "gradient, no optimizer state)")
-    print(run.attention_summary())
+    print(run.attention_summary(chat=isinstance(p.inputs.train, ChatBatches)))
     if run.mesh.shape.get("fsdp", 1) > 1:
         print(run.fsdp_summary())
     if run.mesh.shape.get("pp", 1) > 1:

@@ -36,7 +36,8 @@ from shardax.rules import HostOffloadRule, LogicalAxisRules
 from shardax.train.config import DEFAULT_LR, TrainConfig, UsageError, flag, hf_dir
 from shardax.train.step import TrainState, make_optimizer, make_schedule
 
-__all__ = ["Resolved", "fsdp_mode", "make_mesh", "model_config", "optimizer", "resolve"]
+__all__ = ["SCHEDULE_FIELDS", "Resolved", "fsdp_mode", "make_mesh", "model_config",
+           "optimizer", "resolve", "schedule_change"]
 
 
 def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
@@ -60,6 +61,28 @@ def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.
                            clip_grad_norm=config.clip_grad_norm),
             make_schedule(config.optimizer, lr, config.steps, warmup=warmup,
                           min_lr_ratio=min_lr_ratio))
+
+
+SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "min_lr_ratio")
+
+
+def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str | None:
+    """What a resumed run's new schedule flags (`SCHEDULE_FIELDS`) do to its learning rate at
+    ``step``, for the resume message (None: the lr there is unchanged).
+
+    >>> print(schedule_change(TrainConfig(steps=100, lr=1e-3), TrainConfig(steps=200, lr=1e-3),
+    ...                       100))  # doctest: +NORMALIZE_WHITESPACE
+    --steps 200 (was 100) changes the learning-rate schedule: the lr at step 100 is 0.000587
+    (was 0.0001)
+    """
+    changed = [k for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(config, k)]
+    old, new = (float(optimizer(c)[1](step)) for c in (saved, config))
+    if not changed or old == new:
+        return None
+    flags = ", ".join(f"{flag(k)} {getattr(config, k)} (was {getattr(saved, k)})"
+                      for k in changed)
+    return (f"{flags} changes the learning-rate schedule: the lr at step {step} is {new:.3g} "
+            f"(was {old:.3g})")
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
@@ -306,18 +329,21 @@ class Resolved:
                     + f"); {kept}; why: {self.fsdp_why}")
         return (f"fsdp: xla (the partitioner, from the shardings); why: {self.fsdp_why}")
 
-    def attention_summary(self) -> str:
+    def attention_summary(self, chat: bool = False) -> str:
         """One line for the train banner: the attention implementation that runs (``auto``
-        resolved for this backend, dtype and sequence length) and how documents are packed."""
+        resolved for this backend, dtype and sequence length) and how documents are packed
+        (``chat``: conversations packed whole, whatever ``--pack`` says)."""
         c, config = self.model_config, self.config
         q = jax.ShapeDtypeStruct((1, config.seq_len, c.n_heads, c.dim // c.n_heads), c.dtype)
-        packed = config.pack == "documents"
+        packed = chat or config.pack == "documents"
         impl = resolve_implementation(c.attention, q, q, custom_mask=packed)
         if self.mesh.shape.get("cp", 1) > 1:
             impl = f"ring attention over 'cp' (blockwise steps; --attention {c.attention})"
         elif impl != c.attention:
             impl += f" (--attention {c.attention})"
-        pack = ("documents (attention and RoPE positions restart at each end-of-text, no loss "
+        pack = (f"conversations (whole, into rows; attention and RoPE positions restart at "
+                f"each one; loss on the {config.loss_on} tokens)" if chat else
+                "documents (attention and RoPE positions restart at each end-of-text, no loss "
                 "across it)" if packed else "concat (one stream)")
         return f"attention: {impl}; pack: {pack}"
 

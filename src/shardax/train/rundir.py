@@ -42,9 +42,12 @@ SET_ASIDE_DIR = "checkpoints-set-aside"
 PROFILE_DIR = "profile"
 #: Settings a resumed run must share with the run it continues (the mesh and the split of
 #: the global batch into ``grad_accum`` microbatches may change, and ``steps`` may grow).
+# The learning-rate schedule (--lr, --steps, --warmup-steps, --min-lr-ratio) may change: a
+# lower --lr after a divergence, more --steps; the resumed run says what its lr becomes
+# (`resolve.schedule_change`).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
-                   "lr", "precision", "tokenizer", "text_field", "token_dtype", "scan_layers",
-                   "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets")
+                   "precision", "tokenizer", "text_field", "token_dtype", "scan_layers", "pack",
+                   "loss_on", "lora_rank", "lora_alpha", "lora_targets")
 
 
 @dataclass
