@@ -195,7 +195,8 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
 
 
 def _auto_prefers_xla(mesh_shape: dict[str, int]) -> str | None:
-    """Why ``--fsdp-mode auto`` picks xla where explicit could run (None: it picks explicit).
+    """Why ``--fsdp-mode auto`` picks xla on this mesh whatever the memory (None: the memory
+    decides, `fsdp_mode`).
     With a 'tp' axis explicit FSDP moves the TP-split parameters over 'fsdp' in rings of
     collective-permutes (XLA would gather them over 'tp' too); measured on 8 emulated CPU
     devices at fsdp=4,tp=2 at 0.48-0.58x the tokens/s of the partitioner's FSDP. With a 'pp'
