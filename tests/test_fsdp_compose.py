@@ -153,6 +153,11 @@ def test_recompute_choice_and_banner():
         assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, \
             line
         assert "auto: explicit reduce-scatters each microbatch's gradient" in line, line
+    # where the gathered layers would not fit, explicit re-gathers them (the memory decides)
+    line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8)),
+                   device_memory=2 * full).fsdp_summary()
+    assert line.startswith("fsdp: explicit") and "forward recomputed" in line, line
+    assert "exceed 25% of device memory" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8,
                                      fsdp_mode="explicit"))).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, line

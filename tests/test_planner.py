@@ -20,13 +20,14 @@ import pytest
 from _processes import assert_one_line_error
 from _reference import TINY_TRAIN
 
+from shardax import models
 from shardax.cli import main
 from shardax.devices import device_spec
 from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
 from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
-from shardax.plan.estimate import across_bytes, comm_seconds, train_command
+from shardax.plan.estimate import across_bytes, comm_seconds, train_command, usable_bytes
 from shardax.plan.search import axes_across_hosts
 from shardax.train.config import TrainConfig, UsageError, check
 from shardax.train.resolve import resolve
@@ -90,6 +91,19 @@ def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, mo
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["memory"] == real["memory"] and saved["fits"] is False
     assert saved["hidden_s"] == 0 and saved["step_s"] == saved["compute_s"] + saved["comm_s"]
+
+
+def test_the_fsdp_mode_is_weighed_against_the_targets_memory():
+    """`shardax plan` resolves `--fsdp-mode auto` against its target's memory, as `shardax
+    train` does against the device's own: the gathered layers kept where they fit in a quarter
+    (then the partitioner's FSDP holds as much and runs faster), re-gathered where not."""
+    config = check(TrainConfig(**TINY, mesh="fsdp=8"))
+    gathered = models.param_count(models.CONFIGS["llama-tiny"]) * 4  # float32
+    tight = resolve(config, usable_bytes(BARE, 2 * gathered))
+    roomy = resolve(config, usable_bytes(BARE, 8 * gathered))
+    assert (tight.fsdp_mode, tight.fsdp_recompute) == ("explicit", True), tight.fsdp_why
+    assert "exceed 25% of device memory" in tight.fsdp_summary()
+    assert roomy.fsdp_mode == "xla" and "fit in 25% of device memory" in roomy.fsdp_why
 
 
 def test_search_returns_only_fitting_layouts(tmp_path):

@@ -16,7 +16,13 @@ import jax
 
 from shardax.devices import DeviceSpec, device_spec
 from shardax.plan.calibrate import calibrate
-from shardax.plan.estimate import assumptions, plan_config, seconds, train_command
+from shardax.plan.estimate import (
+    assumptions,
+    plan_config,
+    seconds,
+    train_command,
+    usable_bytes,
+)
 from shardax.plan.search import DEFAULT_CACHE, search
 from shardax.train.config import PlanConfig, TrainConfig, UsageError
 from shardax.train.resolve import resolve
@@ -131,7 +137,7 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
     else:
         est = plan_config(config, device, hbm)
         print(est.summary())
-        run = resolve(config)
+        run = resolve(config, usable_bytes(device, hbm))
         if run.mesh.shape.get("fsdp", 1) > 1:  # the FSDP mode, its recompute, and why
             print(run.fsdp_summary())
         payload = est.to_dict()

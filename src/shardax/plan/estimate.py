@@ -43,7 +43,7 @@ from shardax.train.resolve import Resolved, resolve
 
 __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",
            "compile_config", "estimate", "hidden_seconds", "plan_config", "remat_factor",
-           "seconds", "train_command", "work_split"]
+           "seconds", "train_command", "usable_bytes", "work_split"]
 
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
@@ -309,12 +309,19 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
         across_s=across_s, hidden_s=hidden_seconds(compiled, device, compute_s))
 
 
+def usable_bytes(device: DeviceSpec, hbm_bytes: float | None = None) -> float:
+    """What one device of the target may allocate: ``hbm_bytes`` (default: the device's
+    memory) less what its runtime reserves. `resolve` weighs the FSDP mode against it, as
+    ``shardax train`` does against the device's own limit."""
+    return (device.hbm_bytes if hbm_bytes is None else hbm_bytes) - device.reserved_bytes
+
+
 def plan_config(config: TrainConfig, device: DeviceSpec,
                 hbm_bytes: float | None = None) -> Estimate:
     """Compile a checked ``config`` abstractly and estimate it on ``device`` (``hbm_bytes``
     defaults to the device's memory); a ``UsageError`` for a configuration the devices cannot
     run."""
-    run = resolve(config)
+    run = resolve(config, usable_bytes(device, hbm_bytes))
     return estimate(run, compile_config(run), device, hbm_bytes)
 
 

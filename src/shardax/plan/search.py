@@ -50,6 +50,7 @@ from shardax.plan.estimate import (
     Estimate,
     estimate,
     remat_factor,
+    usable_bytes,
 )
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.mfu import flops_per_token
@@ -252,9 +253,12 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
     return per_layer * c.n_layers / pp * in_flight + logits
 
 
-def _key(config: TrainConfig, devices: int) -> str:
+def _key(config: TrainConfig, devices: int, run: Resolved) -> str:
+    """The cache entry of a compiled layout: its step fields and the FSDP mode and recompute
+    its target's memory chose (`resolve`)."""
     text = json.dumps({"config": {k: getattr(config, k) for k in STEP_FIELDS},
-                       "devices": devices, "jax": jax.__version__, "format": 2,
+                       "fsdp": [run.fsdp_mode, run.fsdp_recompute],
+                       "devices": devices, "jax": jax.__version__, "format": 3,
                        "backend": os.environ.get(topology.ENV) or jax.default_backend()},
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -304,13 +308,13 @@ class _Workers:
     def free(self) -> bool:
         return len(self.running) < self.jobs
 
-    def submit(self, config: TrainConfig) -> None:
+    def submit(self, config: TrainConfig, memory: float) -> None:
         self.n += 1
         out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
         fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
         with open(err, "w") as stderr:
-            proc = subprocess.Popen([*WORKER, fields, str(out)], stdout=subprocess.DEVNULL,
-                                    stderr=stderr)
+            proc = subprocess.Popen([*WORKER, fields, str(out), repr(memory)],
+                                    stdout=subprocess.DEVNULL, stderr=stderr)
         self.running.append((proc, config, out, err))
 
     def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
@@ -351,7 +355,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     the limit are no longer compiled."""
     start = time.perf_counter()
     hbm = hbm_bytes if hbm_bytes is not None else device.hbm_bytes
-    usable = hbm - device.reserved_bytes
+    usable = usable_bytes(device, hbm)
     devices = jax.device_count()
     every = candidates(base, devices, devices_per_host=device.devices_per_host,
                        pipeline=pipeline)
@@ -403,21 +407,23 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                     calibrated += 1
                     continue
                 try:
-                    resolved[id(config)] = resolve(config)  # what `shardax train` checks
+                    # what `shardax train` checks and runs on the target
+                    resolved[id(config)] = resolve(config, usable)
                 except UsageError:
                     continue
                 analytic_memory[id(config)] = memory
                 launched += 1
-                hit = _load(cache, _key(config, devices))
+                hit = _load(cache, _key(config, devices, resolved[id(config)]))
                 if hit is not None:
                     cached += 1
                     take(config, hit)
                 else:
-                    workers.submit(config)
+                    workers.submit(config, usable)
             if not workers.running:
                 break
             for config, fields, error in workers.finished():
-                _collect(config, fields, error, take, failed, cache, devices)
+                _collect(config, fields, error, take, failed, cache,
+                         _key(config, devices, resolved[id(config)]))
             if time.perf_counter() - start > budget_s:
                 skipped = workers.stop()
                 break
@@ -456,11 +462,11 @@ def _rank(est: Estimate) -> tuple[float, int, float]:
 
 
 def _collect(config: TrainConfig, fields: dict | None, error: str, take: Any,
-             failed: list, cache: Path | None, devices: int) -> None:
+             failed: list, cache: Path | None, key: str) -> None:
     if fields is None:
         failed.append(f"{config.mesh} remat={config.remat} grad_accum={config.grad_accum}: "
                       f"{error}")
         return
     compiled = Compiled(**fields)
-    _store(cache, _key(config, devices), compiled)
+    _store(cache, key, compiled)
     take(config, compiled)

@@ -382,11 +382,13 @@ def _bubble(mesh_shape: dict[str, int], model_config: Any) -> float:
     return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
 
 
-def resolve(config: TrainConfig) -> Resolved:
+def resolve(config: TrainConfig, device_memory: float | None = None) -> Resolved:
     """The run a checked config asks for on this machine's devices: mesh, rules, model config,
     precision, optimizer and schedule, FSDP mode, batch split and bubble, checked against each
     other (no data, no run directory: what ``shardax train`` and ``shardax plan`` share); what
-    does not fit the devices is a UsageError."""
+    does not fit the devices is a UsageError. ``device_memory``: the bytes a device may hold,
+    which `fsdp_mode` weighs (``shardax plan`` passes its target's); default: what this
+    machine's devices say (nothing on CPU)."""
     mesh = make_mesh(config.mesh)
     policy = Policy.from_string(config.precision)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
@@ -395,8 +397,9 @@ def resolve(config: TrainConfig) -> Resolved:
                                         model_config(config, policy, init_dir))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    memory = _device_memory() if device_memory is None else int(device_memory)
     mode, recompute, why = fsdp_mode(config, mesh.shape, model, policy,
-                                     _device_memory())  # UsageError if it cannot run
+                                     memory)  # UsageError if it cannot run
     rules = LogicalAxisRules(rule_list)
     spec = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
