@@ -277,6 +277,20 @@ def test_generate_refuses_a_damaged_hf_dir_too(tmp_path):
                    f"--from hf:{d}: ", "'/etc/passwd'", "outside the model directory")
 
 
+def test_a_tokenizer_json_fifo_is_refused_not_replaced_by_bytes(tmp_path):
+    """A model directory whose tokenizer.json is a FIFO: train and generate refuse it in one
+    line (they used to take it for absent and run on the byte tokenizer without a word)."""
+    d = tmp_path / "model"
+    shutil.copytree(FIXTURE, d)
+    os.mkfifo(d / "tokenizer.json")
+    fifo = f"{d}/tokenizer.json: is a FIFO, expected a regular file"
+    run = tmp_path / "run"
+    one_line_error(shardax("train", "--init-from", f"hf:{d}", "--out", run, "--steps", 1,
+                           "--seq-len", 32, "--devices", 1), "train", fifo)
+    assert not run.exists()
+    one_line_error(shardax("generate", "--from", f"hf:{d}", "--prompt", "x"), "generate", fifo)
+
+
 def test_a_hub_cache_snapshot_of_symlinks_to_blobs_loads(tmp_path):
     """The Hugging Face hub cache links each snapshot file to ../../blobs/SHA: those symlinks
     leave the directory and are still followed (any other is refused, above)."""

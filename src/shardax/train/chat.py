@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from shardax.filecheck import read_regular
+from shardax.train.tokenizer import MAX_TOKENIZER_BYTES
+
 __all__ = ["LOSS_ON", "ChatTemplate", "is_chat_file", "read_chats", "render_chat"]
 
 #: values of ``--loss-on``: the assistant turns only, or every token of a conversation
@@ -56,10 +59,11 @@ class ChatTemplate:
                              "pip install 'shardax[hf]'") from None
         self.directory = directory = Path(str(directory).removeprefix("hf:"))
         config_path = directory / "tokenizer_config.json"
-        try:
-            config = json.loads(config_path.read_text())
-            self._tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        except (OSError, ValueError) as e:
+        try:  # regular files only (never wait on a FIFO), of bounded size
+            config = json.loads(read_regular(config_path, limit=MAX_TOKENIZER_BYTES))
+            self._tok = Tokenizer.from_str(read_regular(
+                directory / "tokenizer.json", limit=MAX_TOKENIZER_BYTES).decode("utf-8"))
+        except Exception as e:  # tokenizers raises its own Exception types for bad JSON
             raise ValueError(f"chat template of {directory}: cannot read "
                              f"tokenizer_config.json and tokenizer.json ({e})") from None
         template = config.get("chat_template")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -427,8 +428,10 @@ def check(config: TrainConfig) -> TrainConfig:
                f"{flag(name)} {value}: must be a finite number >= 0")
     if config.tokenizer is None:
         init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
-        config.tokenizer = (str(init) if init is not None and (init / "tokenizer.json").is_file()
-                            else "bytes")
+        # lexists: a tokenizer.json that is not a regular file is refused when it is read,
+        # never passed over for the byte tokenizer
+        config.tokenizer = (str(init) if init is not None
+                            and os.path.lexists(init / "tokenizer.json") else "bytes")
     _check_seed(config.seed)
     if config.resume_step is not None:
         _usage(config.resume, "--resume-step needs --resume")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -31,7 +30,13 @@ from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, resto
 from shardax.train.config import GenerateConfig, UsageError, check_generate, hf_dir
 from shardax.train.resolve import make_mesh, model_config, optimizer
 from shardax.train.rundir import RunDir, check_run, pipelined
-from shardax.train.tokenizer import BYTES, Tokenizer, load_tokenizer, run_tokenizer
+from shardax.train.tokenizer import (
+    BYTES,
+    Tokenizer,
+    has_tokenizer,
+    load_tokenizer,
+    run_tokenizer,
+)
 
 __all__ = ["generate", "restore_model", "sample"]
 
@@ -89,11 +94,11 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
         try:  # the model first: a damaged directory is one error line, no note before it
             model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
                                   attention=config.attention or "auto")
-            has_tokenizer = (Path(directory) / "tokenizer.json").is_file()
-            if not has_tokenizer:
+            found = has_tokenizer(directory)
+            if not found:
                 _note(f"note: {directory} has no tokenizer.json: prompts and output are raw "
                       "UTF-8 bytes (token id = byte value)")
-            tokenizer = load_tokenizer(directory if has_tokenizer else BYTES)
+            tokenizer = load_tokenizer(directory if found else BYTES)
         except ValueError as e:
             raise UsageError(f"--from {config.source}: {e}") from None
     else:

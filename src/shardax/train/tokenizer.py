@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from shardax.filecheck import read_regular
 
 __all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
            "load_tokenizer", "run_tokenizer"]
@@ -34,6 +37,7 @@ BYTES = "bytes"
 TOKENIZER_DIR = "tokenizer"
 # Looked up, in this order, when tokenizer_config.json names no eos_token.
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+MAX_TOKENIZER_BYTES = 256 * 2**20  # tokenizer.json files of released models: 2-35 MB
 _FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -161,12 +165,12 @@ class HFTokenizer(Tokenizer):
                              "pip install 'shardax[hf]'") from None
         self.path = Path(path)
         self.directory = self.path.parent
+        try:  # a regular file only: a FIFO or device is refused, not waited on
+            raw = read_regular(self.path, limit=MAX_TOKENIZER_BYTES)
+        except ValueError as e:
+            raise ValueError(f"--tokenizer {e}") from None
         try:
-            raw = self.path.read_bytes()
             self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
-        except OSError as e:
-            raise ValueError(f"--tokenizer {self.path}: cannot read it ({e.strerror})") \
-                from None
         except Exception as e:  # tokenizers raises its own Exception types for bad JSON
             raise ValueError(f"--tokenizer {self.path}: not a Hugging Face tokenizer.json "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
@@ -268,6 +272,13 @@ def _byte_char(b: int) -> str:
     return chr(256 + sum(1 for x in range(b) if x not in printable))
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a ``tokenizer.json`` of any kind: one that is not a regular
+    file (a FIFO, a dangling link) counts, so that reading it refuses it with one line instead
+    of the run silently falling back to bytes."""
+    return os.path.lexists(Path(directory) / "tokenizer.json")
+
+
 def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
     """The tokenizer ``--tokenizer`` names: ``bytes`` (default), a Hugging Face model directory
     holding ``tokenizer.json`` (``hf:DIR`` works too), or the ``tokenizer.json`` file itself.
@@ -284,11 +295,11 @@ def load_tokenizer(spec: str | Path = BYTES) -> Tokenizer:
         return ByteTokenizer()
     path = Path(spec.removeprefix("hf:"))
     if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
+        if not has_tokenizer(path):
             raise ValueError(f"--tokenizer {spec}: no tokenizer.json in this directory "
                              "(give a Hugging Face model directory or a tokenizer.json file)")
         path = path / "tokenizer.json"
-    elif not path.is_file():
+    elif not os.path.lexists(path):
         raise ValueError(f"--tokenizer {spec}: no such file or directory (give 'bytes', a "
                          "Hugging Face model directory or a tokenizer.json file)")
     return HFTokenizer(path)
@@ -304,4 +315,4 @@ def run_tokenizer(out: str | Path, spec: str) -> Tokenizer:
         tok = run_tokenizer("runs/a", config.tokenizer)
     """
     copy = Path(out) / TOKENIZER_DIR
-    return load_tokenizer(copy) if (copy / "tokenizer.json").is_file() else load_tokenizer(spec)
+    return load_tokenizer(copy if has_tokenizer(copy) else spec)
