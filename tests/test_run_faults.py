@@ -229,6 +229,11 @@ def test_on_nan_skip_skips_and_counts_the_non_finite_updates(tmp_path):
     records = {r["step"]: r for r in _metrics(out)}
     assert [records[s].get("skipped_steps", 0) for s in range(1, 7)] == [0, 1, 2, 3, 4, 5]
     assert _committed(out) == [4, 5, 6] and _finite_weights(out, 6)
+    # Resumed, the count goes on from the checkpoint's (it used to restart at 0).
+    proc = _run(out, "--on-nan", "skip", "--resume", **{**EXPLODING, "steps": 8})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["step"]: r for r in _metrics(out)}
+    assert [records[s].get("skipped_steps", 0) for s in (7, 8)] == [6, 7]
 
 
 # ----------------------------------------------------------------------------- a full disk

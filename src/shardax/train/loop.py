@@ -91,9 +91,9 @@ def _check_extra(restored: Restored) -> None:
             f"(keys {sorted(restored.extra)}); it was not written by shardax train")
 
 
-def _resume(p: Prepared, state_shape: Any, shardings: Any) -> tuple[int, TrainState]:
+def _resume(p: Prepared, state_shape: Any, shardings: Any) -> tuple[int, TrainState, int]:
     """Restores the newest good checkpoint, skipping damaged ones with a note (or exactly
-    ``--resume-step``)."""
+    ``--resume-step``): ``(step, state, updates skipped by --on-nan skip so far)``."""
     config = p.run.config
 
     def skipped(step: int, why: str) -> None:
@@ -120,16 +120,16 @@ def _resume(p: Prepared, state_shape: Any, shardings: Any) -> tuple[int, TrainSt
     if os.environ.get(RESTART_ENV, "0") not in ("", "0"):  # `shardax launch --elastic` says
         _note(f"elastic restart: resumed from checkpoint step {start} (the steps after it "
               "are trained again)")
-    return start, state
+    return start, state, int(restored.extra.get("skipped_steps", 0))
 
 
 def _initial_state(p: Prepared, state_shape: Any, shardings: Any
-                   ) -> tuple[int, TrainState | None]:
-    """``(start step, state)``: resumed, read from ``--init-from``, or fresh (sharded at
-    creation); the state is None when a resumed run is already at ``--steps``."""
+                   ) -> tuple[int, TrainState | None, int]:
+    """``(start step, state, skipped updates)``: resumed, read from ``--init-from``, or fresh
+    (sharded at creation); the state is None when a resumed run is already at ``--steps``."""
     run = p.run
     if run.config.resume:
-        start, state = _resume(p, state_shape, shardings)
+        start, state, skipped = _resume(p, state_shape, shardings)
         if jax.process_index() == 0:
             print(f"shardax train: resumed from step {start} (checkpoint "
                   f"{p.run_dir.checkpoints / str(start)})", flush=True)
@@ -137,16 +137,16 @@ def _initial_state(p: Prepared, state_shape: Any, shardings: Any
             if stretched:
                 print(f"shardax train: {stretched}", flush=True)
         if start == run.config.steps:
-            return start, None
+            return start, None, skipped
         if jax.process_index() == 0:
             tidy_checkpoints(p.run_dir, start, _note)
         _compat.sync_processes("shardax-tidy-checkpoints")
-        return start, state
+        return start, state, skipped
     if run.config.init_from is not None:
-        return 0, build.create_from_hf(run)
+        return 0, build.create_from_hf(run), 0
     init = run.mesh.sjit(lambda: build.create(run.model_config, run.tx, run.config.seed)[1],
                          out_shardings=run.state_rules)
-    return 0, init()
+    return 0, init(), 0
 
 
 def train(config: TrainConfig, prepared: Prepared | None = None, *,
@@ -238,7 +238,7 @@ class _Steps:
     the non-finite loss policy, checkpoints, and stopping on SIGTERM / Ctrl-C."""
 
     def __init__(self, p: Prepared, start: int, records: list[dict], evaluate: Any,
-                 metrics_log: report.MetricsLog, clock: report.StepClock):
+                 metrics_log: report.MetricsLog, clock: report.StepClock, skipped: int = 0):
         self.run, self.inputs, self.config = p.run, p.inputs, p.run.config
         self.start, self.records, self.evaluate = start, records, evaluate
         self.metrics_log, self.clock = metrics_log, clock
@@ -246,7 +246,7 @@ class _Steps:
         self.trackers = (report.Trackers(self.config.log_to, p.run_dir.out,
                                          self.config.to_json()) if self.is_main else None)
         self.ckpt = Checkpointer(p.run_dir.checkpoints, max_to_keep=3)
-        self.watch = NonFiniteWatch(self.config.on_nan, start, _note, self.ckpt.pin)
+        self.watch = NonFiniteWatch(self.config.on_nan, start, _note, self.ckpt.pin, skipped)
 
     def ran(self, done: int, metrics: dict) -> None:
         """Step ``done`` was dispatched: the flags of the steps before it are read now (one
@@ -293,8 +293,11 @@ class _Steps:
 
     def _save(self, done: int, state: TrainState) -> None:
         position = {**self.inputs.train.state(), "step": done}
+        # settled (`watch.settle`) up to ``done``: a resumed run counts on from it
         self.ckpt.save(done, flat(state), extra={"data": position,
-                                                 "config": self.config.to_json()}, force=True)
+                                                 "config": self.config.to_json(),
+                                                 "skipped_steps": self.watch.skipped},
+                       force=True)
         self.watch.saved_step(done)
 
     def close(self) -> None:
@@ -310,8 +313,8 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     is_main = jax.process_index() == 0
     graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     metrics_log = report.MetricsLog(run_dir.metrics)
-    start, state = _initial_state(p, state_shape,
-                                  mesh.match_sharding_rule(run.state_rules, state_shape))
+    start, state, skipped = _initial_state(
+        p, state_shape, mesh.match_sharding_rule(run.state_rules, state_shape))
     records = metrics_log.read(up_to=start, quiet=not is_main) if config.resume else []
     if state is None:
         _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
@@ -334,7 +337,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
         _banner(p, state_shape, plan, per_token, peak)
     clock = report.StepClock(config.batch_size * config.seq_len, start, per_token, peak,
                              jax.device_count())
-    steps = _Steps(p, start, records, evaluate, metrics_log, clock)
+    steps = _Steps(p, start, records, evaluate, metrics_log, clock, skipped)
     profiler = StepProfiler(parse_profile_steps(config.profile_steps), run_dir.profile)
     try:
         with report.Progress(config.steps, start) as progress:

@@ -45,13 +45,14 @@ class NonFinite(Exception):
 class NonFiniteWatch:
     """Applies ``--on-nan`` to the steps it is given (`add`) once their flags are read
     (`settle`). ``start``: the step the run starts from (a resumed run's checkpoint counts as
-    saved); ``note`` prints a line; ``pin`` keeps a checkpoint step from being rotated out."""
+    saved); ``note`` prints a line; ``pin`` keeps a checkpoint step from being rotated out;
+    ``skipped``: the updates skipped before ``start`` (a resumed run counts on)."""
 
     def __init__(self, policy: str, start: int, note: Callable[[str], None] | None = None,
-                 pin: Callable[[int], None] | None = None):
+                 pin: Callable[[int], None] | None = None, skipped: int = 0):
         if policy not in POLICIES:
             raise ValueError(f"--on-nan {policy!r}: expected one of {', '.join(POLICIES)}")
-        self.policy, self.skipped, self.first_bad = policy, 0, None
+        self.policy, self.skipped, self.first_bad = policy, skipped, None
         self.note = note or (lambda _message: None)
         self.pin = pin or (lambda _step: None)
         self.saved: list[int] = [start] if start else []
