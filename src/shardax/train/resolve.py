@@ -76,8 +76,10 @@ def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str |
     (was 0.0001)
     """
     changed = [k for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(config, k)]
+    if not changed:
+        return None
     old, new = (float(optimizer(c)[1](step)) for c in (saved, config))
-    if not changed or old == new:
+    if old == new:
         return None
     flags = ", ".join(f"{flag(k)} {getattr(config, k)} (was {getattr(saved, k)})"
                       for k in changed)
