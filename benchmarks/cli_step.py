@@ -29,6 +29,7 @@ from typing import Any
 from _common import emit, goal_row, interleaved, jax, median, paired_ratio, real_batch
 from jax.sharding import NamedSharding
 
+from shardax.hlo import memory_bytes, peak_bytes
 from shardax.logical import use_logical_rules
 from shardax.train import build
 from shardax.train.config import TrainConfig, check
@@ -47,9 +48,7 @@ STEP_GOAL, COMPILE_GOAL, KEEP_GOAL = 0.98, 1.1, 1.1
 def _steps(model: str, mesh_text: str, remat: str, fsdp_mode: str = "auto"
            ) -> tuple[Any, Any, Any, Any]:
     """``(cli_step, jit_step, state_shape, run)`` for one layout; fresh functions."""
-    run = resolve(check(TrainConfig(model=model, mesh=mesh_text, remat=remat,
-                                    batch_size=BATCH, seq_len=SEQ, pack="concat",
-                                    fsdp_mode=fsdp_mode)))
+    run = _resolve(model, mesh_text, remat, fsdp_mode)
     graphdef, state_shape = build.abstract(run.model_config, run.tx, 0, run.mesh)
     cli = build.step_function(run, graphdef, end_id=None)
     mesh, rules = run.mesh, run.rules
@@ -66,6 +65,12 @@ def _steps(model: str, mesh_text: str, remat: str, fsdp_mode: str = "auto"
 
     jit_step.lower = lambda state, batch: _lower(jitted, mesh, rules, state, batch)
     return cli, jit_step, state_shape, run
+
+
+def _resolve(model: str, mesh_text: str, remat: str, fsdp_mode: str = "auto") -> Any:
+    return resolve(check(TrainConfig(model=model, mesh=mesh_text, remat=remat,
+                                     batch_size=BATCH, seq_len=SEQ, pack="concat",
+                                     fsdp_mode=fsdp_mode)))
 
 
 def _lower(jitted, mesh, rules, state, batch):
@@ -110,9 +115,7 @@ def _compile_both(model: str, mesh_text: str, remat: str) -> tuple[dict, bool]:
 def _peak_bytes(step: Any, state_shape: Any) -> int:
     """Peak bytes per device of the compiled step (arguments + outputs - donated + temps)."""
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jax.numpy.int32)
-    m = step.lower(state_shape, (tokens, tokens)).compile().memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)
+    return peak_bytes(memory_bytes(step.lower(state_shape, (tokens, tokens)).compile()))
 
 
 def kept_memory(model: str) -> list[dict[str, Any]]:
@@ -125,8 +128,8 @@ def kept_memory(model: str) -> list[dict[str, Any]]:
         for mode in ("xla", "explicit"):
             cli, _, state_shape, _ = _steps(model, mesh_text, "none", mode)
             peaks[mode] = _peak_bytes(cli, state_shape)
-        auto = _steps(model, mesh_text, "none")[3]
-        rows.append({"mesh": mesh_text, "peak_bytes": peaks, "auto": auto.fsdp_mode})
+        auto = _resolve(model, mesh_text, "none").fsdp_mode
+        rows.append({"mesh": mesh_text, "peak_bytes": peaks, "auto": auto})
     return rows
 
 

@@ -18,6 +18,7 @@ import argparse
 
 from _common import emit, goal_row, jax, jnp, machine
 
+from shardax.hlo import peak_bytes
 from shardax.train.build import abstract, step_function
 from shardax.train.config import TrainConfig, check
 from shardax.train.resolve import resolve
@@ -45,8 +46,7 @@ def measure_case(overrides: dict) -> dict:
                                if r.path.startswith("state/opt_state")),
         "argument_bytes": m["argument_size_in_bytes"],
         "temp_bytes": m["temp_size_in_bytes"],
-        "peak_bytes": (m["argument_size_in_bytes"] + m["output_size_in_bytes"]
-                       - m["alias_size_in_bytes"] + m["temp_size_in_bytes"]),
+        "peak_bytes": peak_bytes(m),
     }
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "replica_groups",
     "summarize_collectives",
     "memory_bytes",
+    "peak_bytes",
 ]
 
 COLLECTIVE_KINDS = (
@@ -271,3 +272,15 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
         for name in dir(analysis)
         if name.endswith("_in_bytes") and not name.startswith("_")
     }
+
+
+def peak_bytes(memory: dict[str, int]) -> int:
+    """Peak bytes per device of a compiled program from its `memory_bytes`: arguments +
+    outputs - outputs aliased to donated arguments + temporaries.
+
+    >>> peak_bytes({"argument_size_in_bytes": 8, "output_size_in_bytes": 8,
+    ...             "alias_size_in_bytes": 8, "temp_size_in_bytes": 4})
+    12
+    """
+    return (memory.get("argument_size_in_bytes", 0) + memory.get("output_size_in_bytes", 0)
+            - memory.get("alias_size_in_bytes", 0) + memory.get("temp_size_in_bytes", 0))

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 
 from shardax import models
 from shardax.devices import DeviceSpec
+from shardax.hlo import peak_bytes
 from shardax.inspect import _human
 from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
@@ -74,9 +75,7 @@ class Compiled:
 
     @property
     def peak_bytes(self) -> int:
-        m = self.memory
-        return (m["argument_size_in_bytes"] + m["output_size_in_bytes"]
-                - m["alias_size_in_bytes"] + m["temp_size_in_bytes"])
+        return peak_bytes(self.memory)
 
 
 @dataclass

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardax.hlo import hlo_collectives, memory_bytes, summarize_collectives
+from shardax.hlo import hlo_collectives, memory_bytes, peak_bytes, summarize_collectives
 from shardax.inspect import _human
 from shardax.mesh import parse_mesh_string
 from shardax.plan.rulecheck import rule_findings
@@ -98,10 +98,7 @@ class LayoutReport:
         return self.worst[1] <= self.tolerance
 
     def line(self) -> str:
-        peak = (self.memory.get("argument_size_in_bytes", 0)
-                + self.memory.get("output_size_in_bytes", 0)
-                - self.memory.get("alias_size_in_bytes", 0)
-                + self.memory.get("temp_size_in_bytes", 0))
+        peak = peak_bytes(self.memory)
         moved = ", ".join(f"{k} x{v['count']} ({_human(v['bytes'])})"
                           for k, v in self.collectives.items() if v["count"]) or "none"
         what, diff = self.worst

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
 from shardax.train.profiler import parse_profile_steps
+from shardax.train.tokenizer import has_tokenizer
 from shardax.train.trackers import MissingExtra, check_installed, parse_log_to
 
 __all__ = [
@@ -428,10 +428,7 @@ def check(config: TrainConfig) -> TrainConfig:
                f"{flag(name)} {value}: must be a finite number >= 0")
     if config.tokenizer is None:
         init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
-        # lexists: a tokenizer.json that is not a regular file is refused when it is read,
-        # never passed over for the byte tokenizer
-        config.tokenizer = (str(init) if init is not None
-                            and os.path.lexists(init / "tokenizer.json") else "bytes")
+        config.tokenizer = str(init) if init is not None and has_tokenizer(init) else "bytes"
     _check_seed(config.seed)
     if config.resume_step is not None:
         _usage(config.resume, "--resume-step needs --resume")
