@@ -26,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shardax.filecheck import read_regular
+from shardax.filecheck import decode_utf8, read_json, read_regular
+from shardax.train.chat_source import template_files
 
 __all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
-           "load_tokenizer", "run_tokenizer"]
+           "load_tokenizer", "read_tokenizer_config", "run_tokenizer", "special_token"]
 
 #: ``--tokenizer`` value of the byte-level tokenizer.
 BYTES = "bytes"
@@ -167,10 +168,12 @@ class HFTokenizer(Tokenizer):
         self.directory = self.path.parent
         try:  # a regular file only: a FIFO or device is refused, not waited on
             raw = read_regular(self.path, limit=MAX_TOKENIZER_BYTES)
+            text = decode_utf8(raw, str(self.path))
+            self.config = read_tokenizer_config(self.directory)
         except ValueError as e:
             raise ValueError(f"--tokenizer {e}") from None
         try:
-            self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
+            self._tok = _Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises its own Exception types for bad JSON
             raise ValueError(f"--tokenizer {self.path}: not a Hugging Face tokenizer.json "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
@@ -183,17 +186,15 @@ class HFTokenizer(Tokenizer):
 
     def _find_eos(self, vocab: dict[str, int]) -> int:
         config = self.directory / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-            except (OSError, ValueError) as e:
-                raise ValueError(f"--tokenizer: cannot read {config}: {e}") from None
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if eos is not None:
-                if eos not in vocab:
-                    raise ValueError(f"--tokenizer: eos_token {eos!r} of {config} is not "
-                                     f"in the vocabulary of {self.path}")
-                return vocab[eos]
+        try:
+            eos = special_token(self.config, "eos_token", config)
+        except ValueError as e:
+            raise ValueError(f"--tokenizer {e}") from None
+        if eos is not None:
+            if eos not in vocab:
+                raise ValueError(f"--tokenizer: eos_token {eos!r} of {config} is not "
+                                 f"in the vocabulary of {self.path}")
+            return vocab[eos]
         for name in _EOS_NAMES:
             if name in vocab:
                 return vocab[name]
@@ -227,26 +228,17 @@ class HFTokenizer(Tokenizer):
         directory.mkdir(parents=True, exist_ok=True)
         if directory.resolve() == self.directory.resolve():  # read from there: nothing to do
             return
-        for name in _FILES:
+        for name in (*_FILES, *template_files(self.directory)):
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
+                (directory / name).parent.mkdir(exist_ok=True)  # additional_chat_templates/
                 shutil.copyfile(source, directory / name)
-
-    def _config(self) -> dict:
-        """The ``tokenizer_config.json`` beside ``tokenizer.json`` ({} without one)."""
-        path = self.directory / "tokenizer_config.json"
-        try:
-            config = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--tokenizer: cannot read {path}: {e}") from None
-        return config if isinstance(config, dict) else {}
 
     def special_tokens(self) -> dict[str, tuple[str, int]]:
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        config, out = self._config(), {}
+        out = {}
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            text = config.get(key)
-            text = text.get("content") if isinstance(text, dict) else text
+            text = special_token(self.config, key, self.directory / "tokenizer_config.json")
             if isinstance(text, str) and text in vocab:
                 out[key] = (text, vocab[text])
         out["eos_token"] = (self._tok.id_to_token(self.eos_id), self.eos_id)
@@ -257,8 +249,11 @@ class HFTokenizer(Tokenizer):
     def _write_tokenizer_json(self, path: Path) -> dict:
         if path.resolve() != self.path.resolve():
             shutil.copyfile(self.path, path)
+            for name in template_files(self.directory):  # chat templates, as they were found
+                (path.parent / name).parent.mkdir(exist_ok=True)
+                shutil.copyfile(self.directory / name, path.parent / name)
         # Kept as they are: the chat template, added tokens' flags, the tokenizer's class.
-        return {k: v for k, v in self._config().items()
+        return {k: v for k, v in self.config.items()
                 if k not in ("bos_token", "eos_token", "pad_token", "unk_token",
                              "model_max_length")}
 
@@ -270,6 +265,41 @@ def _byte_char(b: int) -> str:
     if b in printable:
         return chr(b)
     return chr(256 + sum(1 for x in range(b) if x not in printable))
+
+
+def read_tokenizer_config(directory: str | Path) -> dict:
+    """The ``tokenizer_config.json`` of a tokenizer directory as a dict ({} without one): a
+    bounded read; a ValueError names the file when it is not a JSON object.
+
+    Example::
+
+        read_tokenizer_config("models/llama").get("eos_token")     # '<|eot_id|>'
+    """
+    path = Path(directory) / "tokenizer_config.json"
+    if not os.path.lexists(path):
+        return {}
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a JSON {type(config).__name__}, expected an object such as "
+                         '{"eos_token": "</s>", ...}')
+    return config
+
+
+def special_token(config: dict, key: str, path: str | Path) -> str | None:
+    """The text of special token ``key`` of a ``tokenizer_config.json`` (``config``, read from
+    ``path``): a string or ``{"content": string}``; None when absent or null. Any other value
+    is a ValueError naming the file and the key.
+
+    >>> special_token({"eos_token": {"content": "</s>"}}, "eos_token", "tokenizer_config.json")
+    '</s>'
+    """
+    token = config.get(key)
+    text = token.get("content") if isinstance(token, dict) else token
+    if text is None and not isinstance(token, dict) or isinstance(text, str):
+        return text
+    kind = ("an object without a string 'content'" if isinstance(token, dict) else
+             f"a JSON {type(token).__name__}")
+    raise ValueError(f"{path}: {key} is {kind}, expected a string or " '{"content": string}')
 
 
 def has_tokenizer(directory: str | Path) -> bool:
