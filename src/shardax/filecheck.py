@@ -100,14 +100,22 @@ def decode_utf8(raw: bytes, where: str) -> str:
 
     >>> decode_utf8(b"ok\\n\\xff", "notes.txt")
     Traceback (most recent call last):
-    ValueError: notes.txt: not UTF-8 text (byte 0xff on line 2, offset 3)
+    ValueError: notes.txt: not UTF-8 text (byte 0xff on line 2, at offset 3)
     """
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} on line {line}, "
-                         f"offset {e.start})") from None
+        line = _line(raw, b"\n", e.start)
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} {line}at offset "
+                         f"{e.start})") from None
+
+
+def _line(text: Any, newline: Any, at: int) -> str:
+    """``'on line N, '`` of position ``at`` in a text of several lines; ``''`` in one line
+    (a record of a ``.jsonl`` file, whose line its caller names)."""
+    if newline not in text.rstrip():
+        return ""
+    return f"on line {text.count(newline, 0, at) + 1}, "
 
 
 def read_text(path: str | os.PathLike, limit: int) -> str:
@@ -125,22 +133,22 @@ def parse_json(text: str | bytes, where: str) -> Any:
     {'a': [1, 2]}
     >>> parse_json('{"a": "\\\\ud800"}', "x.json")
     Traceback (most recent call last):
-    ValueError: x.json: a lone UTF-16 surrogate escape ('\\\\ud800', line 1) is not text
+    ValueError: x.json: a lone UTF-16 surrogate escape ('\\\\ud800') is not text (half of a pair)
     """
     if isinstance(text, bytes):
         text = decode_utf8(text, where)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        at = f"line {e.lineno} column {e.colno}" if "\n" in text.strip() else f"column {e.colno}"
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at {at})") from None
+        raise ValueError(f"{where}: not valid JSON ({e.msg}, {_line(text, chr(10), e.pos)}"
+                         f"column {e.colno})") from None
     except RecursionError:
         raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
     match = "\\u" in text and _LONE_SURROGATE.search(text)
     if match and not _all_text(value):  # the match could be an escaped backslash's "\\ud800"
-        line = text.count("\n", 0, match.start()) + 1
-        raise ValueError(f"{where}: a lone UTF-16 surrogate escape ({match.group()!r}, line "
-                         f"{line}) is not text")
+        line = _line(text, "\n", match.start()).removeprefix("on ").removesuffix(", ")
+        raise ValueError(f"{where}: a lone UTF-16 surrogate escape ({match.group()!r}"
+                         f"{', ' + line if line else ''}) is not text (half of a pair)")
     return value
 
 

@@ -75,9 +75,9 @@ class ChatTemplate:
         # Regular files only (never wait on a FIFO), of bounded size, strict UTF-8 and JSON.
         config_path = directory / "tokenizer_config.json"
         config = read_tokenizer_config(directory)
-        template, source = find_template(directory, config)
         self.specials = {k: text for k in _SPECIALS
                          if (text := special_token(config, k, config_path)) is not None}
+        template, source = find_template(directory, config)
         text = read_text(directory / "tokenizer.json", MAX_TOKENIZER_BYTES)
         try:
             self._tok = Tokenizer.from_str(text)
