@@ -1,20 +1,22 @@
 """Hostile and unlucky chat templates, chat messages, text encodings and tokenizer configs.
 
-Met as users meet them (``shardax train`` / ``shardax generate`` in a subprocess, side by side
-in one module fixture): one line on stderr naming the file (and line, field or template line),
-exit 2, no traceback, no run directory, nothing executed. The variants of each case run in
-process, on the functions the CLI calls. The chat template of a tokenizer saved by transformers
-5 (``chat_template.jinja``) and content given as OpenAI-style text parts are trained on in
-tests/test_chat.py's CLI run.
+Met as users meet them (``shardax train`` / ``shardax generate`` command lines, all run by the
+CLI's ``main`` in one subprocess, as tests/test_cli_errors.py does): one line on stderr naming
+the file (and line, field or template line), exit 2, no traceback, no run directory, nothing
+executed. The variants of each case run in process, on the functions the CLI calls. The chat
+template of a tokenizer saved by transformers 5 (``chat_template.jinja``) and content given as
+OpenAI-style text parts are trained on in tests/test_chat.py's CLI run.
 """
 
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from test_hostile_input import FIXTURE, one_line_error, shardax
+from test_cli_errors import DRIVER, _env
+from test_hostile_input import FIXTURE, one_line_error
 
 pytest.importorskip("jinja2")  # chat templates: extra "hf"
 pytest.importorskip("tokenizers")
@@ -98,9 +100,13 @@ def cli(tmp_path_factory):
     cases["tokenizer_config"] = (
         ["generate", "--from", f"hf:{model}", "--prompt", "x"],
         [f"{model}/tokenizer_config.json: not valid JSON (nested too deeply)"])
-    with ThreadPoolExecutor(len(cases)) as pool:
-        procs = dict(zip(cases, pool.map(lambda c: shardax(*c[0]), cases.values())))
-    return {name: (procs[name], cases[name]) for name in cases}, t, marker
+    argvs = [[str(a) for a in argv] for argv, _ in cases.values()]
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # a traceback would end up here
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {name: (subprocess.CompletedProcess(argv, r["code"], r["out"], r["err"]),
+                   cases[name]) for (name, (argv, _)), r in zip(cases.items(), out)}, t, marker
 
 
 @pytest.mark.parametrize("case", ["template", "content", "bytes", "surrogate",
