@@ -175,6 +175,10 @@ def test_chat_template_jinja_is_found_as_transformers_finds_it(tmp_path):
         assert ChatTemplate(out).render([USER, ASSISTANT]) == ChatTemplate(d).render(
             [USER, ASSISTANT])
 
+    load_tokenizer(LLAMA3).export(tmp_path / "export", model_max_length=64)  # over it
+    assert not (tmp_path / "export" / "chat_template.jinja").exists()  # would win over the
+    assert ChatTemplate(tmp_path / "export").where.endswith("(tokenizer_config.json)")  # config
+
     first = tokenizer_dir(tmp_path / "both", "{{ 'from the config' }}")
     (first / "chat_template.jinja").write_text("{{ 'from the file' }}")
     assert ChatTemplate(first).render([USER]) == "from the file"

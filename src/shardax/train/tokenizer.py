@@ -88,11 +88,19 @@ class Tokenizer:
     def export(self, directory: str | Path, model_max_length: int) -> dict[str, int]:
         """Writes the Hugging Face tokenizer files of an exported model into ``directory``
         (``tokenizer.json``, ``tokenizer_config.json`` with the special tokens and any
-        ``chat_template``, ``special_tokens_map.json``) so that ``AutoTokenizer`` loads it;
+        ``chat_template``, ``special_tokens_map.json``, and the chat template files as they
+        were found: ``chat_template.jinja``, ``additional_chat_templates/``) so that
+        ``AutoTokenizer`` loads it (an earlier export's template files that this tokenizer
+        lacks are removed: transformers would prefer them to this one's template);
         returns the special ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id`` where
         there is one) for ``config.json`` and ``generation_config.json``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        source = getattr(self, "directory", None)
+        ours = template_files(source) if source is not None else []
+        for name in template_files(directory):
+            if name not in ours:
+                (directory / name).unlink()
         config = self._write_tokenizer_json(directory / "tokenizer.json")
         special = self.special_tokens()
         config = {"tokenizer_class": "PreTrainedTokenizerFast",
