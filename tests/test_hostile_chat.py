@@ -190,8 +190,15 @@ def test_chat_template_jinja_is_found_as_transformers_finds_it(tmp_path):
         ChatTemplate(named)
     (named / "chat_template.jinja").write_text("{{ 'default' }}")
     assert ChatTemplate(named).render([USER]) == "default"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "named-copy").mkdir()  # links planted in the target are replaced, not followed
+    (tmp_path / "named-copy/additional_chat_templates").symlink_to(outside)
+    (tmp_path / "named-copy/chat_template.jinja").symlink_to(outside / "bashrc")
     load_tokenizer(named).save(tmp_path / "named-copy")
     assert (tmp_path / "named-copy/additional_chat_templates/tool_use.jinja").is_file()
+    assert (tmp_path / "named-copy/chat_template.jinja").read_text() == "{{ 'default' }}"
+    assert list(outside.iterdir()) == []
 
     listed = tokenizer_dir(tmp_path / "list", [{"name": "rag", "template": "r"},
                                                {"name": "default", "template": "d"}])

@@ -99,7 +99,7 @@ class Tokenizer:
         source = getattr(self, "directory", None)
         ours = template_files(source) if source is not None else []
         for name in template_files(directory):
-            if name not in ours:
+            if name not in ours and not (directory / name).parent.is_symlink():
                 (directory / name).unlink()
         config = self._write_tokenizer_json(directory / "tokenizer.json")
         special = self.special_tokens()
@@ -236,11 +236,12 @@ class HFTokenizer(Tokenizer):
         directory.mkdir(parents=True, exist_ok=True)
         if directory.resolve() == self.directory.resolve():  # read from there: nothing to do
             return
-        for name in (*_FILES, *template_files(self.directory)):
+        for name in _FILES:
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
-                (directory / name).parent.mkdir(exist_ok=True)  # additional_chat_templates/
                 shutil.copyfile(source, directory / name)
+        for name in template_files(self.directory):
+            _copy_into(self.directory / name, directory, name)
 
     def special_tokens(self) -> dict[str, tuple[str, int]]:
         vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -258,8 +259,7 @@ class HFTokenizer(Tokenizer):
         if path.resolve() != self.path.resolve():
             shutil.copyfile(self.path, path)
             for name in template_files(self.directory):  # chat templates, as they were found
-                (path.parent / name).parent.mkdir(exist_ok=True)
-                shutil.copyfile(self.directory / name, path.parent / name)
+                _copy_into(self.directory / name, path.parent, name)
         # Kept as they are: the chat template, added tokens' flags, the tokenizer's class.
         return {k: v for k, v in self.config.items()
                 if k not in ("bos_token", "eos_token", "pad_token", "unk_token",
@@ -273,6 +273,18 @@ def _byte_char(b: int) -> str:
     if b in printable:
         return chr(b)
     return chr(256 + sum(1 for x in range(b) if x not in printable))
+
+
+def _copy_into(source: Path, root: Path, name: str) -> None:
+    """Copies ``source`` to ``root / name`` (``name`` may be in a folder of ``root``), replacing
+    a symlink there (file or folder) instead of writing through it to outside ``root``."""
+    target = root / name
+    if target.parent != root and target.parent.is_symlink():
+        target.parent.unlink()
+    target.parent.mkdir(exist_ok=True)
+    if target.is_symlink():
+        target.unlink()
+    shutil.copyfile(source, target)
 
 
 def read_tokenizer_config(directory: str | Path) -> dict:
