@@ -170,12 +170,26 @@ def _shardax(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_trains_on_chat_data(tmp_path):
+    """As transformers 5 saves a tokenizer (its template in chat_template.jinja, none in
+    tokenizer_config.json), with one conversation's content as OpenAI-style text parts."""
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_bytes((CHAT / "llama3" / "tokenizer.json").read_bytes())
+    config = json.loads((CHAT / "llama3" / "tokenizer_config.json").read_text())
+    (tok / "chat_template.jinja").write_text(config.pop("chat_template"))
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    records = [json.loads(line) for line in (CHAT / "chat.jsonl").read_text().splitlines()]
+    first = records[0]["messages"][0]
+    first["content"] = [{"type": "text", "text": first["content"]}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "run"
     r = _shardax("train", "--init-from", "hf:tests/fixtures/hf/llama_gqa", "--tokenizer",
-                 str(CHAT / "llama3"), "--data", str(CHAT / "chat.jsonl"), "--seq-len", "32",
+                 str(tok), "--data", str(data), "--seq-len", "32",
                  "--batch-size", "8", "--steps", "2", "--eval-every", "2", "--out", str(out),
                  "--optimizer", "sgd", "--lr", "0.1")
     assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "tokenizer" / "chat_template.jinja").is_file()  # the run's copy keeps it
     assert "chat data: 4 conversations packed into" in r.stdout
     assert "longer than --seq-len truncated" in r.stdout
     assert "; pack: conversations (whole, into rows;" in r.stdout  # not end-of-text documents

@@ -206,7 +206,7 @@ def test_jsonl_documents_and_errors(tmp_path):
     assert [p.text for p in read_pieces(DataFile(path, "jsonl"), text_field="body")] == ["one"]
     for content, needles in [('{"text": "a"}\n{"body": "b"}\n', ["line 2", "'text'", "body",
                                                                   "--text-field"]),
-                             ('{"text": "a"}\nnot json\n', ["line 2", "not JSON"]),
+                             ('{"text": "a"}\nnot json\n', ["line 2", "not valid JSON"]),
                              ('{"text": 3}\n', ["line 1", "int", "--text-field"])]:
         path.write_text(content)
         with pytest.raises(DataError) as info:

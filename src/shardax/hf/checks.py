@@ -15,15 +15,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from shardax.filecheck import read_regular
-from shardax.hf.files import MAX_JSON_BYTES, SafetensorsFile, contained_path
+from shardax.filecheck import read_json
+from shardax.hf.files import SafetensorsFile, contained_path
 from shardax.hf.mapping import TensorMap, param_maps
 
 __all__ = ["check_tensors", "read_config_json"]
@@ -55,16 +54,7 @@ def read_config_json(directory: str | os.PathLike) -> dict[str, Any]:
     if not (path.exists() or path.is_symlink()):
         raise ValueError(f"{directory}: not a Hugging Face model directory (no config.json)")
     path = contained_path(Path(directory), "config.json")  # a symlink may not lead out
-    raw = read_regular(path, limit=MAX_JSON_BYTES)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {raw[e.start]:#04x} at offset "
-                         f"{e.start})") from None
-    try:
-        hf = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    hf = read_json(path)  # bounded size and nesting, strict UTF-8: see shardax.filecheck
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: a JSON {type(hf).__name__}, expected an object such as "
                          '{"model_type": "llama", ...}')

@@ -26,7 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from shardax.filecheck import open_regular, read_regular
+from shardax.filecheck import open_regular, read_json
 
 __all__ = ["ReadLog", "SafetensorsFile", "contained_path", "dtype_code", "tensor_index",
            "write_safetensors"]
@@ -39,9 +39,8 @@ _DTYPES = {
 }
 _CODES = {v: k for k, v in _DTYPES.items()}
 INDEX_NAME = "model.safetensors.index.json"
-# The safetensors package's own limit on a header; and one on config.json / index JSON files.
+# The safetensors package's own limit on a header.
 MAX_HEADER_BYTES = 100_000_000
-MAX_JSON_BYTES = 64 * 2**20
 
 
 def dtype_code(dtype: object) -> str:
@@ -268,11 +267,7 @@ def contained_path(d: Path, name: object, index: Path | None = None) -> Path:
 def _weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a ``model.safetensors.index.json``, checked to be
     ``{tensor: file name}``."""
-    raw = read_regular(index, limit=MAX_JSON_BYTES)
-    try:
-        value = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{index}: not valid JSON ({e})") from None
+    value = read_json(index)
     weight_map = value.get("weight_map") if isinstance(value, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         got = ("no 'weight_map'" if weight_map is None else

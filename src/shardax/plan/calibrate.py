@@ -17,7 +17,6 @@ record the device kind): calibrate with runs of the kind you plan for.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 
 from shardax import models
 from shardax.devices import DeviceSpec
+from shardax.filecheck import parse_json, read_json, read_text
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.plan.estimate import Compiled, comm_seconds, hidden_seconds, remat_factor, seconds
 from shardax.train.config import TrainConfig, UsageError
@@ -80,12 +80,17 @@ def read_run(run_dir: Path, device: DeviceSpec) -> RunFit:
             raise UsageError(f"--calibrate {run_dir}: no {name} (a run directory of shardax "
                              "train holds config.json, plan.json and metrics.jsonl)")
     try:
-        raw = json.loads(files["config.json"].read_text())
+        raw = read_json(files["config.json"])
+        if not isinstance(raw, dict):
+            raise ValueError(f"{files['config.json']}: a JSON {type(raw).__name__}, expected "
+                             "an object")
         config = from_dict(TrainConfig, {k: v for k, v in raw.items()
                                          if k in {f.name for f in dataclasses.fields(TrainConfig)}},
                            where=f"--calibrate {files['config.json']}: ")
-        plan = json.loads(files["plan.json"].read_text())
-        records = [json.loads(line) for line in files["metrics.jsonl"].read_text().splitlines()
+        plan = read_json(files["plan.json"])
+        metrics = read_text(files["metrics.jsonl"], 2**30)
+        records = [parse_json(line, f"{files['metrics.jsonl']} line {n}")
+                   for n, line in enumerate(metrics.splitlines(), 1)
                    if line.strip().startswith("{")]
     except ValueError as e:
         raise UsageError(f"--calibrate {run_dir}: cannot read it: {e}") from None

@@ -1,14 +1,23 @@
 """Chat conversations as token ids and a loss mask, rendered with the tokenizer's own template.
 
 `render_chat` renders ``messages`` ([{role, content}], OpenAI / Hugging Face style) with the
-``chat_template`` of the tokenizer directory's ``tokenizer_config.json`` the way transformers'
-``apply_chat_template`` does (a sandboxed Jinja2 environment with ``trim_blocks`` and
-``lstrip_blocks``, ``raise_exception``, the special tokens as variables,
+tokenizer directory's chat template (``chat_template.jinja``, or the ``chat_template`` of its
+``tokenizer_config.json``: `shardax.train.chat_source`) the way transformers'
+``apply_chat_template`` does (a sandboxed Jinja2 environment with no loader, ``trim_blocks``
+and ``lstrip_blocks``, ``raise_exception``, the special tokens as variables,
 ``add_generation_prompt=False``) and tokenizes the text without adding special tokens, so the
 ids equal ``tokenizer.apply_chat_template(messages, tokenize=True)``. The loss mask marks the
 tokens of each assistant turn as the template renders it (its content and end-of-turn
 tokens), found by rendering the conversation up to each turn; ``loss_on='all'`` marks every
 token. `read_chats` reads the ``messages`` of a ``.jsonl`` file.
+
+A message's ``content`` is a string or a list of OpenAI-style text parts
+(``[{"type": "text", "text": ...}]``; other parts, such as images, are refused by name). A
+template that loops over a message's content gets the parts as they are (as transformers
+passes them); any other template gets the parts' texts joined by newlines (as vLLM does), since
+it expects a string. A template that does not parse, loads other templates (``include``,
+``import``, ``extends``) or trips the sandbox is a one-line ValueError naming the tokenizer
+directory, the template's file and line.
 
 Example::
 
@@ -20,7 +29,8 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -28,10 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from shardax.filecheck import read_regular
-from shardax.train.tokenizer import MAX_TOKENIZER_BYTES
+from shardax.filecheck import parse_json, read_text
+from shardax.train.chat_source import find_template
+from shardax.train.tokenizer import MAX_TOKENIZER_BYTES, read_tokenizer_config, special_token
 
-__all__ = ["LOSS_ON", "ChatTemplate", "is_chat_file", "read_chats", "render_chat"]
+__all__ = ["LOSS_ON", "ChatTemplate", "chat_records", "is_chat_file", "read_chats",
+           "render_chat"]
 
 #: values of ``--loss-on``: the assistant turns only, or every token of a conversation
 LOSS_ON = ("assistant", "all")
@@ -52,30 +64,30 @@ class ChatTemplate:
     def __init__(self, directory: str | Path):
         try:
             import jinja2.ext  # optional: extra "hf" (chat templates)
+            from jinja2 import nodes
+            from jinja2.exceptions import TemplateSyntaxError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
             from tokenizers import Tokenizer  # optional: extra "hf"
         except ImportError as e:
             raise ValueError(f"chat data needs the '{e.name}' package: "
                              "pip install 'shardax[hf]'") from None
         self.directory = directory = Path(str(directory).removeprefix("hf:"))
+        # Regular files only (never wait on a FIFO), of bounded size, strict UTF-8 and JSON.
         config_path = directory / "tokenizer_config.json"
-        try:  # regular files only (never wait on a FIFO), of bounded size
-            config = json.loads(read_regular(config_path, limit=MAX_TOKENIZER_BYTES))
-            self._tok = Tokenizer.from_str(read_regular(
-                directory / "tokenizer.json", limit=MAX_TOKENIZER_BYTES).decode("utf-8"))
+        config = read_tokenizer_config(directory)
+        self.specials = {k: text for k in _SPECIALS
+                         if (text := special_token(config, k, config_path)) is not None}
+        template, source = find_template(directory, config)
+        text = read_text(directory / "tokenizer.json", MAX_TOKENIZER_BYTES)
+        try:
+            self._tok = Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises its own Exception types for bad JSON
-            raise ValueError(f"chat template of {directory}: cannot read "
-                             f"tokenizer_config.json and tokenizer.json ({e})") from None
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: transformers uses 'default'
-            template = {t.get("name"): t.get("template") for t in template}.get("default")
-        if not isinstance(template, str):
-            raise ValueError(f"{config_path} has no chat_template: chat data (records with "
-                             "'messages') needs a tokenizer with a chat template")
-        self.specials = {k: _content(config[k]) for k in _SPECIALS if config.get(k) is not None}
+            raise ValueError(f"chat template of {directory}: cannot read tokenizer.json "
+                             f"({_one_line(e)})") from None
+        self.where = where = f"chat template of {directory} ({source})"
 
         def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template of {directory}: {message}")
+            raise _Refused(f"{where} refuses the conversation: {message}")
 
         def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
                    separators: Any = None, sort_keys: bool = False) -> str:
@@ -87,13 +99,37 @@ class ChatTemplate:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        self._template = env.from_string(template)
+        loads = {nodes.Include: "include", nodes.Import: "import",
+                 nodes.FromImport: "from ... import", nodes.Extends: "extends"}
+        try:
+            tree = env.parse(template)
+            for node in tree.find_all(tuple(loads)):  # without a loader they could only fail
+                raise ValueError(f"{where}: line {node.lineno}: {{% {loads[type(node)]} %}} is "
+                                 "not allowed (a chat template cannot load other templates)")
+            self._template = env.from_string(tree)
+        except TemplateSyntaxError as e:
+            raise ValueError(f"{where}: line {e.lineno}: {_one_line(e.message)}") from None
+        self.content_parts = _iterates_content(nodes, tree)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation's text, as ``apply_chat_template(tokenize=False)`` renders it."""
-        return self._template.render(messages=list(messages),
-                                     add_generation_prompt=add_generation_prompt,
-                                     **self.specials)
+        """The conversation's text, as ``apply_chat_template(tokenize=False)`` renders it
+        (text parts joined unless the template loops over them, see the module's doc)."""
+        from jinja2.exceptions import SecurityError
+
+        if not self.content_parts:
+            messages = [_joined(m) for m in messages]
+        try:
+            return self._template.render(messages=list(messages),
+                                         add_generation_prompt=add_generation_prompt,
+                                         **self.specials)
+        except _Refused:
+            raise
+        except SecurityError as e:
+            raise ValueError(f"{self.where}: {_template_line(e)}the sandbox refused it: "
+                             f"{_one_line(e)}") from None
+        except Exception as e:  # the template's own error (a template is a program)
+            raise ValueError(f"{self.where}: {_template_line(e)}cannot render a conversation "
+                             f"({type(e).__name__}: {_one_line(e)})") from None
 
     def encode(self, messages: Sequence[dict], loss_on: str = "assistant"
                ) -> tuple[np.ndarray, np.ndarray]:
@@ -130,9 +166,47 @@ class ChatTemplate:
         return spans
 
 
-def _content(token: Any) -> str:
-    """A special token of tokenizer_config.json: a string, or a dict with its 'content'."""
-    return token.get("content", "") if isinstance(token, dict) else str(token)
+class _Refused(ValueError):
+    """The template's own ``raise_exception``: it refuses a conversation."""
+
+
+def _one_line(e: object) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _template_line(e: BaseException) -> str:
+    """``'line N: '`` of the template line an error was raised on (Jinja2 rewrites the
+    traceback to show template lines), or ``''``."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if f.filename == "<template>"]
+    return f"line {lines[-1]}: " if lines else ""
+
+
+def _iterates_content(nodes: Any, tree: Any) -> bool:
+    """Whether the template loops over a message's content (``{% for part in
+    message['content'] %}``, directly or through a ``{% set %}`` name), as templates that
+    take content parts do."""
+
+    def is_content(n: Any) -> bool:
+        return ((isinstance(n, nodes.Getattr) and n.attr == "content")
+                or (isinstance(n, nodes.Getitem) and isinstance(n.arg, nodes.Const)
+                    and n.arg.value == "content"))
+
+    names = {a.target.name for a in tree.find_all(nodes.Assign)
+             if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    return any(is_content(n) or (isinstance(n, nodes.Name) and n.name in names)
+               for loop in tree.find_all(nodes.For)
+               for n in (loop.iter, *loop.iter.find_all(nodes.Node)))
+
+
+def _joined(message: dict) -> dict:
+    """``message`` with a list of text parts as content replaced by their texts joined."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": "\n".join(p.get("text", "") for p in content
+                                             if isinstance(p, dict))}
 
 
 @lru_cache(maxsize=8)
@@ -158,36 +232,78 @@ def render_chat(tokenizer_dir: str | Path, messages: Sequence[dict],
 
 
 def is_chat_file(path: str | Path) -> bool:
-    """Whether ``path`` is a ``.jsonl`` file whose first record has a ``messages`` list."""
+    """Whether ``path`` is a ``.jsonl`` file whose first record has a ``messages`` list (a
+    first line that is not JSON says no: reading the file as text data then names it)."""
     path = Path(path)
     if path.suffix != ".jsonl" or not path.is_file():
         return False
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for line in f:
             if line.strip():
                 try:
-                    record = json.loads(line)
+                    record = parse_json(line, str(path))
                 except ValueError:
                     return False
                 return isinstance(record, dict) and isinstance(record.get("messages"), list)
     return False
 
 
-def read_chats(path: str | Path) -> list[list[dict]]:
-    """The ``messages`` of every record of a ``.jsonl`` file, checked to be lists of
-    ``{role, content}`` dicts (a ValueError names the file and line otherwise)."""
-    out = []
-    with Path(path).open(encoding="utf-8") as f:
+def chat_records(path: str | Path) -> Iterator[tuple[str, list[dict]]]:
+    """``("FILE:LINE", messages)`` of every record of a ``.jsonl`` file, each message checked
+    to have a string ``role`` and a ``content`` that is a string or a list of text parts; a
+    ValueError names the file, line and field otherwise.
+
+    Example::
+
+        for where, messages in chat_records("chat.jsonl"): ...   # where: 'chat.jsonl:1'
+    """
+    with Path(path).open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                messages = json.loads(line).get("messages")
-            except (ValueError, AttributeError):
-                raise ValueError(f"--data {path}:{n}: not a JSON object") from None
-            if not (isinstance(messages, list) and messages and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-                raise ValueError(f"--data {path}:{n}: 'messages' must be a non-empty list of "
+            where = f"--data {path}:{n}"
+            record = parse_json(line, where)
+            if not isinstance(record, dict):
+                raise ValueError(f"{where}: not a JSON object")
+            messages = record.get("messages")
+            if not (isinstance(messages, list) and messages):
+                raise ValueError(f"{where}: 'messages' must be a non-empty list of "
                                  "{'role': ..., 'content': ...} objects")
-            out.append(messages)
-    return out
+            for i, message in enumerate(messages):
+                _check_message(message, where, i)
+            yield f"{path}:{n}", messages
+
+
+def read_chats(path: str | Path) -> list[list[dict]]:
+    """The ``messages`` of every record of a ``.jsonl`` file, checked as in `chat_records`."""
+    return [messages for _, messages in chat_records(path)]
+
+
+def _check_message(message: Any, where: str, i: int) -> None:
+    """A ValueError naming ``where`` and ``messages[i]`` unless ``message`` has a string role
+    and a content that is a string, a list of text parts, or null/absent beside
+    ``tool_calls``."""
+    at = f"{where}: messages[{i}]"
+    if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+        problem = ("has no string 'role'" if isinstance(message, dict) else
+                   f"is a JSON {type(message).__name__}")
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of "
+                         f"{{'role': ..., 'content': ...}} objects (messages[{i}] {problem})")
+    content = message.get("content")
+    if isinstance(content, str) or (content is None and message.get("tool_calls")):
+        return
+    expected = 'expected a string or a list of {"type": "text", "text": ...} parts'
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"{at}.content[{j}]: {kind!r} part not supported: only text "
+                                 "parts can be trained on")
+            raise ValueError(f"{at}.content[{j}] is not a text part: expected "
+                             '{"type": "text", "text": string}')
+        return
+    got = ("missing" if "content" not in message else "null" if content is None
+           else f"a JSON {type(content).__name__}")
+    raise ValueError(f"{at}.content is {got}; {expected}")

@@ -40,8 +40,10 @@ class ChatRows(NamedTuple):
 
 
 def pack_chats(chats: Sequence[Sequence[dict]], template: ChatTemplate, seq_len: int,
-               pad_id: int, loss_on: str = "assistant") -> ChatRows:
-    """Renders and packs ``chats`` into rows of ``seq_len + 1`` tokens (first fit, in order).
+               pad_id: int, loss_on: str = "assistant",
+               where: Sequence[str] | None = None) -> ChatRows:
+    """Renders and packs ``chats`` into rows of ``seq_len + 1`` tokens (first fit, in order);
+    ``where``: each conversation's ``FILE:LINE``, named when the template fails on it.
 
     Example::
 
@@ -53,8 +55,13 @@ def pack_chats(chats: Sequence[Sequence[dict]], template: ChatTemplate, seq_len:
     bins: list[list[tuple[np.ndarray, np.ndarray]]] = []
     room: list[int] = []
     truncated = 0
-    for chat in chats:
-        ids, mask = template.encode(chat, loss_on)
+    for k, chat in enumerate(chats):
+        try:
+            ids, mask = template.encode(chat, loss_on)
+        except ValueError as e:
+            if where is None:
+                raise
+            raise ValueError(f"--data {where[k]}: {e}") from None
         if len(ids) > width:
             ids, mask, truncated = ids[:width], mask[:width], truncated + 1
         for b, free in enumerate(room):

@@ -10,12 +10,11 @@ key or a wrongly typed value is a `UsageError` naming the file and the flag.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from shardax.filecheck import read_regular
+from shardax.filecheck import parse_json, read_text
 from shardax.train.config import UsageError, coerce, hints
 
 __all__ = ["from_dict", "load_file"]
@@ -50,10 +49,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     where = f"--config {path}"
     try:  # a regular file of bounded size: never hang on a FIFO, never read without limit
-        text = read_regular(path, limit=MAX_CONFIG_BYTES).decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{where}: cannot read it (not UTF-8 text: {e.reason} at byte "
-                         f"{e.start})") from None
+        text = read_text(path, limit=MAX_CONFIG_BYTES)
     except ValueError as e:
         raise UsageError(f"--config {e}") from None
     try:
@@ -72,7 +68,10 @@ def load_file(path: str | Path) -> dict[str, Any]:
                 import tomli as tomllib
             values = tomllib.loads(text)
         elif suffix == ".json":
-            values = json.loads(text)
+            try:  # bounded nesting, no lone surrogates: see shardax.filecheck
+                values = parse_json(text, where)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         else:
             raise UsageError(f"{where}: unknown file type {suffix!r}; use .yaml, .toml or .json")
     except UsageError:

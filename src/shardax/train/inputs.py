@@ -24,7 +24,7 @@ import jax
 from shardax import models
 from shardax.distributed import batch_part
 from shardax.train import data as data_lib
-from shardax.train.chat import ChatTemplate, is_chat_file, read_chats
+from shardax.train.chat import ChatTemplate, chat_records, is_chat_file
 from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
 from shardax.train.config import TrainConfig, UsageError
 from shardax.train.resolve import Resolved
@@ -170,12 +170,14 @@ def _chat_inputs(config: TrainConfig, tokenizer: Tokenizer, part: int, parts: in
     log = print if jax.process_index() == 0 else (lambda *a: None)
     try:
         template = ChatTemplate(directory)
-        chats = [c for path in config.data for c in read_chats(path)]
-        held = chats[9::10] if len(chats) >= 10 else []
-        train = [c for i, c in enumerate(chats) if i % 10 != 9] if held else chats
-        rows = pack_chats(train, template, config.seq_len, tokenizer.eos_id, config.loss_on)
-        val_rows = (pack_chats(held, template, config.seq_len, tokenizer.eos_id,
-                               config.loss_on) if held else rows)
+        records = [r for path in config.data for r in chat_records(path)]
+        held = records[9::10] if len(records) >= 10 else []
+        train = [r for i, r in enumerate(records) if i % 10 != 9] if held else records
+        rows = pack_chats([m for _, m in train], template, config.seq_len, tokenizer.eos_id,
+                          config.loss_on, where=[w for w, _ in train])
+        val_rows = (pack_chats([m for _, m in held], template, config.seq_len,
+                               tokenizer.eos_id, config.loss_on, where=[w for w, _ in held])
+                    if held else rows)
         if rows.tokens.max() >= tokenizer.vocab_size:
             raise ValueError(f"--data: token id {rows.tokens.max()} is outside the vocabulary "
                              f"of {tokenizer.vocab_size}")
@@ -183,7 +185,7 @@ def _chat_inputs(config: TrainConfig, tokenizer: Tokenizer, part: int, parts: in
         val = chat_val_batches(val_rows, config.batch_size, VAL_BATCHES, part, parts)
     except (OSError, ValueError) as e:
         raise UsageError(str(e)) from None
-    log(f"chat data: {len(chats)} conversations packed into {len(rows.tokens)} rows of "
+    log(f"chat data: {len(records)} conversations packed into {len(rows.tokens)} rows of "
         f"{config.seq_len + 1} tokens (loss on {config.loss_on} tokens); "
         f"{rows.truncated + (val_rows.truncated if held else 0)} longer than --seq-len "
         "truncated")

@@ -18,7 +18,6 @@ is raised without saving it (the CLI exits with 3).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from jax.experimental import multihost_utils
 from shardax import _compat
 from shardax.devices import device_spec
 from shardax.distributed import RESTART_ENV
+from shardax.filecheck import read_json
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import (
@@ -216,8 +216,8 @@ def _model_name(run: Resolved) -> str:
     if run.init_dir is None:
         return run.config.model
     try:
-        family = json.loads((run.init_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
+        family = read_json(run.init_dir / "config.json").get("model_type")
+    except (ValueError, AttributeError):
         family = None
     return f"{family or type(run.model_config).__name__} from {run.config.init_from}"
 

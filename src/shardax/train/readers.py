@@ -14,7 +14,9 @@ Formats, by file name:
 - ``*.u8`` / ``*.u16`` / ``*.u32``: token ids, that unsigned little-endian integer type.
   ``*.bin`` too, with ``--token-dtype uint16|uint32`` (as nanoGPT writes them).
 - anything else: a text file (UTF-8, no NUL bytes in its first 8 KiB), one document per file.
-  Inside a directory, files that are none of these (binaries, hidden files) are skipped.
+  Inside a directory, files that are none of these (binaries, hidden files) are skipped. A
+  byte that is not UTF-8 further into a text file is refused (naming the file, line and
+  offset), as Hugging Face ``datasets`` does, rather than trained on as U+FFFD.
 
 Example::
 
@@ -25,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from shardax.filecheck import parse_json
 
 __all__ = [
     "TOKEN_DTYPES",
@@ -182,22 +185,49 @@ def list_data_files(paths: Sequence[str | os.PathLike],
 
 
 def _text_pieces(path: Path) -> Iterator[Piece]:
-    """A text file in pieces of about `PIECE_BYTES`, cut after a newline when there is one."""
+    """A text file in pieces of about `PIECE_BYTES`, cut after a newline when there is one
+    (else between two UTF-8 characters), each checked to be UTF-8."""
     with open(path, "rb") as f:
-        carry, first = b"", True
+        carry, first, line, offset = b"", True, 1, 0
         while True:
             block = f.read(PIECE_BYTES)
             data = carry + block
             if not block:  # the end: always a last piece (maybe empty) to close the document
+                _check_utf8(path, data, line, offset)
                 yield Piece(data, first, True)
                 return
             cut = data.rfind(b"\n") + 1
             if cut == 0 or len(data) - cut > PIECE_BYTES:  # no line end close enough
-                cut = len(data)
+                cut = len(data) - _partial_char(data)
             carry = data[cut:]
             if data[:cut]:
+                _check_utf8(path, data[:cut], line, offset)
+                line, offset = line + data.count(b"\n", 0, cut), offset + cut
                 yield Piece(data[:cut], first, False)
                 first = False
+
+
+def _partial_char(data: bytes) -> int:
+    """How many bytes at the end of ``data`` begin a UTF-8 character that they do not end."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b < 0x80:  # ASCII: complete
+            return 0
+        if b >= 0xC0:  # a lead byte: its character takes 2, 3 or 4 bytes
+            return back if (2 if b < 0xE0 else 3 if b < 0xF0 else 4) > back else 0
+    return 0
+
+
+def _check_utf8(path: Path, data: bytes, line: int, offset: int) -> None:
+    """A DataError naming the file, line and offset unless ``data`` (which starts on ``line``,
+    at byte ``offset`` of the file) is UTF-8."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line += data.count(b"\n", 0, e.start)
+        raise DataError(f"--data {path}: not UTF-8 text (byte {data[e.start]:#04x} on line "
+                        f"{line}, offset {offset + e.start}); convert the file to UTF-8, e.g. "
+                        "with iconv") from None
 
 
 def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
@@ -205,10 +235,10 @@ def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
+            try:  # strict UTF-8, bounded nesting, no lone surrogate: see shardax.filecheck
+                record = parse_json(line, f"--data {path} line {number}")
             except ValueError as e:
-                raise DataError(f"--data {path} line {number}: not JSON ({e})") from None
+                raise DataError(str(e)) from None
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise DataError(f"--data {path} line {number}: no {text_field!r} field "

@@ -148,7 +148,7 @@ class MetricsLog:
             try:
                 record = json.loads(line)
                 ok = isinstance(record, dict) and isinstance(record.get("step"), int)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # garbled, or nested without end
                 ok = False
             if ok:
                 records.append(record)

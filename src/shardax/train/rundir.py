@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardax.filecheck import read_json
 from shardax.mesh import parse_mesh_string
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError, flag
@@ -99,18 +100,14 @@ def load_run_config(out: str | Path, flag_name: str = "--out") -> TrainConfig:
     path = out / CONFIG_FILE
     if not out.is_dir():
         raise UsageError(f"{flag_name} {out}: no such run directory")
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
+    if not (path.exists() or path.is_symlink()):
         raise UsageError(f"{flag_name} {out}: no {CONFIG_FILE}; it is not a shardax run "
-                         "directory") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: cannot read it ({_os_reason(e)})") from None
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{path} is not valid JSON ({e}); restore it from a copy, or copy "
-                         "'config' from a checkpoint's extra/metadata") from None
+                         "directory")
+    try:  # bounded size and nesting, strict UTF-8: see shardax.filecheck
+        values = read_json(path)
+    except ValueError as e:
+        raise UsageError(f"{e}; restore it from a copy, or copy 'config' from a checkpoint's "
+                         "extra/metadata") from None
     if isinstance(values, dict):
         # A run from before --pack trained its rows as one stream: it keeps doing so.
         values.setdefault("pack", "concat")

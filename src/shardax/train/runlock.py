@@ -61,7 +61,7 @@ def _read(fd: int) -> dict:
     raw = os.read(fd, 1 << 16)
     try:
         info = json.loads(raw.decode("utf-8", errors="replace"))
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # a damaged lock file: no holder to name
         return {}
     return info if isinstance(info, dict) else {}
 

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shardax.filecheck import read_regular
+from shardax.filecheck import decode_utf8, read_json, read_regular
+from shardax.train.chat_source import template_files
 
 __all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
-           "load_tokenizer", "run_tokenizer"]
+           "load_tokenizer", "read_tokenizer_config", "run_tokenizer", "special_token"]
 
 #: ``--tokenizer`` value of the byte-level tokenizer.
 BYTES = "bytes"
@@ -87,11 +88,19 @@ class Tokenizer:
     def export(self, directory: str | Path, model_max_length: int) -> dict[str, int]:
         """Writes the Hugging Face tokenizer files of an exported model into ``directory``
         (``tokenizer.json``, ``tokenizer_config.json`` with the special tokens and any
-        ``chat_template``, ``special_tokens_map.json``) so that ``AutoTokenizer`` loads it;
+        ``chat_template``, ``special_tokens_map.json``, and the chat template files as they
+        were found: ``chat_template.jinja``, ``additional_chat_templates/``) so that
+        ``AutoTokenizer`` loads it (an earlier export's template files that this tokenizer
+        lacks are removed: transformers would prefer them to this one's template);
         returns the special ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id`` where
         there is one) for ``config.json`` and ``generation_config.json``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        source = getattr(self, "directory", None)
+        ours = template_files(source) if source is not None else []
+        for name in template_files(directory):
+            if name not in ours and not (directory / name).parent.is_symlink():
+                (directory / name).unlink()
         config = self._write_tokenizer_json(directory / "tokenizer.json")
         special = self.special_tokens()
         config = {"tokenizer_class": "PreTrainedTokenizerFast",
@@ -167,10 +176,12 @@ class HFTokenizer(Tokenizer):
         self.directory = self.path.parent
         try:  # a regular file only: a FIFO or device is refused, not waited on
             raw = read_regular(self.path, limit=MAX_TOKENIZER_BYTES)
+            text = decode_utf8(raw, str(self.path))
+            self.config = read_tokenizer_config(self.directory)
         except ValueError as e:
             raise ValueError(f"--tokenizer {e}") from None
         try:
-            self._tok = _Tokenizer.from_str(raw.decode("utf-8"))
+            self._tok = _Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises its own Exception types for bad JSON
             raise ValueError(f"--tokenizer {self.path}: not a Hugging Face tokenizer.json "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
@@ -183,17 +194,15 @@ class HFTokenizer(Tokenizer):
 
     def _find_eos(self, vocab: dict[str, int]) -> int:
         config = self.directory / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-            except (OSError, ValueError) as e:
-                raise ValueError(f"--tokenizer: cannot read {config}: {e}") from None
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if eos is not None:
-                if eos not in vocab:
-                    raise ValueError(f"--tokenizer: eos_token {eos!r} of {config} is not "
-                                     f"in the vocabulary of {self.path}")
-                return vocab[eos]
+        try:
+            eos = special_token(self.config, "eos_token", config)
+        except ValueError as e:
+            raise ValueError(f"--tokenizer {e}") from None
+        if eos is not None:
+            if eos not in vocab:
+                raise ValueError(f"--tokenizer: eos_token {eos!r} of {config} is not "
+                                 f"in the vocabulary of {self.path}")
+            return vocab[eos]
         for name in _EOS_NAMES:
             if name in vocab:
                 return vocab[name]
@@ -231,22 +240,14 @@ class HFTokenizer(Tokenizer):
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
                 shutil.copyfile(source, directory / name)
-
-    def _config(self) -> dict:
-        """The ``tokenizer_config.json`` beside ``tokenizer.json`` ({} without one)."""
-        path = self.directory / "tokenizer_config.json"
-        try:
-            config = json.loads(path.read_text()) if path.is_file() else {}
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--tokenizer: cannot read {path}: {e}") from None
-        return config if isinstance(config, dict) else {}
+        for name in template_files(self.directory):
+            _copy_into(self.directory / name, directory, name)
 
     def special_tokens(self) -> dict[str, tuple[str, int]]:
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        config, out = self._config(), {}
+        out = {}
         for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
-            text = config.get(key)
-            text = text.get("content") if isinstance(text, dict) else text
+            text = special_token(self.config, key, self.directory / "tokenizer_config.json")
             if isinstance(text, str) and text in vocab:
                 out[key] = (text, vocab[text])
         out["eos_token"] = (self._tok.id_to_token(self.eos_id), self.eos_id)
@@ -257,8 +258,10 @@ class HFTokenizer(Tokenizer):
     def _write_tokenizer_json(self, path: Path) -> dict:
         if path.resolve() != self.path.resolve():
             shutil.copyfile(self.path, path)
+            for name in template_files(self.directory):  # chat templates, as they were found
+                _copy_into(self.directory / name, path.parent, name)
         # Kept as they are: the chat template, added tokens' flags, the tokenizer's class.
-        return {k: v for k, v in self._config().items()
+        return {k: v for k, v in self.config.items()
                 if k not in ("bos_token", "eos_token", "pad_token", "unk_token",
                              "model_max_length")}
 
@@ -270,6 +273,53 @@ def _byte_char(b: int) -> str:
     if b in printable:
         return chr(b)
     return chr(256 + sum(1 for x in range(b) if x not in printable))
+
+
+def _copy_into(source: Path, root: Path, name: str) -> None:
+    """Copies ``source`` to ``root / name`` (``name`` may be in a folder of ``root``), replacing
+    a symlink there (file or folder) instead of writing through it to outside ``root``."""
+    target = root / name
+    if target.parent != root and target.parent.is_symlink():
+        target.parent.unlink()
+    target.parent.mkdir(exist_ok=True)
+    if target.is_symlink():
+        target.unlink()
+    shutil.copyfile(source, target)
+
+
+def read_tokenizer_config(directory: str | Path) -> dict:
+    """The ``tokenizer_config.json`` of a tokenizer directory as a dict ({} without one): a
+    bounded read; a ValueError names the file when it is not a JSON object.
+
+    Example::
+
+        read_tokenizer_config("models/llama").get("eos_token")     # '<|eot_id|>'
+    """
+    path = Path(directory) / "tokenizer_config.json"
+    if not os.path.lexists(path):
+        return {}
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a JSON {type(config).__name__}, expected an object such as "
+                         '{"eos_token": "</s>", ...}')
+    return config
+
+
+def special_token(config: dict, key: str, path: str | Path) -> str | None:
+    """The text of special token ``key`` of a ``tokenizer_config.json`` (``config``, read from
+    ``path``): a string or ``{"content": string}``; None when absent or null. Any other value
+    is a ValueError naming the file and the key.
+
+    >>> special_token({"eos_token": {"content": "</s>"}}, "eos_token", "tokenizer_config.json")
+    '</s>'
+    """
+    token = config.get(key)
+    text = token.get("content") if isinstance(token, dict) else token
+    if text is None and not isinstance(token, dict) or isinstance(text, str):
+        return text
+    kind = ("an object without a string 'content'" if isinstance(token, dict) else
+             f"a JSON {type(token).__name__}")
+    raise ValueError(f"{path}: {key} is {kind}, expected a string or " '{"content": string}')
 
 
 def has_tokenizer(directory: str | Path) -> bool:
