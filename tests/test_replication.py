@@ -135,9 +135,9 @@ def test_unknown_logical_names_warn_once_naming_paths_names_and_rules(dp_fsdp_tp
     (message,) = [str(w.message) for w in caught]
     assert "1 leaf of at least 64 B is replicated on all 8 devices" in message
     assert "params/emb/value (64x32 float32, 8.00 KiB)" in message
-    assert "logical name 'vocabulary' of dim 0 (names ('vocabulary', 'hidden'))" in message
-    assert "'hidden' of dim 1" in message and "'embed', " in message  # the rules' names
-    assert "is not a mesh axis ('dp', 'fsdp', 'tp')" in message
+    assert ("logical names 'vocabulary' (dim 0) and 'hidden' (dim 1) of ('vocabulary', "
+            "'hidden') are in no rule (the rules name 'batch', 'mlp', ") in message
+    assert "are not mesh axes ('dp', 'fsdp', 'tp'): replicated" in message
     assert "up" not in re.sub(r"\(.*?\)", "", message.split("\n")[1])
     assert "warn_replicated_bytes=None" in message
     with no_replication_warning():  # once per function, a new signature included
@@ -154,8 +154,8 @@ def test_mesh_axis_names_the_mesh_lacks_warn(fsdp8):
     f = fsdp8.sjit(total, in_shardings=(LogicalAxisRules([("embed", "fsdp")]),),
                    warn_replicated_bytes=1024)
     with pytest.warns(ReplicationWarning, match=r"params/w/value \(16x64 float32, 4\.00 KiB\)"
-                      r": logical name 'data' of dim 0 .* is in no rule \(the rules name "
-                      r"'embed'\) and is not a mesh axis \('fsdp',\)"):
+                      r": logical names 'data' \(dim 0\) and 'model' \(dim 1\) of .* are in no "
+                      r"rule \(the rules name 'embed'\) and are not mesh axes \('fsdp',\)"):
         f(params)
 
 
@@ -199,4 +199,5 @@ def test_verify_reports_unknown_names_too(fsdp8):
     """The warning's findings are verify's: an unknown name is a finding of its own kind."""
     found = rule_findings(RULES, {"w": boxed((16, 64), ("embed", "hidden"))}, fsdp8.mesh)
     assert [(f.kind, f.leaf) for f in found] == [("unknown", 0)]
-    assert "logical name 'hidden' of dim 1" in found[0].message
+    assert "logical name 'hidden' (dim 1) of ('embed', 'hidden') is in no rule" in \
+        found[0].message

@@ -122,14 +122,20 @@ def _logical(rule: LogicalAxisRules, leaf: Any, sizes: dict[str, int]
     if names is None:
         return
     spec = _padded(rule.spec_for(names), len(names))
+    ruled = {n for n, _ in rule.rules}
+    unknown = [f"{name!r} (dim {dim})" for dim, name in enumerate(names)
+               if name is not None and name not in ruled and name not in sizes]
+    if unknown:
+        known = ", ".join(dict.fromkeys(repr(n) for n, _ in rule.rules)) or "none"
+        one = len(unknown) == 1
+        yield "unknown", (f"logical name{'' if one else 's'} {' and '.join(unknown)} of "
+                          f"{names} {'is' if one else 'are'} in no rule (the rules name "
+                          f"{known}) and {'is not a mesh axis' if one else 'are not mesh axes'} "
+                          f"{tuple(sizes)}: replicated")
     for dim, name in enumerate(names):
         wanted = [axes for n, axes in rule.rules if n == name]
         if name is not None and not wanted and name not in sizes:
-            known = ", ".join(dict.fromkeys(repr(n) for n, _ in rule.rules)) or "none"
-            yield "unknown", (f"logical name {name!r} of dim {dim} (names {names}) is in no "
-                              f"rule (the rules name {known}) and is not a mesh axis "
-                              f"{tuple(sizes)}: replicated")
-            continue
+            continue  # unknown: said above
         if not wanted and name in sizes:
             wanted = [name]  # a mesh axis's own name stands for it (LogicalAxisRules.spec_for)
         if name is None or spec[dim] is not None or not wanted or wanted[0] is None:
