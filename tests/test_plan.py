@@ -6,6 +6,7 @@ full gradient). The HLO parser is also checked on hand-written HLO text.
 """
 
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -222,8 +223,13 @@ def test_unused_inputs_are_rows_with_no_bytes(fsdp8):
 def _eqx_params():
     import equinox as eqx
 
-    mlp = eqx.nn.MLP(16, 8, 16, depth=1, key=jax.random.key(0))  # activations: None leaves
-    return eqx.partition(mlp, eqx.is_array)[0]
+    class Layer(eqx.Module):
+        weight: np.ndarray
+        activation: Any  # a function: None in the array half
+        width: int  # a Python int: None in the array half (eqx.is_array)
+
+    layers = [Layer(ones(3), jnp.tanh, 3), Layer(ones(16, 8), jax.nn.relu, 8)]
+    return eqx.partition(layers, eqx.is_array)[0]
 
 
 @pytest.mark.parametrize("params", [

@@ -192,7 +192,7 @@ def test_a_correctly_ruled_nnx_model_does_not_warn(dp_fsdp_tp):
         model = dp_fsdp_tp.sjit(lambda: GuideMLP(nnx.Rngs(0)), out_shardings=RULES,
                                 warn_replicated_bytes=0)()
         dp_fsdp_tp.sjit(lambda m, x: m(x), in_shardings=(RULES, P(("dp", "fsdp"))),
-                        warn_replicated_bytes=0)(model, np.ones((8, 32), np.float32))
+                        warn_replicated_bytes=0).lower(model, np.ones((8, 32), np.float32))
 
 
 def test_verify_reports_unknown_names_too(fsdp8):
