@@ -227,10 +227,11 @@ def test_linen_axis_rules_drop_axes_the_mesh_lacks():
     fsdp_only = MeshShardingHelper([-1], ["fsdp"]).mesh
     rules = [("batch", ("dp", "fsdp")), ("mlp", "tp"), ("mlp", None), ("embed", "fsdp")]
     assert linen_rules.axis_rules(rules, fsdp_only) == (
-        ("batch", "fsdp"), ("mlp", None), ("embed", "fsdp"))
-    # Flax then resolves exactly as LogicalAxisRules does.
+        ("batch", "fsdp"), ("mlp", None), ("embed", "fsdp"), ("fsdp", "fsdp"))
+    # Flax then resolves exactly as LogicalAxisRules does (a mesh axis's own name included).
     flax_rules = linen_rules.axis_rules(rules, fsdp_only)
-    for names in [("batch", "mlp"), ("embed", "mlp"), ("batch", "embed")]:
+    for names in [("batch", "mlp"), ("embed", "mlp"), ("batch", "embed"), ("mlp", "fsdp"),
+                  ("embed", "fsdp")]:
         assert nn.logical_to_mesh_axes(names, flax_rules) == \
             LogicalAxisRules(rules).spec_for(names, fsdp_only)
 

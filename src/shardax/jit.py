@@ -38,6 +38,7 @@ from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
 from shardax.frameworks.nnx import InPlace, in_place_for
 from shardax.inspect import ShardingPlan
+from shardax.rulecheck import warn_replicated
 from shardax.rules import LogicalAxisRules, ShardingRule, match_shardings_flat
 from shardax.utils import tree_path_to_string
 
@@ -45,6 +46,7 @@ __all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]
 
 _SCALARS = (bool, int, float, complex)
 CACHE_SIZE = 64  # resolved signatures kept per sjit function (least recently used dropped)
+WARN_REPLICATED_BYTES = 2**20  # leaves this large that the rules leave replicated: a warning
 
 
 class _NewSignature(Exception):
@@ -137,6 +139,7 @@ class ShardedFunction:
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Sequence[str] | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
+        warn_replicated_bytes: float | None = WARN_REPLICATED_BYTES,
         **jit_kwargs: Any,
     ):
         if not callable(fun):
@@ -152,6 +155,8 @@ class ShardedFunction:
             self.in_shardings, self.out_shardings, self.args_sharding_constraint
         )
         self.jit_kwargs = jit_kwargs
+        self.warn_replicated_bytes = warn_replicated_bytes  # None: never warn
+        self._warned = False  # a ReplicationWarning is given once per function
         self._cache: OrderedDict[tuple, _Signature] = OrderedDict()
         self._fast: _Fast | None = None
         try:
@@ -319,12 +324,16 @@ class ShardedFunction:
                 out_shape = out_shape[0]
             else:
                 in_place = None  # reads its NNX arguments, or returns new ones: nothing to do
+        checked = [(self.in_shardings, dyn_args, arg_specs, paths[:n_args])]
         if self.out_shardings is not None:
+            out_flat = match_shardings_flat(self.out_shardings, out_shape, mesh,
+                                            what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(out_shape),
-                match_shardings_flat(self.out_shardings, out_shape, mesh,
-                                     what="out_shardings"),
-            )
+                jax.tree_util.tree_structure(out_shape), out_flat)
+            checked.append((self.out_shardings, out_shape, out_flat, _output_paths(out_shape)))
+        if self.warn_replicated_bytes is not None and not self._warned:
+            self._warned = warn_replicated(getattr(self.fun, "__qualname__", repr(self.fun)),
+                                           mesh, self.warn_replicated_bytes, checked)
         jit_out = out_shardings
         if in_place is not None:  # an updated Variable keeps the sharding it came in with
             jit_out = (out_shardings, [in_shardings[k] for k, kind, _ in in_place.sources
@@ -546,6 +555,11 @@ def _find_logical_rules(*rule_trees: Any) -> LogicalAxisRules | None:
     return None
 
 
+def _output_paths(tree: Any) -> list[str]:
+    """``output/...`` paths of an output tree's leaves, as the ``ShardingPlan`` names them."""
+    return [_join("output", p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def _join(name: str, path: tuple) -> str:
     rest = tree_path_to_string(path, sep="/")
     return f"{name}/{rest}" if rest else name
@@ -602,6 +616,7 @@ def sjit(
     *,
     mesh: Any = None,
     logical_axis_rules: LogicalAxisRules | None = None,
+    warn_replicated_bytes: float | None = WARN_REPLICATED_BYTES,
     **jit_kwargs: Any,
 ) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:
     """``jax.jit`` with sharding *rules* for inputs, outputs, arguments and annotations.
@@ -619,6 +634,10 @@ def sjit(
       mesh: the ``MeshShardingHelper``; defaults to the innermost active context's.
       logical_axis_rules: maps the names given to ``with_logical_constraint`` inside the
         function; defaults to the first ``LogicalAxisRules`` among the rules above.
+      warn_replicated_bytes: the first time the rules resolve, leaves of at least this many
+        bytes that they leave replicated on every device without being asked to (a logical
+        name no rule knows, an axis that divides no dimension) give one
+        ``shardax.ReplicationWarning`` naming them; None never warns.
       **jit_kwargs: passed to ``jax.jit`` (``static_argnames``, ``donate_argnums``,
         ``donate_argnames``...).
 
@@ -633,6 +652,7 @@ def sjit(
         args_sharding_constraint=args_sharding_constraint,
         annotation_shardings=annotation_shardings,
         logical_axis_rules=logical_axis_rules,
+        warn_replicated_bytes=warn_replicated_bytes,
         **jit_kwargs,
     )
     if fun is None:

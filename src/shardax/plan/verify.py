@@ -21,7 +21,7 @@ rules)``:
 losses, gradients (every step) and the final parameters, each leaf's maximum absolute
 difference relative to that leaf's largest magnitude. Also reported per layout: parameter
 leaves of at least ``large_bytes`` left replicated (a warning: memory), what the rules
-silently drop or disagree on (`shardax.plan.rulecheck`: an axis a rule names that the mesh
+silently drop or disagree on (`shardax.rulecheck`: an axis a rule names that the mesh
 lacks or cannot divide, two rules matching one leaf differently, one mesh axis wanted by two
 dims), per-device memory of the compiled step and the bytes per collective kind.
 
@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardax.hlo import hlo_collectives, memory_bytes, peak_bytes, summarize_collectives
 from shardax.inspect import _human
 from shardax.mesh import parse_mesh_string
-from shardax.plan.rulecheck import rule_findings
+from shardax.rulecheck import rule_findings
 from shardax.rules import match_specs_flat
 from shardax.train.config import UsageError
 
