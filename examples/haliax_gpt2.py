@@ -238,8 +238,9 @@ def train_sharded(mesh: MeshShardingHelper, config: Gpt2Config, optimizer, steps
 def train_one_device(config: Gpt2Config, optimizer, steps: int, batch_size: int = 8):
     """The same training with plain ``eqx.filter_jit`` on one device."""
     with jax.default_device(jax.devices()[0]):
-        model = Gpt2LMHeadModel.init(config, key=jax.random.key(0))
-        opt_state = init_opt_state(optimizer)(model)
+        model = eqx.filter_jit(lambda key: Gpt2LMHeadModel.init(config, key=key))(
+            jax.random.key(0))
+        opt_state = eqx.filter_jit(init_opt_state(optimizer))(model)
         step = eqx.filter_jit(make_train_step(config, optimizer))
         losses = []
         for input_ids, keys in batches(config, batch_size, steps):
