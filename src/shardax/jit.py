@@ -25,13 +25,13 @@ import contextlib
 import functools
 import inspect as _inspect
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from shardax import _compat, _context
 from shardax.constraints import with_sharding_constraint
@@ -40,7 +40,12 @@ from shardax.frameworks import equinox as static_leaves
 from shardax.frameworks.nnx import InPlace, in_place_for
 from shardax.inspect import ShardingPlan
 from shardax.rulecheck import warn_replicated
-from shardax.rules import LogicalAxisRules, ShardingRule, match_shardings_flat
+from shardax.rules import (
+    LogicalAxisRules,
+    ShardingRule,
+    mappings_as_rules,
+    match_shardings_flat,
+)
 from shardax.utils import tree_path_to_string
 
 __all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]
@@ -63,25 +68,8 @@ def _as_tuple(x: int | str | Sequence[Any] | None) -> tuple:
 def _rule_tuple(rules: Any) -> Any:
     """scalax accepted lists for per-argument rules; jax trees treat lists and tuples alike
     only when both sides agree, so lists become tuples. A Haliax ``ResourceMapping`` anywhere
-    in the rule tree (``{"embed": "data", "mlp": "model"}``) becomes ``LogicalAxisRules``."""
-    rules = tuple(rules) if isinstance(rules, list) else rules
-    return jax.tree_util.tree_map(
-        lambda x: LogicalAxisRules(x) if _is_resource_mapping(x) else x, rules,
-        is_leaf=lambda x: _is_resource_mapping(x) or x is None
-        or isinstance(x, (PartitionSpec, ShardingRule)))
-
-
-def _is_resource_mapping(x: Any) -> bool:
-    """A dict from logical names to mesh axes (Haliax's ``ResourceMapping``), which no rule
-    tree could be otherwise: its values are neither rules, specs nor None."""
-
-    def mesh_axes(v: Any) -> bool:
-        return isinstance(v, str) or (
-            isinstance(v, (tuple, list)) and not isinstance(v, PartitionSpec) and bool(v)
-            and all(isinstance(a, str) for a in v))
-
-    return isinstance(x, Mapping) and bool(x) and all(
-        isinstance(k, str) and mesh_axes(v) for k, v in x.items())
+    in the rule tree becomes ``LogicalAxisRules`` (so it also maps activation names)."""
+    return mappings_as_rules(tuple(rules) if isinstance(rules, list) else rules)
 
 
 def _leaf_key(x: Any) -> tuple:
@@ -167,8 +155,7 @@ class ShardedFunction:
         if annotation_shardings is not None:
             annotation_shardings = {k: _rule_tuple(v) for k, v in annotation_shardings.items()}
         self.annotation_shardings = annotation_shardings
-        if _is_resource_mapping(logical_axis_rules):
-            logical_axis_rules = LogicalAxisRules(logical_axis_rules)
+        logical_axis_rules = mappings_as_rules(logical_axis_rules)
         self.logical_axis_rules = logical_axis_rules or _find_logical_rules(
             self.in_shardings, self.out_shardings, self.args_sharding_constraint
         )
