@@ -579,3 +579,12 @@ def test_spec_longer_than_rank_in_in_shardings(mesh):
     f = mesh.sjit(lambda x: x, in_shardings=PS("fsdp", None))
     with pytest.raises(ValueError, match=r"'x'.*\(8,\).*rank"):
         f(arange(8))
+
+
+def test_static_leaves_next_to_nnx_objects_are_one_clear_error(mesh):
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    f = mesh.sjit(lambda m, x, fn: fn(m(x)))
+    with pytest.raises(TypeError, match=r"'fn' is not an array .* NNX"):
+        f(model, arange(8).reshape(1, 8), jnp.tanh)

@@ -242,6 +242,12 @@ class ShardedFunction:
         mask = static_leaves.static_mask((dyn_args, dyn_kwargs))
         if mask is not None:  # functions, strings, a module's Python numbers: kept static
             static_leaf = self._check_static(dyn_args, dyn_kwargs, static_args, mask)
+            if in_place_for((dyn_args, dyn_kwargs)) is not None:
+                raise TypeError(
+                    f"sjit: argument {static_leaf!r} is not an array (sjit would keep it "
+                    f"static) and the call also passes Flax NNX objects, whose in-place "
+                    f"updates sjit cannot write back next to static leaves; pass it as a "
+                    f"static argument (static_argnums / static_argnames) or close over it")
             dyn_args, dyn_kwargs = static_leaves.wrap((dyn_args, dyn_kwargs), mask)
         flat, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         leaf_keys = tuple(_leaf_key(x) for x in flat)
@@ -252,12 +258,6 @@ class ShardedFunction:
         if entry is None:
             entry = self._build(helper, static_args, static_kwargs, dyn_args, dyn_kwargs, treedef)
             entry.static_leaf = static_leaf
-            if static_leaf is not None and entry.in_place is not None:
-                raise TypeError(
-                    f"sjit: argument {static_leaf!r} is not an array (kept static) and the call "
-                    f"also passes Flax NNX objects, whose in-place updates sjit cannot write "
-                    f"back next to static leaves; pass it as a static argument "
-                    f"(static_argnums / static_argnames) or close over it")
             self._cache[key] = entry
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
