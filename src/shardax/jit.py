@@ -225,13 +225,16 @@ class ShardedFunction:
             sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)
         )
         dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        for _, value in static_args + static_kwargs:
+        for where, value in static_args + static_kwargs:
             try:
                 hash(value)
-            except TypeError:
+            except TypeError as e:
+                shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
                 raise TypeError(
-                    f"static argument {value!r} of type {type(value).__name__} is not hashable; "
-                    f"static arguments must be hashable (as in jax.jit)"
+                    f"static argument {where!r} ({shown}) of type {type(value).__name__} is not "
+                    f"hashable ({e}); static arguments must be hashable (as in jax.jit). A "
+                    f"module or pytree can be passed as a dynamic argument instead: sjit keeps "
+                    f"its non-array leaves static, as eqx.filter_jit does"
                 ) from None
         return static_args, static_kwargs, dynamic_args, dynamic_kwargs
 
