@@ -38,13 +38,14 @@ def resource_mapping(rules: Iterable[tuple[str, Any]], mesh: Any | None = None
                      ) -> dict[str, str | tuple[str, ...]]:
     """``rules`` as a Haliax ``ResourceMapping``: each name to its first rule's mesh axes
     that ``mesh`` has (Haliax maps a name to one set of axes, with no fallbacks); names whose
-    first such rule is ``None`` (replicated) are left out.
+    first such rule is ``None`` (replicated) are left out, and each mesh axis no rule names
+    maps to itself, as in ``LogicalAxisRules``.
 
     >>> from shardax import LogicalAxisRules, MeshShardingHelper
     >>> mesh = MeshShardingHelper([-1, 2], ["data", "model"]).mesh
     >>> resource_mapping(LogicalAxisRules([("batch", ("replica", "data")), ("mlp", "model"),
     ...                                    ("mlp", "data"), ("embed", None)]), mesh)
-    {'batch': 'data', 'mlp': 'model'}
+    {'batch': 'data', 'mlp': 'model', 'data': 'data', 'model': 'model'}
     """
     first: dict[str, Any] = {}
     for name, axes in axis_rules(rules, mesh):
