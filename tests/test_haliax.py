@@ -136,3 +136,12 @@ def test_haliax_axis_mapping_is_the_compute_mapping_while_tracing(mesh):
     assert seen and all(m == expected for m in seen)
     assert y.array.sharding.spec == PartitionSpec("data", "model")
     assert hax.partitioning.current_thread_local_mapping() is None  # restored after the trace
+
+
+def test_replication_warning_names_haliax_axes_the_rules_do_not_know(mesh):
+    from shardax import ReplicationWarning
+
+    w = hax.ones((hax.Axis("mlp", 64), hax.Axis("heads", 4)))
+    with pytest.warns(ReplicationWarning, match=r"'mlp' \(dim 0\)"):
+        mesh.sjit(lambda w: w * 2, in_shardings=LogicalAxisRules([("embed", "data")]),
+                  warn_replicated_bytes=0)(w)
