@@ -20,6 +20,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardax import ReplicationWarning
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper
 
 hax = pytest.importorskip("haliax")
@@ -139,8 +140,6 @@ def test_haliax_axis_mapping_is_the_compute_mapping_while_tracing(mesh):
 
 
 def test_replication_warning_names_haliax_axes_the_rules_do_not_know(mesh):
-    from shardax import ReplicationWarning
-
     w = hax.ones((hax.Axis("mlp", 64), hax.Axis("heads", 4)))
     with pytest.warns(ReplicationWarning, match=r"'mlp' \(dim 0\)"):
         mesh.sjit(lambda w: w * 2, in_shardings=LogicalAxisRules([("embed", "data")]),
