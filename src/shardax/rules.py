@@ -30,6 +30,7 @@ __all__ = [
     "PolicyShardingRule",
     "HostOffloadRule",
     "LogicalAxisRules",
+    "mappings_as_rules",
     "match_specs",
     "match_shardings",
     "match_shardings_flat",
@@ -358,6 +359,31 @@ def check_spec(
             )
 
 
+def _is_resource_mapping(x: Any) -> bool:
+    """A dict from logical names to mesh axes (Haliax's ``ResourceMapping``), which a rule tree
+    could not be otherwise: its values are neither rules, specs nor None."""
+
+    def mesh_axes(v: Any) -> bool:
+        return isinstance(v, str) or (
+            isinstance(v, (tuple, list)) and not isinstance(v, PartitionSpec) and bool(v)
+            and all(isinstance(a, str) for a in v))
+
+    return isinstance(x, Mapping) and bool(x) and all(
+        isinstance(k, str) and mesh_axes(v) for k, v in x.items())
+
+
+def mappings_as_rules(rules: Any) -> Any:
+    """``rules`` with each Haliax ``ResourceMapping`` in it (``{"embed": "data", "mlp":
+    "model"}``) made the ``LogicalAxisRules`` it means.
+
+    >>> mappings_as_rules(({"mlp": "tp"}, PartitionSpec("dp")))
+    (LogicalAxisRules(rules=(('mlp', 'tp'),)), P('dp',))
+    """
+    return jax.tree_util.tree_map(
+        lambda x: LogicalAxisRules(x) if _is_resource_mapping(x) else x, rules,
+        is_leaf=lambda x: _is_resource_mapping(x) or _is_spec_leaf(x))
+
+
 def match_specs_flat(
     rules: Any,
     pytree: Any,
@@ -374,6 +400,7 @@ def match_specs_flat(
     ``memory_kinds``, when given, is extended with each leaf's memory kind (a
     :class:`HostOffloadRule`'s, else None: the default memory).
     """
+    rules = mappings_as_rules(rules)
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(pytree)
     if paths is None:
         paths = [tree_path_to_string(p, sep="/") for p, _ in path_leaves]
