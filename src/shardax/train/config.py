@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from shardax import models
+from shardax.filewrite import check_target_dir
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
@@ -498,6 +499,10 @@ def check_export(config: ExportConfig) -> ExportConfig:
     _usage(bool(config.to.strip()), "--to: give a directory to write")
     _usage(Path(config.to).resolve() != Path(config.out).resolve(),
            "--to: must differ from --out (the run directory is only read)")
+    try:  # an export writes only inside --to
+        check_target_dir(config.to, "--to")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return config
 
 

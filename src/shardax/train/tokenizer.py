@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from shardax.filecheck import read_regular
+from shardax.filewrite import copy_file, make_dir, replacing, write_text
 
 __all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
            "load_tokenizer", "run_tokenizer"]
@@ -90,16 +90,15 @@ class Tokenizer:
         ``chat_template``, ``special_tokens_map.json``) so that ``AutoTokenizer`` loads it;
         returns the special ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id`` where
         there is one) for ``config.json`` and ``generation_config.json``."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = make_dir(directory)
         config = self._write_tokenizer_json(directory / "tokenizer.json")
         special = self.special_tokens()
         config = {"tokenizer_class": "PreTrainedTokenizerFast",
                   "clean_up_tokenization_spaces": False, **config,
                   **{k: text for k, (text, _) in special.items()},
                   "model_max_length": model_max_length}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (directory / "special_tokens_map.json").write_text(json.dumps(
+        write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        write_text(directory / "special_tokens_map.json", json.dumps(
             {k: text for k, (text, _) in special.items()}, indent=2) + "\n")
         return {f"{k}_id": i for k, (_, i) in special.items() if k != "unk_token"}
 
@@ -139,7 +138,8 @@ class ByteTokenizer(Tokenizer):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([_byte_char(0)])  # NUL ends a document: decoded as nothing
-        tok.save(str(path))
+        with replacing(path) as tmp:
+            tok.save(str(tmp))
         return {}
 
 
@@ -224,13 +224,13 @@ class HFTokenizer(Tokenizer):
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        if directory.resolve() == self.directory.resolve():  # read from there: nothing to do
-            return
+        if not directory.is_symlink() and directory.resolve() == self.directory.resolve():
+            return  # read from there: nothing to do
+        make_dir(directory)
         for name in _FILES:
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
-                shutil.copyfile(source, directory / name)
+                copy_file(source, directory / name)
 
     def _config(self) -> dict:
         """The ``tokenizer_config.json`` beside ``tokenizer.json`` ({} without one)."""
@@ -255,8 +255,8 @@ class HFTokenizer(Tokenizer):
         return out
 
     def _write_tokenizer_json(self, path: Path) -> dict:
-        if path.resolve() != self.path.resolve():
-            shutil.copyfile(self.path, path)
+        if path.is_symlink() or path.resolve() != self.path.resolve():
+            copy_file(self.path, path)
         # Kept as they are: the chat template, added tokens' flags, the tokenizer's class.
         return {k: v for k, v in self._config().items()
                 if k not in ("bos_token", "eos_token", "pad_token", "unk_token",
