@@ -24,7 +24,7 @@ from flax import nnx
 
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
-from shardax.models.lora import add_lora, trainable
+from shardax.models.lora import LoRAError, add_lora, trainable
 from shardax.train.config import UsageError
 from shardax.train.resolve import Resolved
 from shardax.train.step import TrainState, init_state, train_step
@@ -89,7 +89,8 @@ def create_from_hf(run: Resolved) -> TrainState:
 
 def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper
              ) -> tuple[Any, Any]:
-    """The model's graphdef and the train state's shapes, without computing anything."""
+    """The model's graphdef and the train state's shapes, without computing anything; LoRA
+    settings that do not fit the model are a UsageError here, before anything is allocated."""
     graphdefs = []
 
     def state_only():
@@ -97,6 +98,10 @@ def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper
         graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
         return state
 
-    with mesh.get_context():
-        state_shape = jax.eval_shape(state_only)
+    try:
+        with mesh.get_context():
+            state_shape = jax.eval_shape(state_only)
+    except LoRAError as e:
+        raise UsageError(f"--lora-{e.setting} {getattr(model_config.lora, e.setting)}: {e}") \
+            from None
     return graphdefs[0], state_shape
