@@ -277,7 +277,7 @@ def compile_config(run: Resolved) -> Compiled:
     run = on_target(run)
     config = run.config
     graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
-    shardings = run.mesh.match_sharding_rule(run.state_rules, state_shape)
+    shardings = run.shardings(state_shape)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state_shape, shardings)
     batch = (jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32),) * 2

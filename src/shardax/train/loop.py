@@ -192,6 +192,8 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
     print(f"shardax train: {_model_name(run)} ({n_params / 1e6:.2f}M params, "
           f"{run.policy.params.name} weights) on {jax.device_count()} devices, mesh "
           f"{run.mesh.shape}, rules {config.rules!r}, precision {run.policy}")
+    if run.mesh_why:
+        print(f"mesh: {run.mesh_why}")
     print(_tokenizer_summary(p))
     print(run.optimizer_summary())
     lora = run.model_config.lora
@@ -321,7 +323,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     metrics_log = report.MetricsLog(run_dir.metrics)
     start, state, skipped = _initial_state(
-        p, state_shape, mesh.match_sharding_rule(run.state_rules, state_shape))
+        p, state_shape, run.shardings(state_shape))
     records = metrics_log.read(up_to=start, quiet=not is_main) if config.resume else []
     if state is None:
         _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
