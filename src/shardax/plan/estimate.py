@@ -320,7 +320,7 @@ def plan_config(config: TrainConfig, device: DeviceSpec,
     """Compile a checked ``config`` abstractly and estimate it on ``device`` (``hbm_bytes``
     defaults to the device's memory); a ``UsageError`` for a configuration the devices cannot
     run."""
-    run = resolve(config, usable_bytes(device, hbm_bytes))
+    run = resolve(config, usable_bytes(device, hbm_bytes), weights=False)
     return estimate(run, compile_config(run), device, hbm_bytes)
 
 

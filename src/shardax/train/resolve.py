@@ -90,16 +90,18 @@ def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str |
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
-                 pipelined: bool = False) -> Any:
+                 pipelined: bool = False, weights: bool = True) -> Any:
     """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
     the precision ``policy``, ``--remat``, ``--attention`` and ``--seq-len`` applied (no
     parallelism flags); layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in
-    checkpoints too)."""
+    checkpoints too). ``weights=False``: the ``--init-from`` model from its ``config.json``
+    alone (planning)."""
     scan = config.scan_layers or pipelined
     if init_dir is not None:
         try:
-            c = hf.load_config(init_dir, remat=config.remat, attention=config.attention,
-                               dtype=policy.compute, param_dtype=policy.params)
+            c = hf.load_config(init_dir, weights=weights, remat=config.remat,
+                               attention=config.attention, dtype=policy.compute,
+                               param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
         c = dataclasses.replace(c, scan_layers=c.scan_layers or scan)
@@ -460,17 +462,19 @@ def _bubble(mesh_shape: dict[str, int], model_config: Any) -> float:
     return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
 
 
-def resolve(config: TrainConfig, device_memory: float | None = None) -> Resolved:
+def resolve(config: TrainConfig, device_memory: float | None = None, *,
+            weights: bool = True) -> Resolved:
     """The run a checked config asks for on this machine's devices: mesh, rules, model config,
     precision, optimizer and schedule, FSDP mode, batch split and bubble, checked against each
     other (no data, no run directory: what ``shardax train`` and ``shardax plan`` share); what
     does not fit the devices is a UsageError. ``device_memory``: the bytes a device may hold,
     which `fsdp_mode` weighs (``shardax plan`` passes its target's); default: what this
-    machine's devices say (nothing on CPU)."""
+    machine's devices say (nothing on CPU). ``weights=False`` (planning): an ``--init-from``
+    model needs only its ``config.json``."""
     mesh = make_mesh(config.mesh)
     policy = Policy.from_string(config.precision)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
-    base = model_config(config, policy, init_dir)
+    base = model_config(config, policy, init_dir, weights=weights)
     tx, schedule = optimizer(config)
     mesh, mesh_why = _fit_fsdp(config, mesh, base, tx)
     try:
