@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from test_hostile_input import FIXTURE, one_line_error, shardax
 
+from shardax.cli import main
 from shardax.hf.configs import HF_MODEL_TYPES
 from shardax.train.checkpoint import list_steps
 
@@ -171,16 +172,21 @@ def test_bad_sizes_specs_and_run_folders_are_one_line_before_anything_is_written
     assert list((tmp_path / "elsewhere").iterdir()) == []
 
 
-def test_plan_from_config_json_alone_and_help_lists_the_importers_types(tmp_path):
-    """Planning sizes a model before its weights are downloaded; --init-from's help lists the
-    model types the importer reads (its own table)."""
+def test_plan_from_config_json_alone(tmp_path):
+    """Planning sizes a model before its weights are downloaded."""
     (tmp_path / "model").mkdir()
     shutil.copy(FIXTURE / "config.json", tmp_path / "model" / "config.json")
-    plan, helped = _parallel(
-        ("plan", "--init-from", f"hf:{tmp_path / 'model'}", "--devices", "2",
-         "--batch-size", "8", "--seq-len", "32"),
-        ("train", "--help"))
+    plan = shardax("plan", "--init-from", f"hf:{tmp_path / 'model'}", "--devices", "2",
+                   "--batch-size", "8", "--seq-len", "32")
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "memory per device" in plan.stdout and "fits" in plan.stdout
-    text = " ".join(helped.stdout.replace("│", " ").split())
-    assert all(t in text for t in HF_MODEL_TYPES), text
+
+
+def test_init_from_help_lists_the_importers_model_types(capsys):
+    """The help of --init-from (train, plan) and --from (generate) takes its list from the
+    importer's own table, so it cannot drift."""
+    for command in ("train", "generate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+        assert all(f"{t}," in text or f"{t})" in text for t in HF_MODEL_TYPES), text
