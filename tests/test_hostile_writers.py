@@ -25,6 +25,8 @@ from test_hostile_input import FIXTURE, one_line_error, shardax
 from shardax.cli import main
 from shardax.hf.configs import HF_MODEL_TYPES
 from shardax.train.checkpoint import list_steps
+from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.rundir import check_run_dir
 
 RUN = ["--batch-size", "12", "--seq-len", "32", "--optimizer", "sgd", "--lr", "0.03",
        "--log-every", "1", "--eval-every", "0", "--ckpt-every", "1", "--lora-rank", "2",
@@ -68,7 +70,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("writers")
     out, outside = root / "run", root / "outside"
     (np.arange(1 << 16) % 200).astype(np.uint16).tofile(root / "tokens.u16")
-    _plant(out, RUN_FILES, outside)
+    _plant(out, (*RUN_FILES, "run.lock"), outside)
     data = ["--data", root / "tokens.u16"]
     first = shardax("train", *RUN, *data, "--steps", 3, "--out", out)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -95,6 +97,8 @@ def test_the_default_mesh_fits_six_devices(run):
 
 def test_run_files_replace_planted_links(run):
     _assert_replaced(run.out, RUN_FILES, run.outside)
+    assert (run.outside / "run.lock").read_text() == "outside run.lock\n"
+    assert not (run.out / "run.lock").exists()  # the lock is gone with the run
     assert json.loads((run.out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 5
 
 
@@ -161,12 +165,13 @@ def test_bad_sizes_specs_and_run_folders_are_one_line_before_anything_is_written
     ]
     procs = _parallel(*[(*c[0], "--out", tmp_path / f"run{i}") if c[1] == "train" else c[0]
                         for i, c in enumerate(cases)],
-                      ("train", "--out", tmp_path / "linked-out"),
-                      ("train", "--out", tmp_path / "ckpt-linked"))
+                      ("train", "--out", tmp_path / "linked-out"))
     for (_, command, *needles), proc in zip(cases, procs):
         one_line_error(proc, command, *needles)
-    one_line_error(procs[-2], "train", f"--out {tmp_path / 'linked-out'} is a symlink to")
-    one_line_error(procs[-1], "train", "checkpoints is a symlink to")
+    one_line_error(procs[-1], "train", f"--out {tmp_path / 'linked-out'} is a symlink to")
+    with pytest.raises(UsageError, match="checkpoints is a symlink to .* a run writes only "
+                                         "inside --out"):
+        check_run_dir(check(TrainConfig(out=str(tmp_path / "ckpt-linked"))))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "ckpt-linked", "elsewhere", "linked-out", "notes.txt"]
     assert list((tmp_path / "elsewhere").iterdir()) == []
