@@ -178,13 +178,17 @@ def test_bad_sizes_specs_and_run_folders_are_one_line_before_anything_is_written
 
 
 def test_plan_from_config_json_alone(tmp_path):
-    """Planning sizes a model before its weights are downloaded."""
+    """Planning sizes a model before its weights are downloaded (and names it, and its train
+    command, by --init-from)."""
     (tmp_path / "model").mkdir()
     shutil.copy(FIXTURE / "config.json", tmp_path / "model" / "config.json")
     plan = shardax("plan", "--init-from", f"hf:{tmp_path / 'model'}", "--devices", "2",
                    "--batch-size", "8", "--seq-len", "32")
     assert plan.returncode == 0, plan.stderr[-3000:]
     assert "memory per device" in plan.stdout and "fits" in plan.stdout
+    model = f"hf:{tmp_path / 'model'}"
+    assert f"plan: {model} on 2 devices" in plan.stdout  # the model planned, not --model's
+    assert f"train it: shardax train --init-from {model} --mesh" in plan.stdout
 
 
 def test_init_from_help_lists_the_importers_model_types(capsys):

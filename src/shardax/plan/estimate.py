@@ -47,7 +47,7 @@ __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds"
            "seconds", "train_command", "usable_bytes", "work_split"]
 
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
-STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
+STEP_FIELDS = ("model", "init_from", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
                "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
                "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
                "offload_optimizer", "lora_rank", "lora_alpha", "lora_targets")
@@ -120,7 +120,8 @@ class Estimate:
         m, c = self.compiled.memory, self.compiled
         used = {k: v for k, v in c.collectives.items() if v["count"]}
         lines = [
-            f"plan: {self.config['model']} on {c.devices} devices, mesh "
+            f"plan: {self.config.get('init_from') or self.config['model']} on {c.devices} "
+            "devices, mesh "
             + ", ".join(f"{k}={v}" for k, v in c.mesh.items())
             + f", rules {self.config['rules']!r}, remat {self.config['remat']}, "
             f"grad accum {self.config['grad_accum']}",
@@ -219,6 +220,8 @@ def train_command(config: dict[str, Any]) -> str:
     for key in STEP_FIELDS:
         value = config.get(key, defaults[key])
         if value == defaults[key] and key not in ("model", "mesh", "rules"):
+            continue
+        if key == "model" and config.get("init_from"):  # --init-from replaces --model
             continue
         flag = f"--{key.replace('_', '-')}"
         if isinstance(value, bool):
