@@ -162,9 +162,14 @@ def load_step(spec: str) -> Step:
         raise UsageError(f"{spec!r}: no file {path}")
     module_spec = importlib.util.spec_from_file_location(f"_shardax_verify_{Path(path).stem}",
                                                          path)
+    if module_spec is None or module_spec.loader is None:  # what Python cannot import
+        raise UsageError(f"{spec!r}: {path} is not a Python file; expected FILE.py:FUNCTION")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UsageError(f"{spec!r}: {e.filename}:{e.lineno}: {e.msg}") from None
     make = getattr(module, name, None)
     if not callable(make):
         raise UsageError(f"{spec!r}: {path} has no function {name}")
