@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 from _reference import TINY_TRAIN
 
+from shardax.errors import DataError
 from shardax.train import encode as encode_lib
 from shardax.train import readers
 from shardax.train.data import (
     SEPARATOR,
-    DataError,
     TokenBatches,
     TokenStream,
     check_splits,

@@ -11,17 +11,13 @@ import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 
 from shardax import frameworks, models
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
-from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.config import TrainConfig, check
+from shardax.train.optimizers import OPTIMIZERS, make_optimizer, make_schedule, muon_dimensions
 from shardax.train.resolve import optimizer
-from shardax.train.step import (
-    OPTIMIZERS,
-    make_optimizer,
-    make_schedule,
-    muon_dimensions,
-    train_step,
-)
+from shardax.train.step import train_step
 from shardax.utils import tree_path_to_string
 
 CONFIG = models.get_config("llama-tiny", n_layers=1, max_seq_len=16)

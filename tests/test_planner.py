@@ -23,13 +23,14 @@ from _reference import TINY_TRAIN
 from shardax import models
 from shardax.cli import main
 from shardax.devices import device_spec
+from shardax.errors import UsageError
 from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
 from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
 from shardax.plan.estimate import across_bytes, comm_seconds, train_command, usable_bytes
 from shardax.plan.search import axes_across_hosts
-from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.config import TrainConfig, check
 from shardax.train.resolve import resolve
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -21,8 +21,8 @@ import pytest
 from _processes import wait_for_line
 from _reference import TINY_TRAIN
 
+from shardax.errors import UsageError
 from shardax.train.checkpoint import list_steps
-from shardax.train.config import UsageError
 from shardax.train.runlock import LOCK_FILE, RunLock
 
 SRC = Path(__file__).resolve().parents[1] / "src"

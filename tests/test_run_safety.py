@@ -24,13 +24,14 @@ from _processes import wait_for_line
 from _reference import TINY_TRAIN
 
 from shardax.cli import main
+from shardax.errors import UsageError
 from shardax.train import Checkpointer, report
 from shardax.train.checkpoint import list_steps
-from shardax.train.config import TrainConfig, UsageError
+from shardax.train.config import TrainConfig
 from shardax.train.generate import generate
 from shardax.train.loop import train
+from shardax.train.optimizers import make_optimizer
 from shardax.train.rundir import SET_ASIDE_DIR
-from shardax.train.step import make_optimizer
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {**TINY_TRAIN, "steps": 6, "mesh": "fsdp=-1"}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from _processes import assert_one_line_error
 
+from shardax.errors import UsageError
 from shardax.plan.topology import topology_name
-from shardax.train.config import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

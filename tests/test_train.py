@@ -27,14 +27,16 @@ from flax import nnx
 
 from shardax import models
 from shardax.cli import main
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train.checkpoint import Checkpointer
 from shardax.train.config import check
 from shardax.train.generate import generate
-from shardax.train.loop import TrainConfig, UsageError, prepare, train
-from shardax.train.step import make_optimizer, train_step
+from shardax.train.loop import TrainConfig, prepare, train
+from shardax.train.optimizers import make_optimizer
+from shardax.train.step import train_step
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MESH_3D = "dp=2,fsdp=2,tp=2"

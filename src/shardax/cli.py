@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
+from shardax.errors import CheckpointWriteError, DataError, UsageError
+
 __all__ = ["main"]
 
 # Set by `shardax launch` for its workers; takes precedence over --devices.
@@ -289,7 +291,6 @@ def _train(argv: list[str]) -> int:
 
     config = _elastic_layout(config)
 
-    from shardax.train.checkpoint import CheckpointWriteError
     from shardax.train.loop import NonFinite, Stopped, train
 
     try:
@@ -593,10 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     except _Usage as e:
         message = str(e)
     except Exception as e:
-        from shardax.train.config import UsageError
-        from shardax.train.readers import DataError  # also mid-run: a token file gone bad
-
-        if isinstance(e, UsageError | DataError):
+        if isinstance(e, UsageError | DataError):  # DataError also mid-run
             message = str(e)
         elif isinstance(e, OSError) and e.strerror:  # a file system error: name the file
             message = f"{e.filename or ''}{': ' if e.filename else ''}{e.strerror}"

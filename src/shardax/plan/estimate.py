@@ -38,7 +38,7 @@ from shardax.hlo import peak_bytes
 from shardax.inspect import _human
 from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
-from shardax.train.config import TrainConfig
+from shardax.train.config import TrainConfig, with_defaults
 from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
 
@@ -326,4 +326,4 @@ def plan_config(config: TrainConfig, device: DeviceSpec,
 
 def config_from_dict(fields: dict[str, Any]) -> TrainConfig:
     """A TrainConfig from the step fields of an ``Estimate.config`` (the rest defaults)."""
-    return dataclasses.replace(TrainConfig(), **fields)
+    return with_defaults(dataclasses.replace(TrainConfig(), **fields))

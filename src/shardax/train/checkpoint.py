@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shardax import _compat
+from shardax.errors import CheckpointWriteError, CorruptCheckpointError
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
@@ -48,24 +49,6 @@ _COMMIT_FILE = "commit_success.txt"
 _FORMAT = 1
 
 log = logging.getLogger(__name__)
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A committed checkpoint step could not be read back intact."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint step could not be written (a full disk, a lost mount, no permission);
-    the step was never committed, so the older committed steps are untouched."""
-
-    def __init__(self, step: int | None, directory: str, reason: str, committed: list[int]):
-        self.step, self.directory, self.reason = step, directory, reason
-        before = [s for s in committed if step is None or s < step]
-        kept = (f"the newest committed checkpoint, step {before[-1]}, is intact: continue from "
-                "it with --resume" if before else "no checkpoint was committed before it")
-        which = f"step {step}" if step is not None else "a step"
-        super().__init__(f"cannot write checkpoint {which} in {directory} ({reason}); {kept} "
-                         "once the cause is fixed")
 
 
 def _write_reason(e: BaseException) -> str:

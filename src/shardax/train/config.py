@@ -11,7 +11,7 @@ input is a `UsageError` naming the flag before a backend starts; `GenerateConfig
 >>> config = check(TrainConfig(steps=20, mesh="dp=2,fsdp=-1"))  # UsageError on bad values
 >>> check(TrainConfig(steps=0))
 Traceback (most recent call last):
-shardax.train.config.UsageError: --steps 0: must be >= 1
+shardax.errors.UsageError: --steps 0: must be >= 1
 """
 
 from __future__ import annotations
@@ -25,13 +25,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from shardax import models
+from shardax.errors import MissingExtra, UsageError
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
+from shardax.train.optimizers import defaults as optimizer_defaults
 from shardax.train.profiler import parse_profile_steps
 from shardax.train.tokenizer import has_tokenizer
-from shardax.train.trackers import MissingExtra, check_installed, parse_log_to
+from shardax.train.trackers import check_installed, parse_log_to
 
 __all__ = [
     "ExportConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "flag",
     "hf_dir",
     "parse_mesh",
+    "with_defaults",
 ]
 
 MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
@@ -62,11 +65,9 @@ def _arg(name: str) -> Any:
     return tyro.conf.arg(name=name)
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the CLI prints it as one line and exits with code 2."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything ``shardax train`` takes; field names are the CLI flags."""
 
@@ -198,7 +199,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateConfig:
     """Everything ``shardax generate`` takes; field names are the CLI flags."""
 
@@ -223,7 +224,7 @@ class GenerateConfig:
     --from)"""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportConfig:
     """Everything ``shardax export`` takes; field names are the CLI flags."""
 
@@ -242,7 +243,7 @@ class ExportConfig:
     adapter_model.safetensors) instead of the merged full weights"""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanConfig:
     """The flags ``shardax plan`` takes besides those of ``shardax train``."""
 
@@ -368,10 +369,12 @@ _POSITIVE = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_
 DEFAULT_LR, DEFAULT_FINETUNE_LR = 3e-3, 2e-5
 
 
-def _check_types(config: Any) -> None:
+def _check_types(config: Any) -> Any:
+    """``config`` with every field coerced to its declared type (a new config)."""
     types_ = hints(type(config))
-    for f in dataclasses.fields(config):
-        setattr(config, f.name, coerce(f.name, types_[f.name], getattr(config, f.name), ""))
+    return dataclasses.replace(config, **{
+        f.name: coerce(f.name, types_[f.name], getattr(config, f.name), "")
+        for f in dataclasses.fields(config) if f.init})
 
 
 def _check_seed(value: int, name: str = "seed") -> None:
@@ -400,35 +403,68 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return sizes
 
 
+def with_defaults(config: TrainConfig) -> TrainConfig:
+    """``config`` with every setting left to a default filled in (a new config; nothing else
+    is checked): ``--lr`` (`DEFAULT_LR`, or `DEFAULT_FINETUNE_LR` with ``--init-from``),
+    ``--tokenizer`` (the ``--init-from`` directory's, if it has one, else bytes) and the
+    optimizer's schedule and regularisation (`shardax.train.optimizers.defaults`). The one
+    place these defaults are decided; `check` calls it, and so does reading an older run's
+    ``config.json``, which left the optimizer's to the run.
+
+    >>> c = with_defaults(TrainConfig(steps=100))
+    >>> c.lr, c.warmup_steps, c.min_lr_ratio, c.weight_decay, c.clip_grad_norm, c.tokenizer
+    (0.003, 5, 0.1, 0.01, 1.0, 'bytes')
+    """
+    lr, tokenizer = config.lr, config.tokenizer
+    if lr is None:
+        lr = DEFAULT_LR if config.init_from is None else DEFAULT_FINETUNE_LR
+    if tokenizer is None:
+        init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+        tokenizer = str(init) if init is not None and has_tokenizer(init) else "bytes"
+    default = optimizer_defaults(config.optimizer, config.steps)
+    given = {"warmup": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
+             "weight_decay": config.weight_decay, "clip_grad_norm": config.clip_grad_norm}
+    filled = {k: default[k] if v is None else v for k, v in given.items()}
+    return dataclasses.replace(
+        config, lr=lr, tokenizer=tokenizer, warmup_steps=filled["warmup"],
+        min_lr_ratio=filled["min_lr_ratio"], weight_decay=filled["weight_decay"],
+        clip_grad_norm=filled["clip_grad_norm"])
+
+
 def check(config: TrainConfig) -> TrainConfig:
     """Checks every field of a `TrainConfig` without starting JAX: types, finite and in-range
-    numbers, known model, rules and mesh axes. Returns the config; raises `UsageError`."""
-    _check_types(config)
+    numbers, known model, rules and mesh axes. Returns a new config with every default filled
+    in (`with_defaults`), the same for a config it returned; raises `UsageError`.
+
+    >>> check(TrainConfig(steps=100)).warmup_steps
+    5
+    """
+    config = _check_types(config)
     for name in _POSITIVE:
         value = getattr(config, name)
         _usage(value >= 1, f"{flag(name)} {value}: must be >= 1")
     _usage(config.microbatches >= 0,
            f"--microbatches {config.microbatches}: must be >= 0 (0: the 'pp' size)")
     _usage(config.eval_every >= 0, f"--eval-every {config.eval_every}: must be >= 0 (0: never)")
-    if config.lr is None:
-        config.lr = DEFAULT_LR if config.init_from is None else DEFAULT_FINETUNE_LR
-    _usage(math.isfinite(config.lr) and config.lr > 0,
+    _usage(config.lr is None or (math.isfinite(config.lr) and config.lr > 0),
            f"--lr {config.lr}: must be a finite number > 0")
     _usage(config.warmup_steps is None or config.warmup_steps >= 0,
            f"--warmup-steps {config.warmup_steps}: must be >= 0")
     _usage(config.min_lr_ratio is None or (math.isfinite(config.min_lr_ratio)
                                            and 0 <= config.min_lr_ratio <= 1),
            f"--min-lr-ratio {config.min_lr_ratio}: must be in [0, 1]")
-    _usage(config.optimizer != "sgd" or (config.warmup_steps, config.min_lr_ratio) == (None,) * 2,
+    constant = optimizer_defaults("sgd", config.steps)  # what check fills in for sgd
+    _usage(config.optimizer != "sgd" or (config.warmup_steps in (None, constant["warmup"])
+                                         and config.min_lr_ratio in (None,
+                                                                     constant["min_lr_ratio"])),
            "--warmup-steps / --min-lr-ratio: --optimizer sgd runs at a constant --lr; use "
            "another optimizer for a schedule")
     for name in ("weight_decay", "clip_grad_norm"):
         value = getattr(config, name)
         _usage(value is None or (math.isfinite(value) and value >= 0),
                f"{flag(name)} {value}: must be a finite number >= 0")
-    if config.tokenizer is None:
-        init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
-        config.tokenizer = str(init) if init is not None and has_tokenizer(init) else "bytes"
+    if config.init_from is not None:
+        hf_dir(config.init_from, "--init-from")
     _check_seed(config.seed)
     if config.resume_step is not None:
         _usage(config.resume, "--resume-step needs --resume")
@@ -436,15 +472,14 @@ def check(config: TrainConfig) -> TrainConfig:
         _usage(config.resume_step <= config.steps,
                f"--resume-step {config.resume_step} is past --steps {config.steps}")
     _usage(bool(config.out.strip()), "--out: give a run directory")
-    _usage(bool(config.tokenizer.strip()), "--tokenizer: give 'bytes' or a tokenizer directory")
+    _usage(config.tokenizer is None or bool(config.tokenizer.strip()),
+           "--tokenizer: give 'bytes' or a tokenizer directory")
     _usage(not config.val_data or config.eval_every > 0,
            "--val-data with --eval-every 0: the validation data would never be read")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
     _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
            f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "
            "device table)")
-    if config.init_from is not None:
-        hf_dir(config.init_from, "--init-from")
     _usage(config.lora_rank >= 0, f"--lora-rank {config.lora_rank}: must be >= 0 (0: no LoRA)")
     _usage(math.isfinite(config.lora_alpha) and config.lora_alpha > 0,
            f"--lora-alpha {config.lora_alpha}: must be a finite number > 0")
@@ -477,7 +512,7 @@ def check(config: TrainConfig) -> TrainConfig:
         check_installed(parse_log_to(config.log_to))
     except (ValueError, MissingExtra) as e:
         raise UsageError(str(e)) from None
-    return config
+    return with_defaults(config)
 
 
 def hf_dir(spec: str, name: str) -> Path:
@@ -492,7 +527,7 @@ def hf_dir(spec: str, name: str) -> Path:
 
 def check_export(config: ExportConfig) -> ExportConfig:
     """`check` for `ExportConfig`."""
-    _check_types(config)
+    config = _check_types(config)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     _usage(config.max_shard_mb >= 1, f"--max-shard-mb {config.max_shard_mb}: must be >= 1")
     _usage(bool(config.to.strip()), "--to: give a directory to write")
@@ -503,7 +538,7 @@ def check_export(config: ExportConfig) -> ExportConfig:
 
 def check_generate(config: GenerateConfig) -> GenerateConfig:
     """`check` for `GenerateConfig`."""
-    _check_types(config)
+    config = _check_types(config)
     _usage((config.out is None) != (config.source is None),
            "give exactly one of --out RUN and --from hf:DIR")
     if config.source is not None:
@@ -520,7 +555,7 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
 def check_plan(config: PlanConfig) -> PlanConfig:
     """`check` for `PlanConfig` (the ``--hbm`` size and ``--target`` name are checked by
     `shardax.plan.command.run_plan`, which knows the device table)."""
-    _check_types(config)
+    config = _check_types(config)
     for name in ("top", "max_compiles", "jobs"):
         _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
     for name in ("link_gbps", "host_link_gbps"):

@@ -15,8 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from shardax.errors import UsageError
 from shardax.filecheck import read_regular
-from shardax.train.config import UsageError, coerce, hints
+from shardax.train.config import coerce, hints
 
 __all__ = ["from_dict", "load_file"]
 

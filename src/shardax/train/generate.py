@@ -20,14 +20,15 @@ import jax
 from flax import nnx
 
 from shardax import hf, models
+from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
 from shardax.models.lora import merge_lora
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
-from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, restore_state
-from shardax.train.config import GenerateConfig, UsageError, check_generate, hf_dir
+from shardax.train.checkpoint import Checkpointer, restore_state
+from shardax.train.config import GenerateConfig, check_generate, hf_dir
 from shardax.train.resolve import make_mesh, model_config, optimizer
 from shardax.train.rundir import RunDir, check_run, pipelined
 from shardax.train.tokenizer import (

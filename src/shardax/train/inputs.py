@@ -23,10 +23,11 @@ import jax
 
 from shardax import models
 from shardax.distributed import batch_part
+from shardax.errors import UsageError
 from shardax.train import data as data_lib
 from shardax.train.chat import ChatTemplate, is_chat_file, read_chats
 from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
-from shardax.train.config import TrainConfig, UsageError
+from shardax.train.config import TrainConfig
 from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer

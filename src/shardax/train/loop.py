@@ -33,17 +33,11 @@ from jax.experimental import multihost_utils
 from shardax import _compat
 from shardax.devices import device_spec
 from shardax.distributed import RESTART_ENV
+from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
-from shardax.train.checkpoint import (
-    Checkpointer,
-    CorruptCheckpointError,
-    Restored,
-    fingerprints,
-    flat,
-    restore_state,
-)
-from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.checkpoint import Checkpointer, Restored, fingerprints, flat, restore_state
+from shardax.train.config import TrainConfig, check
 from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
 from shardax.train.nonfinite import NonFinite, NonFiniteWatch

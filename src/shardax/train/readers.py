@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.errors import DataError
+
 __all__ = [
     "TOKEN_DTYPES",
     "DataError",
@@ -54,8 +56,6 @@ PIECE_BYTES = 1 << 20
 _SNIFF = 8192
 
 
-class DataError(ValueError):
-    """Unusable ``--data``: the message is one line naming the file and what to do."""
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,9 @@ from typing import Any
 
 import jax
 
-from shardax.train.config import UsageError
+from shardax.errors import MissingExtra, UsageError
 from shardax.train.mfu import mfu
-from shardax.train.trackers import MissingExtra, make_trackers
+from shardax.train.trackers import make_trackers
 
 __all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "memory_in_use", "plot"]
 

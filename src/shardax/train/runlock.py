@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shardax.train.config import UsageError
+from shardax.errors import UsageError
 
 __all__ = ["LOCK_FILE", "RunLock", "check_free"]
 
