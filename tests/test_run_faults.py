@@ -296,11 +296,11 @@ def test_orbax_late_reports_are_dropped_and_others_are_not(monkeypatch, capsys):
     "Exception ignored in" of a closed event loop), is dropped; anything else still shows."""
     from types import SimpleNamespace
 
-    from shardax.train import checkpoint
+    from shardax.train.orbax_logs import drop_orbax_errors
 
     shown = []
     monkeypatch.setattr(sys, "unraisablehook", shown.append)
-    checkpoint._drop_orbax_errors()
+    drop_orbax_errors()
 
     def report(exc, obj):
         sys.unraisablehook(SimpleNamespace(exc_type=type(exc), exc_value=exc,

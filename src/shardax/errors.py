@@ -17,6 +17,7 @@ __all__ = [
     "DataError",
     "MissingExtra",
     "UsageError",
+    "require",
 ]
 
 
@@ -48,3 +49,12 @@ class CheckpointWriteError(RuntimeError):
         which = f"step {step}" if step is not None else "a step"
         super().__init__(f"cannot write checkpoint {which} in {directory} ({reason}); {kept} "
                          "once the cause is fixed")
+
+
+def require(ok: bool, message: str) -> None:
+    """Raises `UsageError` with ``message`` unless ``ok``: one line per check of user input.
+
+    >>> require(3 >= 1, "--steps 3: must be >= 1")  # nothing happens
+    """
+    if not ok:
+        raise UsageError(message)

@@ -5,8 +5,9 @@
 ``--config run.yaml`` file (`shardax.train.configfile`) and of the ``config.json`` a run
 directory keeps (`shardax.train.rundir`). `check` validates every field (types, finite and
 in-range numbers, known names, the mesh string's syntax) without touching a device, so bad
-input is a `UsageError` naming the flag before a backend starts; `GenerateConfig`,
-`ExportConfig` and `PlanConfig` have `check_generate`, `check_export` and `check_plan`.
+input is a `UsageError` naming the flag before a backend starts; `GenerateConfig` and
+`ExportConfig` have `check_generate` and `check_export` (``shardax plan``'s own flags are
+`shardax.plan.config.PlanConfig`).
 
 >>> config = check(TrainConfig(steps=20, mesh="dp=2,fsdp=-1"))  # UsageError on bad values
 >>> check(TrainConfig(steps=0))
@@ -26,6 +27,7 @@ from typing import Annotated, Any, Literal
 
 from shardax import models
 from shardax.errors import MissingExtra, UsageError
+from shardax.errors import require as _usage
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
@@ -38,14 +40,13 @@ from shardax.train.trackers import check_installed, parse_log_to
 __all__ = [
     "ExportConfig",
     "GenerateConfig",
-    "PlanConfig",
     "TrainConfig",
     "UsageError",
     "check",
     "check_export",
     "check_generate",
-    "check_plan",
     "coerce",
+    "coerce_fields",
     "flag",
     "hf_dir",
     "parse_mesh",
@@ -243,68 +244,9 @@ class ExportConfig:
     adapter_model.safetensors) instead of the merged full weights"""
 
 
-@dataclass(frozen=True)
-class PlanConfig:
-    """The flags ``shardax plan`` takes besides those of ``shardax train``."""
-
-    target: str | None = None
-    """device whose peak FLOP/s, memory and link bandwidth the estimate uses, e.g. h100, h200,
-    a100, b200, 'tpu v5p' (default: this machine's accelerator, else h100)"""
-    hbm: str | None = None
-    """memory per device, e.g. 80GiB or 94GB (default: the target's)"""
-    link_gbps: float = 0.0
-    """one-way link bandwidth per device within a host (NVLink, ICI) in GB/s (0: the
-    target's)"""
-    host_link_gbps: float = 0.0
-    """one-way bandwidth per device across hosts (its NIC; DCN for TPUs) in GB/s (0: the
-    target's)"""
-    devices_per_host: int = 0
-    """devices one host (NVLink domain, TPU slice) holds (0: the target's)"""
-    flops_fraction: float = 0.0
-    """fraction of peak FLOP/s a step achieves (0: the target's, or --calibrate's fit)"""
-    link_fraction: float = 0.0
-    """fraction of link bandwidth a collective achieves (0: the target's)"""
-    collective_latency_us: float = 0.0
-    """fixed cost of one collective in microseconds, whatever its size (0: the target's)"""
-    comm_overlap: float = -1.0
-    """fraction of the all-gathers' and reduce-scatters' time (FSDP's) hidden under compute;
-    0: none (-1: the target's)"""
-    search: bool = False
-    """search meshes, remat, scan and microbatching for the fastest layout that fits (model,
-    batch, sequence, precision and optimizer stay)"""
-    top: int = 5
-    """layouts to print with --search"""
-    max_compiles: int = 16
-    """layouts compiled with --search, analytically best first"""
-    time_budget: float = 540.0
-    """seconds --search may spend compiling"""
-    jobs: int = 1
-    """worker processes compiling in parallel with --search"""
-    cache: str | None = None
-    """directory of compiled-layout results (default ~/.cache/shardax/plan; 'none' disables
-    it)"""
-    json: str | None = None
-    """also write the result here as JSON"""
-    pipeline: bool = False
-    """--search pipeline layouts within a host too (by default only where each stage is whole
-    hosts, or when nothing else fits)"""
-    topology: str | None = None
-    """compile for this TPU slice of a TPU --target, chips per dimension (e.g. 2x2x1 for v5p,
-    2x2 for v5e): memory and collectives from libtpu's compiler, no TPU needed (pip install
-    libtpu); it sets --devices (default: compile for emulated CPU devices)"""
-    calibrate: list[str] = field(default_factory=list)
-    """run directories of past shardax train runs on the target: their measured step times
-    fit the achievable fraction of peak FLOP/s (an explicit --flops-fraction wins)"""
-
-
 def flag(name: str) -> str:
     """The command-line spelling of a field: ``flag("batch_size") == "--batch-size"``."""
     return "--" + name.replace("_", "-")
-
-
-def _usage(ok: bool, message: str) -> None:
-    if not ok:
-        raise UsageError(message)
 
 
 # ----------------------------------------------------------------------------- types
@@ -369,7 +311,7 @@ _POSITIVE = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_
 DEFAULT_LR, DEFAULT_FINETUNE_LR = 3e-3, 2e-5
 
 
-def _check_types(config: Any) -> Any:
+def coerce_fields(config: Any) -> Any:
     """``config`` with every field coerced to its declared type (a new config)."""
     types_ = hints(type(config))
     return dataclasses.replace(config, **{
@@ -439,7 +381,7 @@ def check(config: TrainConfig) -> TrainConfig:
     >>> check(TrainConfig(steps=100)).warmup_steps
     5
     """
-    config = _check_types(config)
+    config = coerce_fields(config)
     for name in _POSITIVE:
         value = getattr(config, name)
         _usage(value >= 1, f"{flag(name)} {value}: must be >= 1")
@@ -527,7 +469,7 @@ def hf_dir(spec: str, name: str) -> Path:
 
 def check_export(config: ExportConfig) -> ExportConfig:
     """`check` for `ExportConfig`."""
-    config = _check_types(config)
+    config = coerce_fields(config)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     _usage(config.max_shard_mb >= 1, f"--max-shard-mb {config.max_shard_mb}: must be >= 1")
     _usage(bool(config.to.strip()), "--to: give a directory to write")
@@ -538,7 +480,7 @@ def check_export(config: ExportConfig) -> ExportConfig:
 
 def check_generate(config: GenerateConfig) -> GenerateConfig:
     """`check` for `GenerateConfig`."""
-    config = _check_types(config)
+    config = coerce_fields(config)
     _usage((config.out is None) != (config.source is None),
            "give exactly one of --out RUN and --from hf:DIR")
     if config.source is not None:
@@ -549,31 +491,4 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
            f"--temperature {config.temperature}: must be a finite number >= 0")
     _check_seed(config.seed)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
-    return config
-
-
-def check_plan(config: PlanConfig) -> PlanConfig:
-    """`check` for `PlanConfig` (the ``--hbm`` size and ``--target`` name are checked by
-    `shardax.plan.command.run_plan`, which knows the device table)."""
-    config = _check_types(config)
-    for name in ("top", "max_compiles", "jobs"):
-        _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
-    for name in ("link_gbps", "host_link_gbps"):
-        value = getattr(config, name)
-        _usage(math.isfinite(value) and value >= 0,
-               f"{flag(name)} {value}: must be a finite number >= 0")
-    for name in ("flops_fraction", "link_fraction"):
-        value = getattr(config, name)
-        _usage(math.isfinite(value) and 0 <= value <= 1,
-               f"{flag(name)} {value}: must be a fraction in (0, 1] (0: the target's)")
-    _usage(math.isfinite(config.collective_latency_us) and config.collective_latency_us >= 0,
-           f"--collective-latency-us {config.collective_latency_us}: must be a finite number "
-           ">= 0 (0: the target's)")
-    _usage(config.comm_overlap == -1 or 0 <= config.comm_overlap <= 1,
-           f"--comm-overlap {config.comm_overlap}: must be a fraction in [0, 1] (-1: the "
-           "target's)")
-    _usage(config.devices_per_host >= 0,
-           f"--devices-per-host {config.devices_per_host}: must be >= 1 (0: the target's)")
-    _usage(math.isfinite(config.time_budget) and config.time_budget > 0,
-           f"--time-budget {config.time_budget}: must be a finite number > 0")
     return config

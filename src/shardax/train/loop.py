@@ -36,8 +36,9 @@ from shardax.distributed import RESTART_ENV
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
-from shardax.train.checkpoint import Checkpointer, Restored, fingerprints, flat, restore_state
+from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
 from shardax.train.config import TrainConfig, check
+from shardax.train.fingerprint import fingerprints
 from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
 from shardax.train.nonfinite import NonFinite, NonFiniteWatch
@@ -66,7 +67,7 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
     nothing is written. ``run_dir``: what `check_run_dir` returned for the already checked
     ``config`` (the CLI checks both before JAX starts)."""
     if run_dir is None:
-        check(config)
+        config = check(config)
         run_dir = check_run_dir(config)
     run = resolve(config)
     return Prepared(run, run_dir, prepare_inputs(run, run_dir))
