@@ -37,8 +37,8 @@ from shardax import _compat, _context
 from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
 from shardax.frameworks.nnx import InPlace, in_place_for
-from shardax.inspect import ShardingPlan
 from shardax.rules import LogicalAxisRules, ShardingRule, match_shardings_flat
+from shardax.sharding_plan import ShardingPlan
 from shardax.utils import tree_path_to_string
 
 __all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]

@@ -47,10 +47,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardax.errors import UsageError
 from shardax.hlo import hlo_collectives, memory_bytes, peak_bytes, summarize_collectives
-from shardax.inspect import _human
 from shardax.mesh import parse_mesh_string
 from shardax.plan.rulecheck import rule_findings
 from shardax.rules import match_specs_flat
+from shardax.utils import human_bytes as _human
 
 __all__ = ["LayoutReport", "Report", "Step", "load_step", "parse_layouts", "verify"]
 

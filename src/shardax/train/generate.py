@@ -12,8 +12,8 @@ never from ``config.json``. A damaged newest checkpoint is skipped with a note o
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -29,6 +29,7 @@ from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.checkpoint import Checkpointer, restore_state
 from shardax.train.config import GenerateConfig, check_generate, hf_dir
+from shardax.train.notes import note
 from shardax.train.resolve import make_mesh, model_config, optimizer
 from shardax.train.rundir import RunDir, check_run, pipelined
 from shardax.train.tokenizer import (
@@ -42,8 +43,7 @@ from shardax.train.tokenizer import (
 __all__ = ["generate", "restore_model", "sample"]
 
 
-def _note(message: str) -> None:
-    print(f"shardax generate: {message}", file=sys.stderr, flush=True)
+_note = partial(note, "generate")
 
 
 def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | None = None,

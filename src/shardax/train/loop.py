@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -42,6 +41,7 @@ from shardax.train.fingerprint import fingerprints
 from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
 from shardax.train.nonfinite import NonFinite, NonFiniteWatch
+from shardax.train.notes import note
 from shardax.train.profiler import StepProfiler, parse_profile_steps
 from shardax.train.resolve import Resolved, resolve, schedule_change
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
@@ -73,9 +73,7 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
     return Prepared(run, run_dir, prepare_inputs(run, run_dir))
 
 
-def _note(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"shardax train: {message}", file=sys.stderr, flush=True)
+_note = partial(note, "train")  # also handed to the run lock, the NaN watch, the clean-up
 
 
 def _check_extra(restored: Restored) -> None:

@@ -34,7 +34,7 @@ from shardax.models.lora import LoRA
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import HostOffloadRule, LogicalAxisRules
-from shardax.train.config import TrainConfig, flag, hf_dir
+from shardax.train.config import TrainConfig, flag, hf_dir, with_defaults
 from shardax.train.optimizers import make_optimizer, make_schedule
 from shardax.train.step import TrainState
 
@@ -390,6 +390,7 @@ def resolve(config: TrainConfig, device_memory: float | None = None) -> Resolved
     does not fit the devices is a UsageError. ``device_memory``: the bytes a device may hold,
     which `fsdp_mode` weighs (``shardax plan`` passes its target's); default: what this
     machine's devices say (nothing on CPU)."""
+    config = with_defaults(config)  # a no-op for a checked config; a library caller's too
     mesh = make_mesh(config.mesh)
     policy = Policy.from_string(config.precision)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
