@@ -274,6 +274,21 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resto
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
+def test_a_checkpointer_leaves_the_process_alone(tmp_path):
+    """Building a Checkpointer installs no hook and no logger filter: dropping orbax's reports
+    is the ``shardax`` command's choice (`shardax.train.orbax_logs.drop_orbax_errors`)."""
+    import logging
+
+    from shardax.train import Checkpointer
+
+    hook = sys.unraisablehook
+    filters = {name: list(logging.getLogger(name).filters) for name in ("absl", "asyncio")}
+    with Checkpointer(tmp_path / "checkpoints"):
+        pass
+    assert sys.unraisablehook is hook
+    assert {name: list(logging.getLogger(name).filters) for name in filters} == filters
+
+
 def test_orbax_late_reports_are_dropped_and_others_are_not(monkeypatch, capsys):
     """What orbax and TensorStore report after a failed read, outside any call (an
     "Exception ignored in" of a closed event loop), is dropped; anything else still shows."""

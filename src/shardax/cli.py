@@ -120,7 +120,7 @@ def _parse_error(event: Any, flags: list[str]) -> str:
         return (f"{name}: expected a value" if event.offending_value is None
                 else f"{name} takes no value (got {event.offending_value!r})")
     if isinstance(event, tyro_errors.InstantiationFailure):
-        message = " ".join(event.message.split("\n\n")[0].split())  # not its list of tries
+        message = " ".join(event.message.split("\n\n")[0].split()).rstrip(".")  # not its tries
         return f"{name}: {message}" if name else message
     return f"cannot read the arguments ({type(event).__name__})"
 
