@@ -154,7 +154,9 @@ def test_the_function_import_check_can_fail(tmp_path):
 
 def test_errors_are_a_bottom_module():
     """Every layer raises the error types of ``shardax.errors`` without importing the layer
-    that used to define them (the planner's topology check needs nothing of ``train``)."""
+    that used to define them (``shardax verify`` and the planner's topology check need nothing
+    of ``train``)."""
     graph = _graph()
     assert graph["shardax.errors"] == set()
-    assert not any(m.startswith("shardax.train") for m in graph["shardax.plan.topology"])
+    for module in ("shardax.plan.topology", "shardax.plan.verify"):
+        assert not any(m.startswith("shardax.train") for m in graph[module]), module
