@@ -131,6 +131,8 @@ class _ParseError(Exception):
 
 def _parse(cls: type, args: list[str], default: Any, prog: str) -> Any:
     """``tyro.cli``, its parse errors one `_Usage` line (through tyro's parse-error hook)."""
+    # tyro's hook hands over each parse error as data before tyro draws it; tyro calls the
+    # module experimental, so pyproject.toml asks for the tyro that has it.
     import tyro
     from tyro import _errors as tyro_errors
 
