@@ -37,7 +37,8 @@ from shardax import models  # noqa: E402
 from shardax.mesh import MeshShardingHelper  # noqa: E402
 from shardax.precision import Policy  # noqa: E402
 from shardax.rules import LogicalAxisRules  # noqa: E402
-from shardax.train.step import init_state, make_optimizer, train_step  # noqa: E402
+from shardax.train.optimizers import make_optimizer  # noqa: E402
+from shardax.train.step import init_state, train_step  # noqa: E402
 
 
 def machine() -> dict[str, Any]:

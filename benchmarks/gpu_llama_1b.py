@@ -66,7 +66,8 @@ def main() -> None:
     from shardax.precision import Policy
     from shardax.rules import LogicalAxisRules
     from shardax.train.mfu import flops_per_token, mfu
-    from shardax.train.step import init_state, make_optimizer, train_step
+    from shardax.train.optimizers import make_optimizer
+    from shardax.train.step import init_state, train_step
 
     policy = Policy.from_string(args.precision)
     if args.precision in ("bf16", "bfloat16"):

@@ -7,8 +7,6 @@ chat.jsonl`` trains, and refuses chat data without a tokenizer that has a templa
 """
 
 import json
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli import run_cli
 from _reference import documents_alone_loss, init_train_state
 from test_pack import _KEEP_GRADS, CONFIG, _assert_matches
 
@@ -164,11 +163,6 @@ def test_chat_step_equals_per_conversation_sharded(reference, mesh_spec, fsdp_mo
     _assert_matches(metrics["loss"], new.opt_state, loss, grads)
 
 
-def _shardax(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardax.cli", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
 def test_cli_trains_on_chat_data(tmp_path):
     """As transformers 5 saves a tokenizer (its template in chat_template.jinja, none in
     tokenizer_config.json), with one conversation's content as OpenAI-style text parts."""
@@ -184,7 +178,7 @@ def test_cli_trains_on_chat_data(tmp_path):
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "run"
-    r = _shardax("train", "--init-from", "hf:tests/fixtures/hf/llama_gqa", "--tokenizer",
+    r = run_cli("train", "--init-from", "hf:tests/fixtures/hf/llama_gqa", "--tokenizer",
                  str(tok), "--data", str(data), "--seq-len", "32",
                  "--batch-size", "8", "--steps", "2", "--eval-every", "2", "--out", str(out),
                  "--optimizer", "sgd", "--lr", "0.1")
@@ -196,13 +190,13 @@ def test_cli_trains_on_chat_data(tmp_path):
     assert "loss on the assistant tokens)" in r.stdout
     losses = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses and all(np.isfinite(m["loss"]) for m in losses if "loss" in m)
-    r = _shardax("export", "--out", str(out), "--to", str(tmp_path / "x"), "--adapter-only")
+    r = run_cli("export", "--out", str(out), "--to", str(tmp_path / "x"), "--adapter-only")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "was not trained with LoRA" in r.stderr
 
 
 def test_cli_chat_data_needs_a_template_tokenizer(tmp_path):
-    r = _shardax("train", "--data", str(CHAT / "chat.jsonl"), "--steps", "1",
+    r = run_cli("train", "--data", str(CHAT / "chat.jsonl"), "--steps", "1",
                  "--out", str(tmp_path / "run"))
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "chat template" in r.stderr

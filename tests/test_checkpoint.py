@@ -14,13 +14,8 @@ from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from shardax import models
-from shardax.train.checkpoint import (
-    Checkpointer,
-    CorruptCheckpointError,
-    abstract_state,
-    flat,
-    restore_state,
-)
+from shardax.errors import CorruptCheckpointError
+from shardax.train.checkpoint import Checkpointer, abstract_state, flat, restore_state
 from shardax.train.data import TokenBatches
 from shardax.train.step import TrainState, init_state
 

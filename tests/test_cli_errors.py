@@ -10,15 +10,13 @@ also run through the real ``python -m shardax.cli`` entry point.
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-SRC = Path(__file__).resolve().parents[1] / "src"
+from _cli import cli_env, run_cli
 
 DRIVER = r"""
 import contextlib, io, json, sys
@@ -37,11 +35,6 @@ for argv in json.loads(sys.argv[1]):
                     "backend": bool(xla_bridge._backends)})
 print(json.dumps(results))
 """
-
-
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
@@ -230,7 +223,7 @@ def results(tmp_path_factory):
     argvs = [[_fill(a, paths) for a in argv] for argv in
              [argv for _, argv, _ in CASES] + PRINT_CONFIG]
     before = _snapshot(root)
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=_env(),
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=cli_env(),
                           capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -259,18 +252,13 @@ def test_bad_command_lines_touch_no_file(results):
     assert not Path("/sys/shardax-test").exists()
 
 
-def _cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardax.cli", *args], env=_env(),
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
-
-
 @pytest.mark.parametrize("args, needle", [
     (["train", "--lr", "nan"], "--lr nan"),
     (["generate", "--out", "x", "--devices", "0"], "--devices 0"),
     (["launch", "--nproc", "2", "--timeout", "-5", "--", "true"], "--timeout"),
 ])
 def test_the_shardax_entry_point_prints_one_line(args, needle, tmp_path):
-    proc = _cli(*args, cwd=tmp_path)
+    proc = run_cli(*args, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
     assert not any(tmp_path.iterdir())
@@ -307,7 +295,7 @@ def test_help_and_launch_need_only_the_core_install(tmp_path):
     script.write_text(blocker)
 
     def run(*args):
-        return subprocess.run([sys.executable, str(script), *args], env=_env(),
+        return subprocess.run([sys.executable, str(script), *args], env=cli_env(),
                               capture_output=True, text=True, timeout=120)
 
     help_ = run("--help")

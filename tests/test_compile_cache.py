@@ -1,12 +1,10 @@
 """The persistent compilation cache of ``shardax train``: the second start of a run loads its
 programs from the cache directory; ``--no-compile-cache`` leaves it alone."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+from _cli import cli_env, run_cli
+
 TINY = ["--devices", "2", "--mesh", "fsdp=2", "--model", "llama-tiny", "--steps", "2",
         "--batch-size", "4", "--seq-len", "16", "--optimizer", "sgd"]
 
@@ -14,14 +12,10 @@ TINY = ["--devices", "2", "--mesh", "fsdp=2", "--model", "llama-tiny", "--steps"
 def _train(tmp_path: Path, out: str, *flags: str) -> str:
     """Runs a tiny ``shardax train`` with its cache under ``tmp_path``; its stderr, where
     JAX's compiler logs each persistent-cache hit."""
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu",
-           "SHARDAX_CACHE_DIR": str(tmp_path / "cache"),
-           "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+    env = cli_env(SHARDAX_CACHE_DIR=str(tmp_path / "cache"),
+                  JAX_DEBUG_LOG_MODULES="jax._src.compiler")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-m", "shardax.cli", "train", *TINY, *flags,
-                           "--out", str(tmp_path / out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli("train", *TINY, *flags, "--out", tmp_path / out, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stderr
 

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _cli import cli_command, cli_env
 from _reference import TINY_TRAIN
 
+from shardax.errors import DataError
 from shardax.train import encode as encode_lib
 from shardax.train import readers
 from shardax.train.data import (
     SEPARATOR,
-    DataError,
     TokenBatches,
     TokenStream,
     check_splits,
@@ -598,12 +599,11 @@ def test_unusable_data_from_the_command_line(tmp_path):
         "small": ([str(tmp_path / "small.txt")], ["small.txt", "training split has 19 tokens",
                                                   "--seq-len + 1 = 33", "lower --seq-len"]),
     }
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "JAX_PLATFORMS": "cpu"}
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "shardax.cli", "train", "--batch-size", "8", "--seq-len",
-             "32", "--steps", "2", "--out", str(tmp_path / f"run_{name}"), "--data", *paths],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cli_command("train", "--batch-size", "8", "--seq-len", "32", "--steps", "2",
+                        "--out", tmp_path / f"run_{name}", "--data", *paths),
+            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, (paths, _) in cases.items()}
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=300)

@@ -29,14 +29,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _processes import multiprocess_env
+from _cli import cli_command, multiprocess_env, read_metrics
 
 from shardax.launch import launch
 from shardax.train.checkpoint import list_steps
 
 pytestmark = pytest.mark.multiprocess
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 BOUND_S = 400
 STEPS = 8
 # 24 rows split evenly over 8 devices and, in 2 microbatches, over 6.
@@ -52,18 +51,13 @@ def env() -> dict[str, str]:
     return multiprocess_env()
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shardax.cli", *args]
-
-
 def _launch(out: Path, nproc: int, *launch_flags: str, train: list[str] = TRAIN) -> list[str]:
-    return _cli("launch", "--nproc", str(nproc), "--devices-per-proc", "2", *launch_flags,
-                "--", *_cli("train", *train, "--out", str(out)))
+    return cli_command("launch", "--nproc", str(nproc), "--devices-per-proc", "2", *launch_flags,
+                "--", *cli_command("train", *train, "--out", str(out)))
 
 
 def _metrics(out: Path) -> dict[int, dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, filter(str.strip, lines))}
+    return {r["step"]: r for r in read_metrics(out)}
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from _reference import TINY_TRAIN
 
-from shardax.train.config import TrainConfig, UsageError, check
+from shardax.errors import UsageError
+from shardax.train.config import TrainConfig, check
 from shardax.train.loop import prepare, train
 
 TINY = {**TINY_TRAIN, "steps": 2, "eval_every": 1}  # 8 x 32 tokens a batch

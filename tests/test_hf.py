@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli import multiprocess_env, run_cli
 from flax import nnx
 
 from shardax import hf, models
@@ -41,7 +42,6 @@ ARCHS = DENSE + MOE
 # Mixed sliding/global layers cannot be stacked (scan_layers): they load as a list of layers.
 LISTED = ("gpt2", "gemma2", "gemma3")
 REL = 1e-4
-SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def reference(arch):
@@ -334,14 +334,9 @@ def test_two_processes_read_only_their_slices_and_export_together(tmp_path):
     byte-identical files to what one process writes."""
     script = tmp_path / "load.py"
     script.write_text(MULTI)
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {**os.environ, "PYTHONPATH": str(SRC), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     out = tmp_path / "export"
-    cmd = [sys.executable, "-m", "shardax.cli", "launch", "--nproc", "2", "--devices-per-proc",
-           "4", "--", sys.executable, str(script), str(FIXTURES / "llama_gqa"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli("launch", "--nproc", "2", "--devices-per-proc", "4", "--", sys.executable,
+                   script, FIXTURES / "llama_gqa", out, env=multiprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for p in (0, 1):
         line = next(x for x in proc.stdout.splitlines() if f"process {p}: read" in x)

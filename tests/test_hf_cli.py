@@ -2,27 +2,20 @@
 as subprocesses: the happy path end to end, and one bad input each (exit 2, one line)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _cli import run_cli
 from flax import nnx
 
 from shardax import hf, models
 from shardax.hf.configs import config_from_hf
 from shardax.hf.files import tensor_index
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-
 
 def shardax(*args, timeout=300):
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, timeout=timeout)
 
 
 def ok(proc):

@@ -13,20 +13,18 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _cli import cli_command, cli_env, committed_steps, run_cli
 
 from shardax import hf
 from shardax.hf.files import tensor_index, write_safetensors
-from shardax.train.checkpoint import list_steps
 from shardax.train.data import _ID_CHECK_BLOCK, _ID_CHECK_BLOCKS, _ID_CHECK_HEAD
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama_gqa"
 SHARD = "model-{:05d}-of-00006.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -35,14 +33,8 @@ TINY = ["--steps", "40", "--batch-size", "8", "--seq-len", "32", "--optimizer", 
         "--lr", "0.03", "--log-every", "1", "--eval-every", "100", "--devices", "2"]
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
-
-
 def shardax(*args, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardax.cli", *map(str, args)], env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_cli(*args, timeout=timeout)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, command: str, *needles: str) -> str:
@@ -342,10 +334,6 @@ def _clean_tokens(n: int) -> np.ndarray:
     return (np.arange(n) % 200).astype(np.uint16)  # byte tokenizer: ids < 256
 
 
-def _committed(run: Path) -> list[int]:
-    return list_steps(run / "checkpoints")[0]
-
-
 def test_token_ids_past_the_vocabulary_after_the_first_batch(tmp_path):
     """Ids outside the vocabulary where the up-front sample does not look: found when a batch
     holds them, one line naming --data and the step, exit 2, earlier checkpoints kept."""
@@ -366,7 +354,7 @@ def test_token_ids_past_the_vocabulary_after_the_first_batch(tmp_path):
     line = one_line_error(proc, "train", "--data: token id 300 at step ", "vocabulary of 256")
     step = int(line.split(" at step ")[1].split()[0])
     assert step >= 1, line  # past the first batch: the run trained before it met them
-    assert _committed(run) and _committed(run)[-1] == step  # steps 1..step saved, kept
+    assert committed_steps(run) and committed_steps(run)[-1] == step  # steps 1..step saved, kept
 
 
 @pytest.fixture(scope="module")
@@ -376,13 +364,13 @@ def truncated_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("truncated")
     data, run = root / "tokens.u16", root / "run"
     _clean_tokens(1 << 19).tofile(data)
-    proc = subprocess.Popen([sys.executable, "-m", "shardax.cli", "train", *TINY,
-                             "--ckpt-every", "2", "--data", str(data), "--out", str(run)],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cli_command("train", *TINY, "--ckpt-every", "2", "--data", data,
+                                        "--out", run),
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + TIMEOUT_S
     while proc.poll() is None and time.monotonic() < deadline:
-        if (run / "checkpoints").exists() and _committed(run):
+        if (run / "checkpoints").exists() and committed_steps(run):
             break
         time.sleep(0.2)
     os.truncate(data, 1000)  # 500 tokens left of 524288
@@ -393,7 +381,7 @@ def truncated_run(tmp_path_factory):
 def test_a_token_file_truncated_while_training(truncated_run):
     run, proc = truncated_run
     one_line_error(proc, "train", "tokens.u16: the file shrank while in use")
-    assert _committed(run), "the checkpoints saved before are kept"
+    assert committed_steps(run), "the checkpoints saved before are kept"
 
 
 def test_export_over_an_earlier_sharded_export_removes_its_shards(truncated_run, tmp_path):

@@ -150,3 +150,13 @@ def test_the_function_import_check_can_fail(tmp_path):
     assert [m for _, m in found if not _allowed(m, "shardax.m")] == ["json", "shardax.mesh"]
     assert _allowed("shardax.train.loop", "shardax.cli")
     assert not _allowed("shardax.train.loop", "shardax.train.build")
+
+
+def test_errors_are_a_bottom_module():
+    """Every layer raises the error types of ``shardax.errors`` without importing the layer
+    that used to define them (``shardax verify`` and the planner's topology check need nothing
+    of ``train``)."""
+    graph = _graph()
+    assert graph["shardax.errors"] == set()
+    for module in ("shardax.plan.topology", "shardax.plan.verify"):
+        assert not any(m.startswith("shardax.train") for m in graph[module]), module

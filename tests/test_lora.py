@@ -10,8 +10,6 @@ directory.
 
 import dataclasses
 import json
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cli import run_cli
 from flax import nnx
 
 from shardax import hf, models
@@ -208,11 +207,6 @@ def test_peft_export_equals_the_fixture_and_peft_logits(tmp_path):
     np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-4 * scale)
 
 
-def _shardax(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardax.cli", *args], capture_output=True,
-                          text=True, timeout=300)
-
-
 def test_cli_lora_resumes_on_another_mesh_and_exports(tmp_path):
     pytest.importorskip("jinja2")  # the chat data: extra "hf"
     out = tmp_path / "run"
@@ -220,16 +214,16 @@ def test_cli_lora_resumes_on_another_mesh_and_exports(tmp_path):
               "--data", str(HERE / "fixtures/chat/chat.jsonl"), "--seq-len", "32",
               "--batch-size", "8", "--lora-rank", "4", "--lora-alpha", "8", "--out", str(out),
               "--optimizer", "sgd", "--lr", "0.5", "--ckpt-every", "1", "--eval-every", "10"]
-    r = _shardax("train", *common, "--steps", "1", "--mesh", "fsdp=8")
+    r = run_cli("train", *common, "--steps", "1", "--mesh", "fsdp=8")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = _shardax("train", *common, "--steps", "2", "--mesh", "fsdp=4,tp=2", "--resume")
+    r = run_cli("train", *common, "--steps", "2", "--mesh", "fsdp=4,tp=2", "--resume")
     assert r.returncode == 0, r.stderr[-2000:]
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     for extra, to in (((), merged), (("--adapter-only",), adapter)):
-        r = _shardax("export", "--out", str(out), "--to", str(to), *extra)
+        r = run_cli("export", "--out", str(out), "--to", str(to), *extra)
         assert r.returncode == 0, r.stderr[-2000:]
     assert (adapter / "adapter_config.json").is_file()
-    r = _shardax("train", *common, "--steps", "3", "--resume", "--lora-rank", "2")
+    r = run_cli("train", *common, "--steps", "3", "--resume", "--lora-rank", "2")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "--lora-rank" in r.stderr
     # The base stayed frozen: every weight LoRA does not target is the imported one.
@@ -264,10 +258,10 @@ def _read_any(directory: Path, name: str) -> np.ndarray:
 
 
 def test_cli_lora_flags_are_checked(tmp_path):
-    r = _shardax("train", "--lora-rank", "-1", "--out", str(tmp_path / "run"))
+    r = run_cli("train", "--lora-rank", "-1", "--out", str(tmp_path / "run"))
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
     assert "--lora-rank -1" in r.stderr
-    r = _shardax("train", "--lora-rank", "2", "--lora-targets", "(", "--out",
+    r = run_cli("train", "--lora-rank", "2", "--lora-targets", "(", "--out",
                  str(tmp_path / "run"))
     assert r.returncode == 2 and "--lora-targets" in r.stderr
 

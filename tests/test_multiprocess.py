@@ -22,7 +22,6 @@ single-process ones run in this pytest process.
 """
 
 import io
-import json
 import os
 import re
 import shutil
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _processes import multiprocess_env
+from _cli import cli_command, committed_steps, multiprocess_env, read_metrics
 from _reference import TINY_TRAIN
 
 from shardax.launch import free_port, launch
@@ -43,7 +42,6 @@ from shardax.train.loop import TrainConfig, train
 
 pytestmark = pytest.mark.multiprocess
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {**TINY_TRAIN, "steps": 6, "ckpt_every": 3}
 REL = 1e-6  # 1 vs 2 processes, or another mesh: float32 reduction order (seen 1.1e-7)
 BOUND_S = 300  # no subprocess may outlive this; a hang fails the test instead of CI
@@ -61,13 +59,9 @@ def env() -> dict[str, str]:
     return multiprocess_env()
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "shardax.cli", *args]
-
-
 def _launch_train(env, out: Path, *flags: str, nproc: int = 2) -> list[str]:
-    return _cli("launch", "--nproc", str(nproc), "--devices-per-proc", str(8 // nproc), "--",
-                *_cli("train", *_flags(), *flags, "--out", str(out)))
+    return cli_command("launch", "--nproc", str(nproc), "--devices-per-proc", str(8 // nproc), "--",
+                *cli_command("train", *_flags(), *flags, "--out", str(out)))
 
 
 def _run(cmd: list[str], env, timeout: float = BOUND_S) -> subprocess.CompletedProcess:
@@ -80,20 +74,8 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
-def _metrics(out: Path) -> list[dict]:
-    text = (out / "metrics.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def _series(records: list[dict], key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in records if key in r}
-
-
-def _committed(out: Path) -> list[int]:
-    """Committed checkpoint steps, read from the file system (a Checkpointer would clean up)."""
-    root = out / "checkpoints"
-    return sorted(int(d.name) for d in root.iterdir()
-                  if d.name.isdigit() and (d / "commit_success.txt").exists())
 
 
 def _resume_copy(run: Path, dest: Path, keep: int) -> Path:
@@ -102,7 +84,7 @@ def _resume_copy(run: Path, dest: Path, keep: int) -> Path:
     for d in (dest / "checkpoints").iterdir():
         if d.name.isdigit() and int(d.name) > keep:
             shutil.rmtree(d)
-    assert _committed(dest) == [keep]
+    assert committed_steps(dest) == [keep]
     return dest
 
 
@@ -175,7 +157,7 @@ def test_global_batch_equals_the_single_process_batch(env, tmp_path):
     script = tmp_path / "batch_check.py"
     script.write_text(BATCH_CHECK)
     meshes = ["fsdp=-1", "dp=2,fsdp=2,tp=2", "tp=2,fsdp=4"]
-    stdout = _ok(_run(_cli("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+    stdout = _ok(_run(cli_command("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
                            str(script), *meshes), env))
     for p in (0, 1):
         # Split over the processes: 4 rows each; tp spanning the processes: all 8 rows each.
@@ -188,17 +170,17 @@ def test_global_batch_equals_the_single_process_batch(env, tmp_path):
 
 def test_two_processes_train_like_one_process(one_process, two_processes):
     out, stdout = two_processes
-    ref, got = _metrics(one_process), _metrics(out)
+    ref, got = read_metrics(one_process), read_metrics(out)
     for key in ("loss", "grad_norm", "val_loss"):
         _assert_close(_series(got, key), _series(ref, key))
     assert "[0] shardax train: llama-tiny" in stdout and "on 8 devices" in stdout
     assert "[1] shardax train" not in stdout  # only process 0 reports
-    assert _committed(out) == [3, 6]
+    assert committed_steps(out) == [3, 6]
 
 
 def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_processes,
                                                                         tmp_path):
-    straight = _metrics(two_processes[0])
+    straight = read_metrics(two_processes[0])
     out = _resume_copy(two_processes[0], tmp_path / "run", keep=3)
     records = train(TrainConfig(out=str(out), mesh="dp=2,fsdp=4", resume=True, **TINY))
     assert [r["step"] for r in records] == list(range(1, 7))
@@ -208,12 +190,12 @@ def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(two_proce
 
 def test_two_process_checkpoint_resumes_in_two_processes_on_another_mesh(env, two_processes,
                                                                           tmp_path):
-    straight = _metrics(two_processes[0])
+    straight = read_metrics(two_processes[0])
     out = _resume_copy(two_processes[0], tmp_path / "run", keep=3)
     # tp spans the two processes: each one feeds the whole batch.
     _ok(_run(_launch_train(env, out, "--mesh", "tp=2,fsdp=4", "--resume"), env))
     for key in ("loss", "grad_norm", "val_loss"):
-        _assert_close(_series(_metrics(out), key), _series(straight, key))
+        _assert_close(_series(read_metrics(out), key), _series(straight, key))
 
 
 # ----------------------------------------------------------------------------- faults
@@ -231,7 +213,7 @@ def test_killed_worker_stops_the_job_and_leaves_a_restorable_checkpoint(env, one
         pids = [int(p) for p in re.findall(r"\d+:(\d+)", first.split("pids", 1)[1])]
         assert len(pids) == 2, first
         deadline = time.monotonic() + BOUND_S
-        while not ((out / "checkpoints").exists() and _committed(out)):
+        while not ((out / "checkpoints").exists() and committed_steps(out)):
             assert proc.poll() is None, f"run ended early:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, "no checkpoint committed"
             time.sleep(0.02)
@@ -245,7 +227,7 @@ def test_killed_worker_stops_the_job_and_leaves_a_restorable_checkpoint(env, one
     assert f"process 1 (pid {pids[1]}) was killed by SIGKILL; stopping the others" in err
     assert not any(_alive(p) for p in pids), "a worker outlived the launcher"
 
-    committed = _committed(out)
+    committed = committed_steps(out)
     assert committed and committed[-1] < TINY["steps"], committed  # it really stopped mid-run
     # What --resume starts from (the checkpoint API; resuming a run is proved bit-identical
     # once, in test_train.py, and across processes and meshes above): the last committed
@@ -265,8 +247,8 @@ def test_sigterm_to_the_launcher_saves_one_step_in_every_process(env, two_proces
     """A scheduler preempts the job: SIGTERM to `shardax launch` reaches every worker; they
     agree on a step, save it together, and the launcher exits with 143."""
     out = tmp_path / "run"
-    cmd = _cli("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
-               *_cli("train", *_flags(steps=40, ckpt_every=100), "--mesh", "fsdp=-1",
+    cmd = cli_command("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+               *cli_command("train", *_flags(steps=40, ckpt_every=100), "--mesh", "fsdp=-1",
                      "--out", str(out)))
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -289,19 +271,19 @@ def test_sigterm_to_the_launcher_saves_one_step_in_every_process(env, two_proces
     assert len(stopped) == 1 and stopped[0][0] == "0", rest[-3000:]  # process 0 says so
     assert "Traceback" not in rest
     step = int(stopped[0][1])
-    assert _committed(out) == [step] and 2 <= step < TINY["steps"]
+    assert committed_steps(out) == [step] and 2 <= step < TINY["steps"]
     state = out / "checkpoints" / str(step) / "state"
     assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
-    straight = _metrics(two_processes[0])
+    straight = read_metrics(two_processes[0])
     for key in ("loss", "grad_norm"):  # the steps before the stop: exactly the straight run
-        assert _series(_metrics(out), key) == {s: v for s, v in _series(straight, key).items()
+        assert _series(read_metrics(out), key) == {s: v for s, v in _series(straight, key).items()
                                               if s <= step}
     # (Resuming a two-process checkpoint, bit for bit: test_killed_worker_... below.)
 
 
 def test_unreachable_coordinator_is_a_clear_error(env, tmp_path):
     address = f"127.0.0.1:{free_port()}"  # nobody listens there
-    proc = _run(_cli("train", *_flags(), "--out", str(tmp_path / "run")),
+    proc = _run(cli_command("train", *_flags(), "--out", str(tmp_path / "run")),
                 {**env, "SHARDAX_COORDINATOR": address, "SHARDAX_NUM_PROCESSES": "2",
                  "SHARDAX_PROCESS_ID": "1", "SHARDAX_INIT_TIMEOUT": "3"}, timeout=120)
     assert proc.returncode == 1
@@ -312,7 +294,7 @@ def test_unreachable_coordinator_is_a_clear_error(env, tmp_path):
 
 def test_a_process_that_never_joins_is_a_clear_error(env, tmp_path):
     address = f"127.0.0.1:{free_port()}"
-    proc = _run(_cli("train", *_flags(), "--out", str(tmp_path / "run")),
+    proc = _run(cli_command("train", *_flags(), "--out", str(tmp_path / "run")),
                 {**env, "SHARDAX_COORDINATOR": address, "SHARDAX_NUM_PROCESSES": "2",
                  "SHARDAX_PROCESS_ID": "0", "SHARDAX_INIT_TIMEOUT": "3"}, timeout=120)
     assert proc.returncode == 1
@@ -323,7 +305,7 @@ def test_a_process_that_never_joins_is_a_clear_error(env, tmp_path):
 def test_processes_that_disagree_on_the_count_fail_clearly(env, tmp_path):
     address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen(
-        _cli("train", *_flags(), "--out", str(tmp_path / "run")),
+        cli_command("train", *_flags(), "--out", str(tmp_path / "run")),
         env={**env, "SHARDAX_COORDINATOR": address, "SHARDAX_NUM_PROCESSES": count,
              "SHARDAX_PROCESS_ID": str(i), "SHARDAX_INIT_TIMEOUT": "60"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -13,7 +13,6 @@ import math
 import os
 import struct
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from _cli import cli_command, cli_env
 from _reference import init_train_state
 
 from shardax import models
@@ -143,10 +143,10 @@ def test_parsers_name_the_flag():
         parse_log_to("mlflow")
 
 
-def _cli_env(extra_path: Path | None = None) -> dict[str, str]:
-    parts = [str(p) for p in (extra_path, SRC) if p] + [os.environ.get("PYTHONPATH", "")]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in parts if p),
-            "JAX_PLATFORMS": "cpu"}
+def _cli_env(extra_path: Path) -> dict[str, str]:
+    """`cli_env` with ``extra_path`` first on the path."""
+    env = cli_env()
+    return {**env, "PYTHONPATH": os.pathsep.join((str(extra_path), env["PYTHONPATH"]))}
 
 
 def test_missing_extra_is_one_line_naming_it(tmp_path):
@@ -154,8 +154,7 @@ def test_missing_extra_is_one_line_naming_it(tmp_path):
     (blocked / "tensorboardX").mkdir(parents=True)
     (blocked / "tensorboardX" / "__init__.py").write_text("raise ImportError('not here')\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "shardax.cli", "train", "--log-to", "jsonl,tensorboard",
-         "--out", str(tmp_path / "run")],
+        cli_command("train", "--log-to", "jsonl,tensorboard", "--out", tmp_path / "run"),
         env=_cli_env(blocked), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()

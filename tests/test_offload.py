@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from shardax.mesh import MeshShardingHelper
 from shardax.plan.estimate import compile_config
 from shardax.rules import FSDPShardingRule, HostOffloadRule
-from shardax.train.checkpoint import fingerprints
 from shardax.train.config import check
+from shardax.train.fingerprint import fingerprints
 from shardax.train.loop import TrainConfig, train
 from shardax.train.resolve import resolve
 

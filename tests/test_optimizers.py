@@ -2,6 +2,8 @@
 state is sharded by the rules like its parameters and a sharded step trains like one device;
 step 1 trains at lr > 0; the flags reach the optimizer and bad values are one line."""
 
+import dataclasses
+import json
 from functools import partial
 
 import jax
@@ -11,17 +13,14 @@ import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 
 from shardax import frameworks, models
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
-from shardax.train.config import TrainConfig, UsageError, check
-from shardax.train.resolve import optimizer
-from shardax.train.step import (
-    OPTIMIZERS,
-    make_optimizer,
-    make_schedule,
-    muon_dimensions,
-    train_step,
-)
+from shardax.train.config import TrainConfig, check
+from shardax.train.optimizers import OPTIMIZERS, make_optimizer, make_schedule, muon_dimensions
+from shardax.train.resolve import optimizer, schedule_change
+from shardax.train.rundir import check_resume, load_run_config
+from shardax.train.step import train_step
 from shardax.utils import tree_path_to_string
 
 CONFIG = models.get_config("llama-tiny", n_layers=1, max_seq_len=16)
@@ -130,3 +129,32 @@ def test_weight_decay_and_clipping_reach_the_optimizer():
 def test_bad_schedule_flags_are_usage_errors(flags, needle):
     with pytest.raises(UsageError, match=needle.replace("(", r"\(")):
         check(TrainConfig(**flags))
+
+
+def test_check_is_pure_and_fills_every_default_once():
+    """`check` leaves its argument alone and returns a frozen config with the defaults filled
+    in; checking that again changes nothing (sgd's constant schedule included)."""
+    given = TrainConfig(steps=100)
+    config = check(given)
+    assert given.lr is None and given.warmup_steps is None  # untouched
+    assert (config.lr, config.warmup_steps, config.min_lr_ratio, config.weight_decay,
+            config.clip_grad_norm, config.tokenizer) == (3e-3, 5, 0.1, 0.01, 1.0, "bytes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0
+    for c in (config, check(TrainConfig(steps=100, optimizer="sgd"))):
+        assert check(c) == c
+    sgd = check(TrainConfig(optimizer="sgd"))
+    assert (sgd.warmup_steps, sgd.min_lr_ratio, sgd.weight_decay, sgd.clip_grad_norm) == (
+        0, 1.0, 0.0, 0.0)
+
+
+def test_a_config_json_from_before_the_defaults_were_saved_resumes(tmp_path):
+    """A run directory's config.json written when the optimizer's defaults were left null
+    reads back with them filled in as the run used them, and resumes under the same flags."""
+    old = dataclasses.asdict(TrainConfig(steps=100, lr=3e-3, tokenizer="bytes", out=str(tmp_path)))
+    assert old["warmup_steps"] is None
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    saved = load_run_config(tmp_path)
+    assert saved == check(TrainConfig(steps=100, out=str(tmp_path)))
+    check_resume(saved, check(TrainConfig(steps=100, out=str(tmp_path), resume=True)))
+    assert schedule_change(saved, check(TrainConfig(steps=100, out=str(tmp_path))), 50) is None

@@ -12,27 +12,26 @@ import dataclasses
 import importlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _processes import assert_one_line_error
+from _cli import assert_one_line_error, run_cli
 from _reference import TINY_TRAIN
 
 from shardax import models
 from shardax.cli import main
 from shardax.devices import device_spec
+from shardax.errors import UsageError
 from shardax.hlo import CollectiveOp, replica_groups
 from shardax.plan import candidates, plan_config, search
 from shardax.plan.calibrate import calibrate
 from shardax.plan.command import parse_bytes
 from shardax.plan.estimate import across_bytes, comm_seconds, train_command, usable_bytes
 from shardax.plan.search import axes_across_hosts
-from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.config import TrainConfig, check
 from shardax.train.resolve import resolve
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 H100 = device_spec("h100")
 BARE = dataclasses.replace(H100, reserved_bytes=0)  # memory limits of tiny layouts, in bytes
 TINY = dict(model="llama-tiny", batch_size=TINY_TRAIN["batch_size"], seq_len=TINY_TRAIN["seq_len"])
@@ -162,10 +161,7 @@ def test_small_helpers():
     (["--mesh", "fsdp=3"], "fsdp=3"),  # found against the emulated devices
 ])
 def test_bad_plan_input_is_one_line_and_exit_code_2(flags, needle):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "shardax.cli", "plan", *flags],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = run_cli("plan", *flags)
     assert_one_line_error(proc, "plan", needle)
 
 

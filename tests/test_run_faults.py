@@ -18,14 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-from _processes import wait_for_line
+from _cli import cli_command, cli_env, committed_steps, read_metrics, wait_for_line
 from _reference import TINY_TRAIN
 
-from shardax.train.checkpoint import list_steps
-from shardax.train.config import UsageError
+from shardax.errors import UsageError
 from shardax.train.runlock import LOCK_FILE, RunLock
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {**TINY_TRAIN, "steps": 6, "mesh": "fsdp=-1"}
 BOUND_S = 300
 
@@ -35,28 +33,13 @@ def _flags(**overrides) -> list[str]:
             for s in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-
-
 def _cmd(out: Path, *extra: str, **overrides) -> list[str]:
-    return [sys.executable, "-m", "shardax.cli", "train", *_flags(**overrides), *extra,
-            "--out", str(out)]
+    return cli_command("train", *_flags(**overrides), *extra, "--out", out)
 
 
 def _run(out: Path, *extra: str, **overrides) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(out, *extra, **overrides), env=_env(), capture_output=True,
-                          text=True, timeout=BOUND_S)
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-
-
-def _committed(out: Path) -> list[int]:
-    return list_steps(out / "checkpoints")[0]
+    return subprocess.run(_cmd(out, *extra, **overrides), env=cli_env(PYTHONUNBUFFERED="1"),
+                          capture_output=True, text=True, timeout=BOUND_S)
 
 
 def _errors(stderr: str) -> list[str]:
@@ -73,12 +56,12 @@ def _wait_for(stream, pattern: str, proc: subprocess.Popen) -> str:
 def test_a_second_trainer_on_the_same_out_is_refused_and_a_killed_ones_lock_is_stale(
         tmp_path):
     out = tmp_path / "run"
-    first = subprocess.Popen(_cmd(out, steps=400, ckpt_every=2), env=_env(),
+    first = subprocess.Popen(_cmd(out, steps=400, ckpt_every=2), env=cli_env(PYTHONUNBUFFERED="1"),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(first.stdout, r"^step\s+3\s", first)
         deadline = time.monotonic() + BOUND_S
-        while not _committed(out):
+        while not committed_steps(out):
             assert time.monotonic() < deadline, "no checkpoint committed"
             time.sleep(0.02)
         lock = json.loads((out / LOCK_FILE).read_text())
@@ -92,7 +75,7 @@ def test_a_second_trainer_on_the_same_out_is_refused_and_a_killed_ones_lock_is_s
             assert (f"--out {out} is in use by another shardax train (pid {first.pid} on "
                     f"{socket.gethostname()}, started ") in second.stderr, second.stderr
         assert first.poll() is None  # the holder trains on, undisturbed
-        steps = [r["step"] for r in _metrics(out)]
+        steps = [r["step"] for r in read_metrics(out)]
         assert steps == sorted(steps) and len(set(steps)) == len(steps)  # one run's records
         first.send_signal(signal.SIGKILL)  # a lost host: no clean-up at all
         first.wait(timeout=BOUND_S)
@@ -101,13 +84,13 @@ def test_a_second_trainer_on_the_same_out_is_refused_and_a_killed_ones_lock_is_s
             first.kill()
             first.wait()
     assert (out / LOCK_FILE).exists()  # left behind, but no process holds it
-    newest = _committed(out)[-1]
+    newest = committed_steps(out)[-1]
     third = _run(out, "--resume", steps=newest + 1)
     assert third.returncode == 0, third.stderr[-3000:]
     assert (f"shardax train: taking over the stale lock of pid {first.pid} on "
             f"{socket.gethostname()}") in third.stderr, third.stderr
     assert not (out / LOCK_FILE).exists()  # released at the end
-    assert _committed(out)[-1] == newest + 1
+    assert committed_steps(out)[-1] == newest + 1
 
 
 def test_the_lock_is_released_on_errors_and_leaves_no_empty_directory(tmp_path):
@@ -180,7 +163,7 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_finite_checkpoint(tmp_path)
         f"stop): stopped without saving it; the newest checkpoint, step {NAN_AT - 1}, has "
         "finite weights: continue from it with --resume (e.g. with a lower --lr), or pass "
         "--on-nan skip")
-    assert _committed(out) == [NAN_AT - 1] and _finite_weights(out, NAN_AT - 1)
+    assert committed_steps(out) == [NAN_AT - 1] and _finite_weights(out, NAN_AT - 1)
     assert not (out / LOCK_FILE).exists()
 
 
@@ -191,18 +174,18 @@ def test_two_processes_stop_together_at_the_nan_step(tmp_path):
     out = tmp_path / "run"
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {**_env(), "XLA_FLAGS": flags}
+    env = {**cli_env(PYTHONUNBUFFERED="1"), "XLA_FLAGS": flags}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # see test_multiprocess.py
     proc = subprocess.run(
-        [sys.executable, "-m", "shardax.cli", "launch", "--nproc", "2", "--devices-per-proc",
-         "4", "--", *_cmd(out, **EXPLODING)], env=env, capture_output=True, text=True,
+        cli_command("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
+                    *_cmd(out, **EXPLODING)), env=env, capture_output=True, text=True,
         timeout=BOUND_S)
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     said = re.findall(r"^\[(\d)\] shardax train: error: the loss is not finite at step (\d+)",
                       proc.stdout, re.MULTILINE)
     assert said == [("0", str(NAN_AT))], proc.stdout[-3000:]
     assert "Traceback" not in proc.stdout
-    assert _committed(out) == [NAN_AT - 1] and not (out / LOCK_FILE).exists()
+    assert committed_steps(out) == [NAN_AT - 1] and not (out / LOCK_FILE).exists()
 
 
 def test_on_nan_continue_trains_on_and_pins_the_last_finite_checkpoint(tmp_path):
@@ -213,7 +196,7 @@ def test_on_nan_continue_trains_on_and_pins_the_last_finite_checkpoint(tmp_path)
             f"(--on-nan continue); checkpoint step {NAN_AT - 1}, the last with finite weights, "
             "is kept") in proc.stderr, proc.stderr[-3000:]
     # 3 newest kept (4, 5, 6: NaN weights) and, whatever --keep says, the last good one.
-    assert _committed(out) == [NAN_AT - 1, 4, 5, 6]
+    assert committed_steps(out) == [NAN_AT - 1, 4, 5, 6]
     assert _finite_weights(out, NAN_AT - 1) and not _finite_weights(out, 6)
 
 
@@ -226,13 +209,13 @@ def test_on_nan_skip_skips_and_counts_the_non_finite_updates(tmp_path):
     # Steps 2..6 all meet step 1's overflowed weights (kept, as every update is skipped);
     # noted: the first three, then at powers of two.
     assert notes == [("2", "1"), ("3", "2"), ("4", "3"), ("5", "4")], proc.stderr[-3000:]
-    records = {r["step"]: r for r in _metrics(out)}
+    records = {r["step"]: r for r in read_metrics(out)}
     assert [records[s].get("skipped_steps", 0) for s in range(1, 7)] == [0, 1, 2, 3, 4, 5]
-    assert _committed(out) == [4, 5, 6] and _finite_weights(out, 6)
+    assert committed_steps(out) == [4, 5, 6] and _finite_weights(out, 6)
     # Resumed, the count goes on from the checkpoint's (it used to restart at 0).
     proc = _run(out, "--on-nan", "skip", "--resume", **{**EXPLODING, "steps": 8})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = {r["step"]: r for r in _metrics(out)}
+    records = {r["step"]: r for r in read_metrics(out)}
     assert [records[s].get("skipped_steps", 0) for s in (7, 8)] == [6, 7]
 
 
@@ -283,12 +266,27 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resto
         f"shardax train: error: cannot write checkpoint step 4 in {out / 'checkpoints'} (No "
         "space left on device); the newest committed checkpoint, step 2, is intact: continue "
         "from it with --resume once the cause is fixed"], proc.stderr[-3000:]
-    assert _committed(out) == [2] and not (out / LOCK_FILE).exists()
+    assert committed_steps(out) == [2] and not (out / LOCK_FILE).exists()
     filler.unlink()  # the operator frees space and resumes
     proc = _run(out, "--resume", steps=4)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert _committed(out) == [2, 4]
-    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    assert committed_steps(out) == [2, 4]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_a_checkpointer_leaves_the_process_alone(tmp_path):
+    """Building a Checkpointer installs no hook and no logger filter: dropping orbax's reports
+    is the ``shardax`` command's choice (`shardax.train.orbax_logs.drop_orbax_errors`)."""
+    import logging
+
+    from shardax.train import Checkpointer
+
+    hook = sys.unraisablehook
+    filters = {name: list(logging.getLogger(name).filters) for name in ("absl", "asyncio")}
+    with Checkpointer(tmp_path / "checkpoints"):
+        pass
+    assert sys.unraisablehook is hook
+    assert {name: list(logging.getLogger(name).filters) for name in filters} == filters
 
 
 def test_orbax_late_reports_are_dropped_and_others_are_not(monkeypatch, capsys):
@@ -296,11 +294,11 @@ def test_orbax_late_reports_are_dropped_and_others_are_not(monkeypatch, capsys):
     "Exception ignored in" of a closed event loop), is dropped; anything else still shows."""
     from types import SimpleNamespace
 
-    from shardax.train import checkpoint
+    from shardax.train.orbax_logs import drop_orbax_errors
 
     shown = []
     monkeypatch.setattr(sys, "unraisablehook", shown.append)
-    checkpoint._drop_orbax_errors()
+    drop_orbax_errors()
 
     def report(exc, obj):
         sys.unraisablehook(SimpleNamespace(exc_type=type(exc), exc_value=exc,

@@ -9,7 +9,6 @@ subprocesses, as a scheduler or a user would send them.
 """
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -20,19 +19,18 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from _processes import wait_for_line
+from _cli import cli_command, cli_env, committed_steps, read_metrics, wait_for_line
 from _reference import TINY_TRAIN
 
 from shardax.cli import main
+from shardax.errors import UsageError
 from shardax.train import Checkpointer, report
-from shardax.train.checkpoint import list_steps
-from shardax.train.config import TrainConfig, UsageError
+from shardax.train.config import TrainConfig
 from shardax.train.generate import generate
 from shardax.train.loop import train
+from shardax.train.optimizers import make_optimizer
 from shardax.train.rundir import SET_ASIDE_DIR
-from shardax.train.step import make_optimizer
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 TINY = {**TINY_TRAIN, "steps": 6, "mesh": "fsdp=-1"}
 BOUND_S = 300
 
@@ -46,22 +44,8 @@ def _flags(**overrides) -> list[str]:
             for s in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
-
-
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-
-
 def _series(records: list[dict], key: str = "loss") -> dict[int, float]:
     return {r["step"]: r[key] for r in records if key in r}
-
-
-def _committed(out: Path) -> list[int]:
-    return list_steps(out / "checkpoints")[0]
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
@@ -92,7 +76,7 @@ def reference(tmp_path_factory):
     """6 SGD steps straight; checkpoints at 2, 4, 6."""
     out = tmp_path_factory.mktemp("reference") / "run"
     records = train(_config(out))
-    assert _committed(out) == [2, 4, 6]
+    assert committed_steps(out) == [2, 4, 6]
     return out, records
 
 
@@ -119,8 +103,8 @@ def test_resume_skips_damaged_checkpoints_and_continues_bit_identically(referenc
     # Steps 3-6 trained again from step 2, exactly as the first time.
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm", "val_loss"):
-        assert _series(_metrics(out), key) == _series(reference[1], key), key
-    assert _committed(out) == [2, 4, 6]
+        assert _series(read_metrics(out), key) == _series(reference[1], key), key
+    assert committed_steps(out) == [2, 4, 6]
     assert sorted(p.name for p in (out / SET_ASIDE_DIR).iterdir()) == ["4", "6"]
 
 
@@ -138,14 +122,14 @@ def test_resume_past_a_half_written_step_and_a_garbled_metrics_line(reference, t
     assert "metrics.jsonl: skipped 1 unreadable line(s) (line 7)" in err, err
     assert "removed half-written checkpoint steps [6]" in err, err
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert _series(_metrics(out)) == _series(reference[1])
-    assert _committed(out) == [2, 4, 6]  # step 6 saved again, over the half-written one
+    assert _series(read_metrics(out)) == _series(reference[1])
+    assert committed_steps(out) == [2, 4, 6]  # step 6 saved again, over the half-written one
 
 
 def test_resume_step_picks_an_older_checkpoint(reference, tmp_path):
     out = _copy(reference, tmp_path / "run")
     train(_config(out, resume=True, resume_step=4))
-    assert _series(_metrics(out)) == _series(reference[1])
+    assert _series(read_metrics(out)) == _series(reference[1])
     assert sorted(p.name for p in (out / SET_ASIDE_DIR).iterdir()) == ["6"]  # kept, not lost
 
 
@@ -158,7 +142,7 @@ def test_a_single_step_run(tmp_path):
     out = tmp_path / "run"  # the loop itself (SGD: the reference's compiled programs)
     records = train(_config(out, steps=1, ckpt_every=100))
     assert [r["step"] for r in records] == [1] and "val_loss" in records[0]
-    assert _committed(out) == [1]
+    assert committed_steps(out) == [1]
 
 
 def test_unreadable_data_is_one_line(tmp_path, monkeypatch, capsys):
@@ -216,16 +200,16 @@ def test_generate_reads_a_moved_run_from_anywhere_without_writing(reference, tmp
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "shardax.cli", "generate", "--out", os.path.relpath(out, elsewhere),
-         "--prompt", "def ", "--max-tokens", "3", "--devices", "3"],
-        env=_env(), capture_output=True, text=True, timeout=BOUND_S, cwd=elsewhere)
+        cli_command("generate", "--out", os.path.relpath(out, elsewhere), "--prompt", "def ",
+                    "--max-tokens", "3", "--devices", "3"),
+        env=cli_env(), capture_output=True, text=True, timeout=BOUND_S, cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("def ")
     notes = [line for line in proc.stderr.splitlines() if line.startswith("shardax")]
     assert len(notes) == 1 and "checkpoint step 6 is unusable" in notes[0], proc.stderr
     # No traceback at all: not shardax's, nor orbax's after-effects of the failed read of
     # step 6 (TensorStore's callbacks into orbax's closed event loop, its abandoned read
-    # coroutines at exit), which shardax drops (shardax.train.checkpoint._drop_orbax_errors).
+    # coroutines at exit), which shardax drops (shardax.train.orbax_logs.drop_orbax_errors).
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, (
         proc.stderr[-3000:])
     assert _snapshot(out) == before  # nothing written, the in-flight save left alone
@@ -238,10 +222,8 @@ def test_generate_reads_a_moved_run_from_anywhere_without_writing(reference, tmp
 def _start(out: Path, cwd: Path, **overrides) -> subprocess.Popen:
     """``shardax train`` with 40 steps (it is stopped long before), stdout and stderr piped."""
     return subprocess.Popen(
-        [sys.executable, "-m", "shardax.cli", "train", *_flags(steps=40, ckpt_every=100,
-                                                               **overrides),
-         "--out", str(out)],
-        env={**_env(), "PYTHONUNBUFFERED": "1"}, cwd=cwd, stdout=subprocess.PIPE,
+        cli_command("train", *_flags(steps=40, ckpt_every=100, **overrides), "--out", out),
+        env=cli_env(PYTHONUNBUFFERED="1"), cwd=cwd, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
 
 
@@ -271,8 +253,8 @@ def test_sigterm_saves_the_current_step_whole(tmp_path):
                          stderr)
     assert len(stopped) == 1 and "Traceback" not in stderr, stderr
     step = int(stopped[0])
-    logged = max(r["step"] for r in _metrics(out))
-    assert _committed(out) == [step] and step >= logged >= 2
+    logged = max(r["step"] for r in read_metrics(out))
+    assert committed_steps(out) == [step] and step >= logged >= 2
     assert step < TINY["steps"], "stopped too late: the signal did not cut the run short"
     assert not (out / "run.lock").exists()  # the run directory's lock is released
     # What --resume starts from (the checkpoint API; resuming a run is proved bit-identical
@@ -290,7 +272,7 @@ def test_a_first_ctrl_c_saves_the_current_step(tmp_path):
     stopped = re.findall(r"stopped at step (\d+), saved; continue with --resume", stderr)
     assert len(stopped) == 1 and "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
     step = int(stopped[0])
-    assert _committed(out) == [step] and step >= max(r["step"] for r in _metrics(out))
+    assert committed_steps(out) == [step] and step >= max(r["step"] for r in read_metrics(out))
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):

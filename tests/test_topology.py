@@ -5,16 +5,14 @@ The CLI runs as a subprocess (as a user runs it: its own device count and libtpu
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _processes import assert_one_line_error
+from _cli import assert_one_line_error, run_cli
 
+from shardax.errors import UsageError
 from shardax.plan.topology import topology_name
-from shardax.train.config import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -22,10 +20,7 @@ TINY = ["--model", "llama-tiny", "--batch-size", "8", "--seq-len", "64"]
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "shardax.cli", "plan", *TINY, *args], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return run_cli("plan", *TINY, *args, cwd=ROOT)
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -22,21 +21,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _cli import cli_command, cli_env, committed_steps
 from _reference import TINY_TRAIN, assert_trained_alike, init_train_state
 from flax import nnx
 
 from shardax import models
 from shardax.cli import main
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
-from shardax.train.checkpoint import Checkpointer
 from shardax.train.config import check
 from shardax.train.generate import generate
-from shardax.train.loop import TrainConfig, UsageError, prepare, train
-from shardax.train.step import make_optimizer, train_step
+from shardax.train.loop import TrainConfig, prepare, train
+from shardax.train.optimizers import make_optimizer
+from shardax.train.step import train_step
 
-SRC = Path(__file__).resolve().parents[1] / "src"
 MESH_3D = "dp=2,fsdp=2,tp=2"
 TINY = TINY_TRAIN
 REL = 1e-6  # across meshes / devices / microbatching: float32 reduction order (seen: 1.0e-7)
@@ -60,11 +60,6 @@ def _by_step(records, key="loss") -> dict[int, float]:
     return {r["step"]: r[key] for r in records if key in r}
 
 
-def _cli_env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
-
-
 def _resume_copy(run_dir: Path, dest: Path, keep_step: int) -> Path:
     """A copy of a finished run as if it had stopped right after checkpoint ``keep_step``:
     later checkpoints removed (``steps`` is fixed on resume, so the saved state at
@@ -73,13 +68,8 @@ def _resume_copy(run_dir: Path, dest: Path, keep_step: int) -> Path:
     for step_dir in (dest / "checkpoints").iterdir():
         if step_dir.name.isdigit() and int(step_dir.name) > keep_step:
             shutil.rmtree(step_dir)
-    assert _committed_steps(dest)[-1] == keep_step
+    assert committed_steps(dest)[-1] == keep_step
     return dest
-
-
-def _committed_steps(run_dir: Path) -> list[int]:
-    with Checkpointer(run_dir / "checkpoints") as ckpt:
-        return ckpt.all_steps()
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
@@ -109,9 +99,9 @@ def single_device(tmp_path_factory):
     log = out.parent / f"{out.name}.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shardax.cli", "train", "--devices", "1", "--mesh", "fsdp=1",
-             *_flags(steps=3, ckpt_every=100), "--out", str(out)],
-            env=_cli_env(), stdout=f, stderr=subprocess.STDOUT)
+            cli_command("train", "--devices", "1", "--mesh", "fsdp=1",
+                        *_flags(steps=3, ckpt_every=100), "--out", out),
+            env=cli_env(), stdout=f, stderr=subprocess.STDOUT)
     handle = _Subprocess(proc, out, log)
     yield handle
     if proc.poll() is None:
@@ -159,7 +149,7 @@ def test_resume_is_bit_identical_to_a_straight_run(fsdp_run, resumed_same_mesh):
     for key in ("loss", "grad_norm", "val_loss"):
         assert _by_step(_read_metrics(out), key) == _by_step(straight, key), key
     assert _by_step(resumed) == _by_step(straight)
-    assert _committed_steps(out) == [2, 4]
+    assert committed_steps(out) == [2, 4]
 
 
 def test_resume_onto_another_mesh_continues_training(fsdp_run, resumed_same_mesh,
@@ -216,7 +206,7 @@ def test_run_directory_outputs(fsdp_run):
     assert json.loads((out / "config.json").read_text()) == \
         check(_config(out, mesh="fsdp=-1")).to_json()
     assert (out / "checkpoints").is_dir()
-    assert _committed_steps(out) == [2, 4]
+    assert committed_steps(out) == [2, 4]
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -276,9 +266,8 @@ def test_fresh_run_never_overwrites_existing_checkpoints(fsdp_run, run_main, tmp
 
 def test_bad_input_from_the_command_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "shardax.cli", "train", "--mesh", "fsdp=3", "--out",
-         str(tmp_path / "run")],
-        env=_cli_env(), capture_output=True, text=True, timeout=300)
+        cli_command("train", "--mesh", "fsdp=3", "--out", tmp_path / "run"),
+        env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     _assert_one_line_error(proc.returncode, proc.stderr, "fsdp=3")
     assert not (tmp_path / "run").exists()

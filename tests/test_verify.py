@@ -4,21 +4,19 @@ missing its psum fails (exit 1, naming the leaf); a rule leaving a large leaf re
 The CLI runs as a subprocess (its own emulated device count, as a user runs it)."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from _processes import assert_one_line_error
+from _cli import assert_one_line_error, run_cli
 from jax.sharding import PartitionSpec as P
 
 from shardax import FSDPShardingRule, LogicalAxisRules, TreePathShardingRule
+from shardax.errors import UsageError
 from shardax.plan.verify import load_step, parse_layouts, verify
 from shardax.rulecheck import rule_findings
-from shardax.train.config import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ROOT / "tests" / "fixtures" / "verify_steps.py"
@@ -26,10 +24,7 @@ LINEN_RULES = LogicalAxisRules([("embed", "fsdp"), ("mlp", "tp")])  # verify_ste
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([sys.executable, "-m", "shardax.cli", "verify", *args], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return run_cli("verify", *args, cwd=ROOT)
 
 
 def test_a_correct_step_matches_one_device_on_every_layout(tmp_path):

@@ -38,7 +38,6 @@ from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
 from shardax.frameworks import equinox as static_leaves
 from shardax.frameworks.nnx import InPlace, in_place_for
-from shardax.inspect import ShardingPlan
 from shardax.rulecheck import warn_replicated
 from shardax.rules import (
     LogicalAxisRules,
@@ -46,6 +45,7 @@ from shardax.rules import (
     mappings_as_rules,
     match_shardings_flat,
 )
+from shardax.sharding_plan import ShardingPlan
 from shardax.utils import tree_path_to_string
 
 __all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]

@@ -38,7 +38,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from shardax import _context, frameworks
-from shardax.inspect import _human
+from shardax.utils import human_bytes as _human
 from shardax.rules import (
     FSDPShardingRule,
     HostOffloadRule,

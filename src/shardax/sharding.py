@@ -8,7 +8,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardax.constraints import with_sharding_annotation, with_sharding_constraint
 from shardax.context import ShardingContext
-from shardax.inspect import ShardingPlan
 from shardax.jit import ShardedFunction, SJITCompiledFunction, sjit
 from shardax.logical import use_logical_rules, with_logical_constraint
 from shardax.mesh import (
@@ -26,6 +25,7 @@ from shardax.rules import (
     TreePathShardingRule,
     match_specs,
 )
+from shardax.sharding_plan import ShardingPlan
 from shardax.utils import named_tree_map
 
 MeshShardingContext = ShardingContext  # scalax's name

@@ -31,6 +31,7 @@ __all__ = [
     "print_pytree_structure",
     "leaf_shape",
     "array_nbytes",
+    "human_bytes",
 ]
 
 
@@ -196,3 +197,16 @@ def array_nbytes(shape: tuple[int, ...], dtype: Any) -> int:
     """Bytes of an array of ``shape`` and ``dtype`` (PRNG key dtypes included)."""
     itemsize = getattr(dtype, "itemsize", None) or np.dtype(dtype).itemsize
     return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def human_bytes(n: float) -> str:
+    """A byte count as people read it, in binary units up to GiB.
+
+    >>> human_bytes(512), human_bytes(3 * 2**20), human_bytes(5 * 2**40)
+    ('512 B', '3.00 MiB', '5120.00 GiB')
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

@@ -26,10 +26,11 @@ import numpy as np
 
 from shardax import models
 from shardax.devices import DeviceSpec
+from shardax.errors import UsageError
 from shardax.filecheck import parse_json, read_json, read_text
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.plan.estimate import Compiled, comm_seconds, hidden_seconds, remat_factor, seconds
-from shardax.train.config import TrainConfig, UsageError
+from shardax.train.config import TrainConfig
 from shardax.train.configfile import from_dict
 from shardax.train.mfu import flops_per_token
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import jax
 
 from shardax.devices import DeviceSpec, device_spec
+from shardax.errors import UsageError
 from shardax.plan.calibrate import calibrate
+from shardax.plan.config import PlanConfig
 from shardax.plan.estimate import (
     assumptions,
     plan_config,
@@ -24,7 +26,7 @@ from shardax.plan.estimate import (
     usable_bytes,
 )
 from shardax.plan.search import DEFAULT_CACHE, search
-from shardax.train.config import PlanConfig, TrainConfig, UsageError
+from shardax.train.config import TrainConfig
 from shardax.train.resolve import resolve
 
 __all__ = ["check_device_flags", "parse_bytes", "target_device", "run_plan"]

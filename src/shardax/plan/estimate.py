@@ -35,12 +35,12 @@ import jax.numpy as jnp
 from shardax import models
 from shardax.devices import DeviceSpec
 from shardax.hlo import peak_bytes
-from shardax.inspect import _human
 from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
 from shardax.train.config import TrainConfig
 from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
+from shardax.utils import human_bytes as _human
 
 __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",
            "compile_config", "estimate", "hidden_seconds", "plan_config", "remat_factor",

@@ -42,6 +42,7 @@ import jax
 
 from shardax import models
 from shardax.devices import DeviceSpec
+from shardax.errors import UsageError
 from shardax.models.attention import BLOCKWISE_MIN_LEN
 from shardax.plan import topology
 from shardax.plan.estimate import (
@@ -52,7 +53,7 @@ from shardax.plan.estimate import (
     remat_factor,
     usable_bytes,
 )
-from shardax.train.config import TrainConfig, UsageError
+from shardax.train.config import TrainConfig
 from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
 

@@ -24,8 +24,8 @@ from typing import Any
 from jax.experimental import topologies
 
 from shardax.devices import device_spec
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
-from shardax.train.config import UsageError
 
 __all__ = ["ENV", "memory_source", "on_target", "select", "topology_name"]
 

@@ -45,12 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardax.errors import UsageError
 from shardax.hlo import hlo_collectives, memory_bytes, peak_bytes, summarize_collectives
-from shardax.inspect import _human
 from shardax.mesh import parse_mesh_string
 from shardax.rulecheck import rule_findings
 from shardax.rules import match_specs_flat
-from shardax.train.config import UsageError
+from shardax.utils import human_bytes as _human
 
 __all__ = ["LayoutReport", "Report", "Step", "load_step", "parse_layouts", "verify"]
 

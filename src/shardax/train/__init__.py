@@ -4,8 +4,11 @@ Modules, one job each: ``config`` (the command dataclasses and their checks), ``
 (settings from a ``--config`` file), ``resolve`` (a config -> the resolved run, once),
 ``rundir`` (every path and check of a run directory), ``inputs`` (tokenizer and sharded
 batches of a run), ``build`` (train state and compiled step of a resolved run), ``step``
-(the train step and `TrainState`), ``checkpoint`` (sharded checkpoints and the train state's
-checkpoint format), ``loop`` (the training loop), ``stop`` (SIGTERM / Ctrl-C), ``report`` and
+(the train step and `TrainState`), ``optimizers`` (``--optimizer`` and its schedule, and
+their defaults), ``checkpoint`` (sharded checkpoints and the train state's checkpoint format),
+``fingerprint`` (what a checkpoint verifies its arrays against), ``orbax_logs`` (orbax's log
+noise), ``loop`` (the training loop), ``notes`` (what a command tells the user), ``stop``
+(SIGTERM / Ctrl-C), ``report`` and
 ``trackers`` (progress, ``metrics.jsonl``, ``loss.png``, TensorBoard / W&B), ``profiler``,
 ``mfu`` (model FLOPs), ``generate`` and ``export``, ``data`` / ``readers`` / ``encode`` /
 ``tokenizer`` (the data pipeline).

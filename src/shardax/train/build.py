@@ -23,9 +23,9 @@ import jax
 from flax import nnx
 
 from shardax import hf, models
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.models.lora import add_lora, trainable
-from shardax.train.config import UsageError
 from shardax.train.resolve import Resolved, state_shape
 from shardax.train.step import TrainState, init_state, train_step
 

@@ -22,8 +22,6 @@ import json
 import logging
 import os
 import re
-import sys
-import traceback
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,15 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shardax import _compat
+from shardax.errors import CheckpointWriteError, CorruptCheckpointError
 from shardax.filewrite import remove_tree
+from shardax.train.fingerprint import fingerprints
+from shardax.train.orbax_logs import quiet_orbax
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
-           "abstract_state", "fingerprints", "flat", "list_steps", "restore_state"]
+           "abstract_state", "flat", "list_steps", "restore_state"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -48,24 +48,6 @@ _COMMIT_FILE = "commit_success.txt"
 _FORMAT = 1
 
 log = logging.getLogger(__name__)
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A committed checkpoint step could not be read back intact."""
-
-
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint step could not be written (a full disk, a lost mount, no permission);
-    the step was never committed, so the older committed steps are untouched."""
-
-    def __init__(self, step: int | None, directory: str, reason: str, committed: list[int]):
-        self.step, self.directory, self.reason = step, directory, reason
-        before = [s for s in committed if step is None or s < step]
-        kept = (f"the newest committed checkpoint, step {before[-1]}, is intact: continue from "
-                "it with --resume" if before else "no checkpoint was committed before it")
-        which = f"step {step}" if step is not None else "a step"
-        super().__init__(f"cannot write checkpoint {which} in {directory} ({reason}); {kept} "
-                         "once the cause is fixed")
 
 
 def _write_reason(e: BaseException) -> str:
@@ -92,59 +74,6 @@ def _chain(e: BaseException) -> str:
     return " | ".join(texts)
 
 
-class _DropOrbaxErrors(logging.Filter):
-    """Drops orbax's own error logs: tracebacks of its background save threads (absl) and of
-    the futures it abandons after a failed write or read (asyncio, often at exit). Shardax
-    raises those failures itself: `CheckpointWriteError`, `CorruptCheckpointError`."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        if "orbax" in record.pathname:
-            return False
-        tb = record.exc_info[2] if record.exc_info else None
-        frames = traceback.extract_tb(tb) if tb is not None else []
-        return not ("orbax" in record.getMessage()
-                    or any("orbax" in f.filename for f in frames))
-
-
-_DROP_ORBAX_ERRORS = _DropOrbaxErrors()
-
-
-def _orbax_unraisable(unraisable: Any) -> bool:
-    """Whether an "Exception ignored in ..." report comes from orbax or TensorStore: a read
-    coroutine abandoned after a failed read, or TensorStore calling back into the event loop
-    orbax already closed ("Event loop is closed")."""
-    exc = unraisable.exc_value
-    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc):
-        return True
-    tb = unraisable.exc_traceback
-    frames = traceback.extract_tb(tb) if tb is not None else []
-    where = f"{unraisable.err_msg or ''} {unraisable.object!r}"
-    return any(name in where for name in ("orbax", "tensorstore")) or any(
-        "orbax" in f.filename or "tensorstore" in f.filename for f in frames)
-
-
-def _drop_orbax_errors() -> None:
-    """Installs `_DropOrbaxErrors` on the loggers orbax's errors reach, and a
-    ``sys.unraisablehook`` that drops orbax's and TensorStore's late reports (once; it stays,
-    as abandoned futures are reported as late as interpreter exit)."""
-    for name in ("absl", "asyncio"):
-        logger = logging.getLogger(name)
-        if _DROP_ORBAX_ERRORS not in logger.filters:
-            logger.addFilter(_DROP_ORBAX_ERRORS)
-    previous = sys.unraisablehook
-    if getattr(previous, "_shardax", False):
-        return
-
-    def hook(unraisable: Any) -> None:
-        if not _orbax_unraisable(unraisable):
-            previous(unraisable)
-
-    hook._shardax = True  # type: ignore[attr-defined]
-    sys.unraisablehook = hook
-
-
 class Restored(NamedTuple):
     """What `Checkpointer.restore` returns."""
 
@@ -157,19 +86,6 @@ def _short(e: Exception, limit: int = 300) -> str:
     """``Type: message`` on one line, cut at ``limit`` characters."""
     text = " ".join(f"{type(e).__name__}: {e}".split())
     return text if len(text) <= limit else text[:limit] + " ..."
-
-
-@contextlib.contextmanager
-def _quiet_orbax():
-    """Silences orbax's INFO/WARNING log lines (e.g. one per option a read-only manager
-    resets) for the duration; errors still show."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(max(level, logging.ERROR))
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def list_steps(directory: str | os.PathLike) -> tuple[list[int], list[int]]:
@@ -198,98 +114,6 @@ def _is_key(x: Any) -> bool:
 
 def _flat(tree: Any) -> dict[str, Any]:
     return flatten_tree(tree, sep="/")
-
-
-def _as_words(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as uint32 words (64-bit elements give two words)."""
-    if _is_key(x):
-        x = jax.random.key_data(x)
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag], axis=-1)
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    size = x.dtype.itemsize
-    if size >= 4:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
-
-
-def _leaf_fingerprint(x: jax.Array) -> jax.Array:
-    w = _as_words(x)
-    # Flat position from per-dimension iotas: no reshape, so no data moves between shards.
-    index = jnp.zeros(w.shape, jnp.uint32)
-    for d in range(w.ndim):
-        index = index * jnp.uint32(w.shape[d]) + jax.lax.broadcasted_iota(jnp.uint32, w.shape, d)
-    h = w ^ (index * jnp.uint32(0x9E3779B1))
-    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)  # murmur3 finaliser
-    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-    h = h ^ (h >> 16)
-    # uint32 addition wraps, so the sum is exact whatever the reduction order (= any mesh).
-    return jnp.sum(h, dtype=jnp.uint32)
-
-
-_fingerprints_jit = jax.jit(lambda leaves: [_leaf_fingerprint(x) for x in leaves])
-
-
-def _on_host(x: jax.Array) -> bool:
-    return getattr(x.sharding, "memory_kind", None) not in (None, "device")
-
-
-def _host_fingerprint(x: jax.Array) -> int:
-    """`_leaf_fingerprint` of a leaf kept in host memory (``--offload-optimizer``), computed
-    with numpy from this process's shards (no device memory, no device program), summed over
-    processes. Same bits as the device version: uint32 arithmetic wraps alike."""
-    u32 = np.uint32
-    total = 0
-    for shard in x.addressable_shards:
-        if shard.replica_id:
-            continue
-        data = np.asarray(shard.data)
-        size = data.dtype.itemsize
-        if data.dtype == np.bool_:
-            w = data.astype(u32)
-        elif size >= 4:
-            w = np.ascontiguousarray(data).view(u32).reshape(
-                data.shape + ((size // 4,) if size > 4 else ()))
-        else:
-            w = np.ascontiguousarray(data).view(np.dtype(f"uint{8 * size}")).astype(u32)
-        shape = x.shape + w.shape[data.ndim:]
-        starts = [s.start or 0 for s in shard.index] + [0] * (w.ndim - data.ndim)
-        index = np.zeros(w.shape, u32)
-        for d in range(w.ndim):
-            coord = np.arange(starts[d], starts[d] + w.shape[d], dtype=u32).reshape(
-                [-1 if k == d else 1 for k in range(w.ndim)])
-            index = index * u32(shape[d]) + coord
-        with np.errstate(over="ignore"):  # uint32 products wrap, as on the device
-            h = w ^ (index * u32(0x9E3779B1))
-            h = (h ^ (h >> u32(16))) * u32(0x85EBCA6B)
-            h = (h ^ (h >> u32(13))) * u32(0xC2B2AE35)
-            h = h ^ (h >> u32(16))
-        total = (total + int(np.sum(h, dtype=u32))) % 2**32
-    if jax.process_count() > 1:
-        total = int(np.sum(multihost_utils.process_allgather(np.asarray(total, u32)),
-                           dtype=u32))
-    return total
-
-
-def fingerprints(tree: Any) -> dict[str, int]:
-    """A 32-bit, position-sensitive fingerprint of every array leaf of ``tree`` (keyed by its
-    path), the same on any mesh and process count: what a checkpoint verifies its arrays
-    against, and what ``shardax train`` logs of each batch (``data_hash``)."""
-    flat = {k: v for k, v in _flat(tree).items() if isinstance(v, jax.Array)}
-    # One jit call per device set: a jit cannot mix arrays committed to different devices.
-    groups: dict[frozenset, list[str]] = {}
-    for k, v in flat.items():
-        groups.setdefault(frozenset(v.sharding.device_set), []).append(k)
-    out = {}
-    for keys in groups.values():
-        out.update({k: _host_fingerprint(flat[k]) for k in keys if _on_host(flat[k])})
-        keys = [k for k in keys if not _on_host(flat[k])]
-        values = _fingerprints_jit([flat[k] for k in keys])
-        # Outputs are replicated: read this process's copy (works across processes too).
-        for k, v in zip(keys, values, strict=True):
-            out[k] = int(np.asarray(v.addressable_data(0)))
-    return dict(sorted(out.items()))
 
 
 def abstract_state(tree: Any, shardings: Any = None) -> Any:
@@ -419,13 +243,12 @@ class Checkpointer:
         for item in ("extra", "meta"):
             registry.add(item, ocp.args.JsonSave)
             registry.add(item, ocp.args.JsonRestore)
-        with _quiet_orbax():  # read_only logs a warning per option it sets
+        with quiet_orbax():  # read_only logs a warning per option it sets
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, handler_registry=registry
             )
         self._saving: int | None = None  # the step whose save may still be in flight
         self._failed: CheckpointWriteError | None = None
-        _drop_orbax_errors()
         if not read_only:
             # The tmp-folder clean-up runs in a thread; finish it now, not at interpreter exit.
             future = getattr(self._manager, "_cleanup_tmp_directory_future", None)

@@ -5,13 +5,14 @@
 ``--config run.yaml`` file (`shardax.train.configfile`) and of the ``config.json`` a run
 directory keeps (`shardax.train.rundir`). `check` validates every field (types, finite and
 in-range numbers, known names, the mesh string's syntax) without touching a device, so bad
-input is a `UsageError` naming the flag before a backend starts; `GenerateConfig`,
-`ExportConfig` and `PlanConfig` have `check_generate`, `check_export` and `check_plan`.
+input is a `UsageError` naming the flag before a backend starts; `GenerateConfig` and
+`ExportConfig` have `check_generate` and `check_export` (``shardax plan``'s own flags are
+`shardax.plan.config.PlanConfig`).
 
 >>> config = check(TrainConfig(steps=20, mesh="dp=2,fsdp=-1"))  # UsageError on bad values
 >>> check(TrainConfig(steps=0))
 Traceback (most recent call last):
-shardax.train.config.UsageError: --steps 0: must be >= 1
+shardax.errors.UsageError: --steps 0: must be >= 1
 """
 
 from __future__ import annotations
@@ -25,30 +26,33 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from shardax import models
+from shardax.errors import MissingExtra, UsageError
+from shardax.errors import require as _usage
 from shardax.filewrite import check_target_dir
 from shardax.hf.configs import HF_MODEL_TYPES
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
+from shardax.train.optimizers import defaults as optimizer_defaults
 from shardax.train.profiler import parse_profile_steps
 from shardax.train.tokenizer import has_tokenizer
-from shardax.train.trackers import MissingExtra, check_installed, parse_log_to
+from shardax.train.trackers import check_installed, parse_log_to
 
 __all__ = [
     "ExportConfig",
     "GenerateConfig",
-    "PlanConfig",
     "TrainConfig",
     "UsageError",
     "check",
     "check_export",
     "check_generate",
-    "check_plan",
     "coerce",
+    "coerce_fields",
     "flag",
     "hf_dir",
     "parse_mesh",
+    "with_defaults",
 ]
 
 MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
@@ -69,11 +73,9 @@ def _arg(name: str | None = None, help: str | None = None) -> Any:
 _HF_TYPES = ", ".join(HF_MODEL_TYPES)
 
 
-class UsageError(ValueError):
-    """Bad input from the user: the CLI prints it as one line and exits with code 2."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything ``shardax train`` takes; field names are the CLI flags."""
 
@@ -207,7 +209,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateConfig:
     """Everything ``shardax generate`` takes; field names are the CLI flags."""
 
@@ -234,7 +236,7 @@ class GenerateConfig:
     --from)"""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ExportConfig:
     """Everything ``shardax export`` takes; field names are the CLI flags."""
 
@@ -253,68 +255,9 @@ class ExportConfig:
     adapter_model.safetensors) instead of the merged full weights"""
 
 
-@dataclass
-class PlanConfig:
-    """The flags ``shardax plan`` takes besides those of ``shardax train``."""
-
-    target: str | None = None
-    """device whose peak FLOP/s, memory and link bandwidth the estimate uses, e.g. h100, h200,
-    a100, b200, 'tpu v5p' (default: this machine's accelerator, else h100)"""
-    hbm: str | None = None
-    """memory per device, e.g. 80GiB or 94GB (default: the target's)"""
-    link_gbps: float = 0.0
-    """one-way link bandwidth per device within a host (NVLink, ICI) in GB/s (0: the
-    target's)"""
-    host_link_gbps: float = 0.0
-    """one-way bandwidth per device across hosts (its NIC; DCN for TPUs) in GB/s (0: the
-    target's)"""
-    devices_per_host: int = 0
-    """devices one host (NVLink domain, TPU slice) holds (0: the target's)"""
-    flops_fraction: float = 0.0
-    """fraction of peak FLOP/s a step achieves (0: the target's, or --calibrate's fit)"""
-    link_fraction: float = 0.0
-    """fraction of link bandwidth a collective achieves (0: the target's)"""
-    collective_latency_us: float = 0.0
-    """fixed cost of one collective in microseconds, whatever its size (0: the target's)"""
-    comm_overlap: float = -1.0
-    """fraction of the all-gathers' and reduce-scatters' time (FSDP's) hidden under compute;
-    0: none (-1: the target's)"""
-    search: bool = False
-    """search meshes, remat, scan and microbatching for the fastest layout that fits (model,
-    batch, sequence, precision and optimizer stay)"""
-    top: int = 5
-    """layouts to print with --search"""
-    max_compiles: int = 16
-    """layouts compiled with --search, analytically best first"""
-    time_budget: float = 540.0
-    """seconds --search may spend compiling"""
-    jobs: int = 1
-    """worker processes compiling in parallel with --search"""
-    cache: str | None = None
-    """directory of compiled-layout results (default ~/.cache/shardax/plan; 'none' disables
-    it)"""
-    json: str | None = None
-    """also write the result here as JSON"""
-    pipeline: bool = False
-    """--search pipeline layouts within a host too (by default only where each stage is whole
-    hosts, or when nothing else fits)"""
-    topology: str | None = None
-    """compile for this TPU slice of a TPU --target, chips per dimension (e.g. 2x2x1 for v5p,
-    2x2 for v5e): memory and collectives from libtpu's compiler, no TPU needed (pip install
-    libtpu); it sets --devices (default: compile for emulated CPU devices)"""
-    calibrate: list[str] = field(default_factory=list)
-    """run directories of past shardax train runs on the target: their measured step times
-    fit the achievable fraction of peak FLOP/s (an explicit --flops-fraction wins)"""
-
-
 def flag(name: str) -> str:
     """The command-line spelling of a field: ``flag("batch_size") == "--batch-size"``."""
     return "--" + name.replace("_", "-")
-
-
-def _usage(ok: bool, message: str) -> None:
-    if not ok:
-        raise UsageError(message)
 
 
 # ----------------------------------------------------------------------------- types
@@ -379,10 +322,12 @@ _POSITIVE = ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "ckpt_
 DEFAULT_LR, DEFAULT_FINETUNE_LR = 3e-3, 2e-5
 
 
-def _check_types(config: Any) -> None:
+def coerce_fields(config: Any) -> Any:
+    """``config`` with every field coerced to its declared type (a new config)."""
     types_ = hints(type(config))
-    for f in dataclasses.fields(config):
-        setattr(config, f.name, coerce(f.name, types_[f.name], getattr(config, f.name), ""))
+    return dataclasses.replace(config, **{
+        f.name: coerce(f.name, types_[f.name], getattr(config, f.name), "")
+        for f in dataclasses.fields(config) if f.init})
 
 
 def _check_seed(value: int, name: str = "seed") -> None:
@@ -411,35 +356,68 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return sizes
 
 
+def with_defaults(config: TrainConfig) -> TrainConfig:
+    """``config`` with every setting left to a default filled in (a new config; nothing else
+    is checked): ``--lr`` (`DEFAULT_LR`, or `DEFAULT_FINETUNE_LR` with ``--init-from``),
+    ``--tokenizer`` (the ``--init-from`` directory's, if it has one, else bytes) and the
+    optimizer's schedule and regularisation (`shardax.train.optimizers.defaults`). The one
+    place these defaults are decided; `check` calls it, and so does reading an older run's
+    ``config.json``, which left the optimizer's to the run.
+
+    >>> c = with_defaults(TrainConfig(steps=100))
+    >>> c.lr, c.warmup_steps, c.min_lr_ratio, c.weight_decay, c.clip_grad_norm, c.tokenizer
+    (0.003, 5, 0.1, 0.01, 1.0, 'bytes')
+    """
+    lr, tokenizer = config.lr, config.tokenizer
+    if lr is None:
+        lr = DEFAULT_LR if config.init_from is None else DEFAULT_FINETUNE_LR
+    if tokenizer is None:
+        init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+        tokenizer = str(init) if init is not None and has_tokenizer(init) else "bytes"
+    default = optimizer_defaults(config.optimizer, config.steps)
+    given = {"warmup": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
+             "weight_decay": config.weight_decay, "clip_grad_norm": config.clip_grad_norm}
+    filled = {k: default[k] if v is None else v for k, v in given.items()}
+    return dataclasses.replace(
+        config, lr=lr, tokenizer=tokenizer, warmup_steps=filled["warmup"],
+        min_lr_ratio=filled["min_lr_ratio"], weight_decay=filled["weight_decay"],
+        clip_grad_norm=filled["clip_grad_norm"])
+
+
 def check(config: TrainConfig) -> TrainConfig:
     """Checks every field of a `TrainConfig` without starting JAX: types, finite and in-range
-    numbers, known model, rules and mesh axes. Returns the config; raises `UsageError`."""
-    _check_types(config)
+    numbers, known model, rules and mesh axes. Returns a new config with every default filled
+    in (`with_defaults`), the same for a config it returned; raises `UsageError`.
+
+    >>> check(TrainConfig(steps=100)).warmup_steps
+    5
+    """
+    config = coerce_fields(config)
     for name in _POSITIVE:
         value = getattr(config, name)
         _usage(value >= 1, f"{flag(name)} {value}: must be >= 1")
     _usage(config.microbatches >= 0,
            f"--microbatches {config.microbatches}: must be >= 0 (0: the 'pp' size)")
     _usage(config.eval_every >= 0, f"--eval-every {config.eval_every}: must be >= 0 (0: never)")
-    if config.lr is None:
-        config.lr = DEFAULT_LR if config.init_from is None else DEFAULT_FINETUNE_LR
-    _usage(math.isfinite(config.lr) and config.lr > 0,
+    _usage(config.lr is None or (math.isfinite(config.lr) and config.lr > 0),
            f"--lr {config.lr}: must be a finite number > 0")
     _usage(config.warmup_steps is None or config.warmup_steps >= 0,
            f"--warmup-steps {config.warmup_steps}: must be >= 0")
     _usage(config.min_lr_ratio is None or (math.isfinite(config.min_lr_ratio)
                                            and 0 <= config.min_lr_ratio <= 1),
            f"--min-lr-ratio {config.min_lr_ratio}: must be in [0, 1]")
-    _usage(config.optimizer != "sgd" or (config.warmup_steps, config.min_lr_ratio) == (None,) * 2,
+    constant = optimizer_defaults("sgd", config.steps)  # what check fills in for sgd
+    _usage(config.optimizer != "sgd" or (config.warmup_steps in (None, constant["warmup"])
+                                         and config.min_lr_ratio in (None,
+                                                                     constant["min_lr_ratio"])),
            "--warmup-steps / --min-lr-ratio: --optimizer sgd runs at a constant --lr; use "
            "another optimizer for a schedule")
     for name in ("weight_decay", "clip_grad_norm"):
         value = getattr(config, name)
         _usage(value is None or (math.isfinite(value) and value >= 0),
                f"{flag(name)} {value}: must be a finite number >= 0")
-    if config.tokenizer is None:
-        init = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
-        config.tokenizer = str(init) if init is not None and has_tokenizer(init) else "bytes"
+    if config.init_from is not None:
+        hf_dir(config.init_from, "--init-from")
     _check_seed(config.seed)
     if config.resume_step is not None:
         _usage(config.resume, "--resume-step needs --resume")
@@ -447,15 +425,14 @@ def check(config: TrainConfig) -> TrainConfig:
         _usage(config.resume_step <= config.steps,
                f"--resume-step {config.resume_step} is past --steps {config.steps}")
     _usage(bool(config.out.strip()), "--out: give a run directory")
-    _usage(bool(config.tokenizer.strip()), "--tokenizer: give 'bytes' or a tokenizer directory")
+    _usage(config.tokenizer is None or bool(config.tokenizer.strip()),
+           "--tokenizer: give 'bytes' or a tokenizer directory")
     _usage(not config.val_data or config.eval_every > 0,
            "--val-data with --eval-every 0: the validation data would never be read")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
     _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
            f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "
            "device table)")
-    if config.init_from is not None:
-        hf_dir(config.init_from, "--init-from")
     _usage(config.lora_rank >= 0, f"--lora-rank {config.lora_rank}: must be >= 0 (0: no LoRA)")
     _usage(math.isfinite(config.lora_alpha) and config.lora_alpha > 0,
            f"--lora-alpha {config.lora_alpha}: must be a finite number > 0")
@@ -488,7 +465,7 @@ def check(config: TrainConfig) -> TrainConfig:
         check_installed(parse_log_to(config.log_to))
     except (ValueError, MissingExtra) as e:
         raise UsageError(str(e)) from None
-    return config
+    return with_defaults(config)
 
 
 def hf_dir(spec: str, name: str) -> Path:
@@ -503,7 +480,7 @@ def hf_dir(spec: str, name: str) -> Path:
 
 def check_export(config: ExportConfig) -> ExportConfig:
     """`check` for `ExportConfig`."""
-    _check_types(config)
+    config = coerce_fields(config)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     _usage(config.max_shard_mb >= 1, f"--max-shard-mb {config.max_shard_mb}: must be >= 1")
     _usage(bool(config.to.strip()), "--to: give a directory to write")
@@ -518,7 +495,7 @@ def check_export(config: ExportConfig) -> ExportConfig:
 
 def check_generate(config: GenerateConfig) -> GenerateConfig:
     """`check` for `GenerateConfig`."""
-    _check_types(config)
+    config = coerce_fields(config)
     _usage((config.out is None) != (config.source is None),
            "give exactly one of --out RUN and --from hf:DIR")
     if config.source is not None:
@@ -529,31 +506,4 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
            f"--temperature {config.temperature}: must be a finite number >= 0")
     _check_seed(config.seed)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
-    return config
-
-
-def check_plan(config: PlanConfig) -> PlanConfig:
-    """`check` for `PlanConfig` (the ``--hbm`` size and ``--target`` name are checked by
-    `shardax.plan.command.run_plan`, which knows the device table)."""
-    _check_types(config)
-    for name in ("top", "max_compiles", "jobs"):
-        _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
-    for name in ("link_gbps", "host_link_gbps"):
-        value = getattr(config, name)
-        _usage(math.isfinite(value) and value >= 0,
-               f"{flag(name)} {value}: must be a finite number >= 0")
-    for name in ("flops_fraction", "link_fraction"):
-        value = getattr(config, name)
-        _usage(math.isfinite(value) and 0 <= value <= 1,
-               f"{flag(name)} {value}: must be a fraction in (0, 1] (0: the target's)")
-    _usage(math.isfinite(config.collective_latency_us) and config.collective_latency_us >= 0,
-           f"--collective-latency-us {config.collective_latency_us}: must be a finite number "
-           ">= 0 (0: the target's)")
-    _usage(config.comm_overlap == -1 or 0 <= config.comm_overlap <= 1,
-           f"--comm-overlap {config.comm_overlap}: must be a fraction in [0, 1] (-1: the "
-           "target's)")
-    _usage(config.devices_per_host >= 0,
-           f"--devices-per-host {config.devices_per_host}: must be >= 1 (0: the target's)")
-    _usage(math.isfinite(config.time_budget) and config.time_budget > 0,
-           f"--time-budget {config.time_budget}: must be a finite number > 0")
     return config

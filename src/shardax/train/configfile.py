@@ -14,8 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from shardax.errors import UsageError
 from shardax.filecheck import parse_json, read_text
-from shardax.train.config import UsageError, coerce, hints
+from shardax.train.config import coerce, hints
 
 __all__ = ["from_dict", "load_file"]
 

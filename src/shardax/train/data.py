@@ -50,14 +50,9 @@ from typing import Any
 import grain
 import numpy as np
 
+from shardax.errors import DataError
 from shardax.train.encode import encode_files
-from shardax.train.readers import (
-    DataError,
-    DataFile,
-    TokenFile,
-    list_data_files,
-    open_token_file,
-)
+from shardax.train.readers import DataFile, TokenFile, list_data_files, open_token_file
 from shardax.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [

@@ -27,8 +27,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from shardax.errors import UsageError
 from shardax.models.axes import BATCH_AXES
-from shardax.train.config import TrainConfig, UsageError, parse_mesh
+from shardax.train.config import TrainConfig, parse_mesh
 
 __all__ = ["refit", "resolve_sizes"]
 

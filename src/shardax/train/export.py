@@ -22,10 +22,11 @@ import numpy as np
 from flax import nnx
 
 from shardax import hf, models
+from shardax.errors import UsageError
 from shardax.filewrite import write_text
 from shardax.hf.peft import save_adapters
 from shardax.models.lora import merge_lora
-from shardax.train.config import ExportConfig, UsageError
+from shardax.train.config import ExportConfig
 from shardax.train.generate import restore_model
 from shardax.train.rundir import RunDir, check_run
 from shardax.train.tokenizer import Tokenizer, run_tokenizer

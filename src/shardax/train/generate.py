@@ -12,22 +12,24 @@ never from ``config.json``. A damaged newest checkpoint is skipped with a note o
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
 from flax import nnx
 
 from shardax import hf, models
+from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
 from shardax.models.lora import merge_lora
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
-from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, restore_state
-from shardax.train.config import GenerateConfig, UsageError, check_generate, hf_dir
+from shardax.train.checkpoint import Checkpointer, restore_state
+from shardax.train.config import GenerateConfig, check_generate, hf_dir
+from shardax.train.notes import note
 from shardax.train.resolve import make_mesh, model_config, optimizer
 from shardax.train.rundir import RunDir, check_run, pipelined
 from shardax.train.tokenizer import (
@@ -41,8 +43,7 @@ from shardax.train.tokenizer import (
 __all__ = ["generate", "restore_model", "sample"]
 
 
-def _note(message: str) -> None:
-    print(f"shardax generate: {message}", file=sys.stderr, flush=True)
+_note = partial(note, "generate")
 
 
 def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | None = None,

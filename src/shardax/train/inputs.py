@@ -15,18 +15,20 @@ arrays sharded like the train step's batch.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
 
 from shardax import models
 from shardax.distributed import batch_part
+from shardax.errors import UsageError
 from shardax.train import data as data_lib
 from shardax.train.chat import ChatTemplate, chat_records, is_chat_file
 from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
-from shardax.train.config import TrainConfig, UsageError
+from shardax.train.config import TrainConfig
+from shardax.train.notes import note
 from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
@@ -86,9 +88,7 @@ def _tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokeni
     return tokenizer
 
 
-def _note(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"shardax train: note: {message}", file=sys.stderr, flush=True)
+_note = partial(note, "train")
 
 
 def _open(paths: list[str], config: TrainConfig, tokenizer: Tokenizer, log: Any,
@@ -113,11 +113,11 @@ def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
     if len(tokens) < config.seq_len + 1:  # too short to train at all: `check_splits` says so
         return tokens, None
     if need <= len(tokens) // 4:
-        _note(f"validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
+        _note(f"note: validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
               f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1); "
               "its last tenth is less than that)")
         return data_lib.split_tokens(tokens, need / len(tokens))
-    _note(f"validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
+    _note(f"note: validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
           f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1) = "
           f"{need:,} and train on the rest; pass --val-data for a validation set, or "
           "--eval-every 0 to say so")

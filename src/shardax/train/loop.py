@@ -19,7 +19,6 @@ is raised without saving it (the CLI exits with 3).
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,22 +31,18 @@ from jax.experimental import multihost_utils
 from shardax import _compat
 from shardax.devices import device_spec
 from shardax.distributed import RESTART_ENV
+from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
-from shardax.train.checkpoint import (
-    Checkpointer,
-    CorruptCheckpointError,
-    Restored,
-    fingerprints,
-    flat,
-    restore_state,
-)
-from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
+from shardax.train.config import TrainConfig, check
+from shardax.train.fingerprint import fingerprints
 from shardax.train.inputs import Inputs, prepare_inputs
 from shardax.train.mfu import flops_per_token
 from shardax.train.nonfinite import NonFinite, NonFiniteWatch
+from shardax.train.notes import note
 from shardax.train.profiler import StepProfiler, parse_profile_steps
 from shardax.train.resolve import Resolved, resolve, schedule_change
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
@@ -73,15 +68,13 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
     nothing is written. ``run_dir``: what `check_run_dir` returned for the already checked
     ``config`` (the CLI checks both before JAX starts)."""
     if run_dir is None:
-        check(config)
+        config = check(config)
         run_dir = check_run_dir(config)
     run = resolve(config)
     return Prepared(run, run_dir, prepare_inputs(run, run_dir))
 
 
-def _note(message: str) -> None:
-    if jax.process_index() == 0:
-        print(f"shardax train: {message}", file=sys.stderr, flush=True)
+_note = partial(note, "train")  # also handed to the run lock, the NaN watch, the clean-up
 
 
 def _check_extra(restored: Restored) -> None:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.errors import DataError
 from shardax.filecheck import parse_json
 
 __all__ = [
@@ -57,8 +58,6 @@ PIECE_BYTES = 1 << 20
 _SNIFF = 8192
 
 
-class DataError(ValueError):
-    """Unusable ``--data``: the message is one line naming the file and what to do."""
 
 
 @dataclass(frozen=True)

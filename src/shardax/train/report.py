@@ -26,10 +26,11 @@ from typing import Any
 
 import jax
 
+from shardax.errors import MissingExtra, UsageError
 from shardax.filewrite import append_text, replacing, write_text
-from shardax.train.config import UsageError
 from shardax.train.mfu import mfu
-from shardax.train.trackers import MissingExtra, make_trackers
+from shardax.train.notes import note
+from shardax.train.trackers import make_trackers
 
 __all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "memory_in_use", "plot"]
 
@@ -156,9 +157,8 @@ class MetricsLog:
             else:
                 bad.append(number)
         if bad and not quiet:
-            print(f"shardax train: note: {self.path}: skipped {len(bad)} unreadable line(s) "
-                  f"(line {', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})",
-                  file=sys.stderr)
+            note("train", f"note: {self.path}: skipped {len(bad)} unreadable line(s) (line "
+                          f"{', '.join(map(str, bad[:5]))}{', ...' if len(bad) > 5 else ''})")
         return [r for r in records if r["step"] <= up_to]
 
     def start(self, records: list[dict]) -> None:

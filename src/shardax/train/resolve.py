@@ -29,14 +29,16 @@ import optax
 from flax import nnx
 
 from shardax import hf, models
+from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper, parse_mesh_string
 from shardax.models.attention import resolve_implementation
 from shardax.models.lora import LoRA, LoRAError
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import HostOffloadRule, LogicalAxisRules
-from shardax.train.config import DEFAULT_LR, TrainConfig, UsageError, flag, hf_dir
-from shardax.train.step import TrainState, init_state, make_optimizer, make_schedule
+from shardax.train.config import TrainConfig, flag, hf_dir, with_defaults
+from shardax.train.optimizers import make_optimizer, make_schedule
+from shardax.train.step import TrainState, init_state
 
 __all__ = ["SCHEDULE_FIELDS", "Resolved", "fsdp_mode", "make_mesh", "model_config",
            "optimizer", "resolve", "schedule_change", "state_shape"]
@@ -52,17 +54,15 @@ def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
 
 
 def optimizer(config: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optax optimizer of ``--optimizer``, ``--lr``, ``--steps``, ``--warmup-steps``
-    (default: the first twentieth of the steps), ``--min-lr-ratio``, ``--weight-decay`` and
-    ``--clip-grad-norm``, and the learning rate it applies at each step."""
-    warmup = config.steps // 20 if config.warmup_steps is None else config.warmup_steps
-    lr = config.lr if config.lr is not None else DEFAULT_LR  # `check` fills it in
-    min_lr_ratio = 0.1 if config.min_lr_ratio is None else config.min_lr_ratio
-    return (make_optimizer(config.optimizer, lr, config.steps, warmup=warmup,
-                           min_lr_ratio=min_lr_ratio, weight_decay=config.weight_decay,
-                           clip_grad_norm=config.clip_grad_norm),
-            make_schedule(config.optimizer, lr, config.steps, warmup=warmup,
-                          min_lr_ratio=min_lr_ratio))
+    """The optax optimizer of a checked config's ``--optimizer``, ``--lr``, ``--steps``,
+    ``--warmup-steps``, ``--min-lr-ratio``, ``--weight-decay`` and ``--clip-grad-norm``, and
+    the learning rate it applies at each step."""
+    c = config
+    return (make_optimizer(c.optimizer, c.lr, c.steps, warmup=c.warmup_steps,
+                           min_lr_ratio=c.min_lr_ratio, weight_decay=c.weight_decay,
+                           clip_grad_norm=c.clip_grad_norm),
+            make_schedule(c.optimizer, c.lr, c.steps, warmup=c.warmup_steps,
+                          min_lr_ratio=c.min_lr_ratio))
 
 
 SCHEDULE_FIELDS = ("lr", "steps", "warmup_steps", "min_lr_ratio")
@@ -72,10 +72,12 @@ def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str |
     """What a resumed run's new schedule flags (`SCHEDULE_FIELDS`) do to its learning rate at
     ``step``, for the resume message (None: the lr there is unchanged).
 
-    >>> print(schedule_change(TrainConfig(steps=100, lr=1e-3), TrainConfig(steps=200, lr=1e-3),
+    >>> from shardax.train.config import check
+    >>> print(schedule_change(check(TrainConfig(steps=100, lr=1e-3)),
+    ...                       check(TrainConfig(steps=200, lr=1e-3)),
     ...                       100))  # doctest: +NORMALIZE_WHITESPACE
-    --steps 200 (was 100) changes the learning-rate schedule: the lr at step 100 is 0.000587
-    (was 0.0001)
+    --steps 200 (was 100), --warmup-steps 10 (was 5) changes the learning-rate schedule: the lr
+    at step 100 is 0.000587 (was 0.0001)
     """
     changed = [k for k in SCHEDULE_FIELDS if getattr(saved, k) != getattr(config, k)]
     if not changed:
@@ -433,15 +435,12 @@ class Resolved:
         decay and clipping, with the defaults resolved."""
         c = self.config
         if c.optimizer == "sgd":
-            return (f"optimizer: sgd, constant lr {c.lr:g}, weight decay {c.weight_decay or 0:g}, "
+            return (f"optimizer: sgd, constant lr {c.lr:g}, weight decay {c.weight_decay:g}, "
                     f"clip grad norm {c.clip_grad_norm or 'off'}")
-        warmup = c.steps // 20 if c.warmup_steps is None else c.warmup_steps
-        ratio = 0.1 if c.min_lr_ratio is None else c.min_lr_ratio
-        decay = 0.01 if c.weight_decay is None else c.weight_decay
-        clip = 1.0 if c.clip_grad_norm is None else c.clip_grad_norm
-        return (f"optimizer: {c.optimizer}, lr {c.lr:g} (warm-up {max(warmup, 1)} steps from "
-                f"{float(self.schedule(0)):.3g}, cosine to {c.lr * ratio:.3g} at step "
-                f"{c.steps}), weight decay {decay:g}, clip grad norm {clip or 'off'}")
+        return (f"optimizer: {c.optimizer}, lr {c.lr:g} (warm-up {max(c.warmup_steps, 1)} steps "
+                f"from {float(self.schedule(0)):.3g}, cosine to {c.lr * c.min_lr_ratio:.3g} at "
+                f"step {c.steps}), weight decay {c.weight_decay:g}, clip grad norm "
+                f"{c.clip_grad_norm or 'off'}")
 
     def pipeline_summary(self) -> str:
         """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
@@ -471,6 +470,7 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     which `fsdp_mode` weighs (``shardax plan`` passes its target's); default: what this
     machine's devices say (nothing on CPU). ``weights=False`` (planning): an ``--init-from``
     model needs only its ``config.json``."""
+    config = with_defaults(config)  # a no-op for a checked config; a library caller's too
     mesh = make_mesh(config.mesh)
     policy = Policy.from_string(config.precision)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")

@@ -23,11 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import check_target_dir, remove_tree, write_text
 from shardax.mesh import parse_mesh_string
 from shardax.train.checkpoint import list_steps
-from shardax.train.config import TrainConfig, UsageError, flag
+from shardax.train.config import TrainConfig, flag, with_defaults
 from shardax.train.configfile import from_dict
 from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer
 
@@ -115,7 +116,8 @@ def load_run_config(out: str | Path, flag_name: str = "--out") -> TrainConfig:
     if isinstance(values, dict):
         # A run from before --pack trained its rows as one stream: it keeps doing so.
         values.setdefault("pack", "concat")
-    return from_dict(TrainConfig, values, where=f"{path}: ")
+    # A run from before `check` filled in the optimizer's defaults saved them as null.
+    return with_defaults(from_dict(TrainConfig, values, where=f"{path}: "))
 
 
 def pipelined(mesh: str) -> bool:

@@ -26,9 +26,11 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
-from shardax.train.config import UsageError
+from shardax.errors import UsageError
+from shardax.train import notes
 
 __all__ = ["LOCK_FILE", "RunLock", "check_free"]
 
@@ -96,8 +98,7 @@ class RunLock:
                  note: Callable[[str], None] | None = None):
         self.out, self.main = Path(out), main
         self.path = self.out / LOCK_FILE
-        self.note = note or (lambda message: print(f"shardax train: {message}",
-                                                   file=sys.stderr, flush=True))
+        self.note = note or partial(notes.note, "train")
         self._fd: int | None = None
         self._created_out = False
 

@@ -33,6 +33,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from shardax import _compat
+from shardax.train.notes import note
 
 __all__ = ["StopRequests", "Stopped"]
 
@@ -86,10 +87,8 @@ class StopRequests:
                 os._exit(128 + signal.SIGINT)
             return  # a repeated SIGTERM: the save is already on its way
         self.signum = signum
-        if jax.process_index() == 0:
-            print(f"shardax train: received {signal.Signals(signum).name}; finishing this step "
-                  "and saving it (Ctrl-C again aborts without saving)", file=sys.stderr,
-                  flush=True)
+        note("train", f"received {signal.Signals(signum).name}; finishing this step and saving "
+                      "it (Ctrl-C again aborts without saving)")
         if self._shared:
             os.kill(os.getpid(), signal.SIGTERM)  # to JAX's handler, which tells the others
 

@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from shardax.errors import MissingExtra
+
 __all__ = ["Tracker", "TensorBoardTracker", "WandbTracker", "MissingExtra",
            "TRACKERS", "check_installed", "make_trackers", "parse_log_to"]
 
@@ -31,8 +33,6 @@ log = logging.getLogger("shardax.train")
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 
 
-class MissingExtra(ImportError):
-    """An optional dependency is not installed; the message names the extra to install."""
 
 
 class Tracker(Protocol):

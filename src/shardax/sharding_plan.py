@@ -23,7 +23,7 @@ from shardax.hlo import (
     memory_bytes,
     summarize_collectives,
 )
-from shardax.utils import array_nbytes, tree_path_to_string
+from shardax.utils import array_nbytes, human_bytes, tree_path_to_string
 
 __all__ = ["ShardingPlan", "PlanRow"]
 
@@ -76,14 +76,6 @@ def _separate_host_memory(memory: dict[str, int], rows: list[PlanRow]) -> dict[s
     out["alias_size_in_bytes"] = out.get("alias_size_in_bytes", 0) - aliased  # donated state
     out["host_alias_size_in_bytes"] = aliased
     return out
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 @dataclass
@@ -171,7 +163,7 @@ class ShardingPlan:
         head = ("", "path", "shape", "dtype", "spec", "per device")
         body = [
             (r.kind[:3], r.path, "x".join(map(str, r.shape)) or "scalar", r.dtype, r.spec,
-             _human(r.bytes_per_device))
+             human_bytes(r.bytes_per_device))
             for r in self.rows
         ]
         widths = [max(len(str(row[i])) for row in [head, *body]) for i in range(len(head))]
@@ -179,21 +171,21 @@ class ShardingPlan:
         mesh = ", ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         lines = [f"ShardingPlan on mesh ({mesh})", fmt.format(*head)]
         lines += [fmt.format(*row) for row in body]
-        lines.append(f"inputs per device: {_human(self.argument_bytes_per_device)}   "
-                     f"outputs per device: {_human(self.output_bytes_per_device)}")
+        lines.append(f"inputs per device: {human_bytes(self.argument_bytes_per_device)}   "
+                     f"outputs per device: {human_bytes(self.output_bytes_per_device)}")
         used = {k: v for k, v in self.collectives.items() if v.count}
         if used:
             lines.append("collectives per step: " + ", ".join(
-                f"{k} x{v.count} ({_human(v.bytes)})" for k, v in used.items()))
+                f"{k} x{v.count} ({human_bytes(v.bytes)})" for k, v in used.items()))
         else:
             lines.append("collectives per step: none")
         if self.memory:
             keys = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
                     "alias_size_in_bytes")
             lines.append("compiled memory per device: " + ", ".join(
-                f"{k.removesuffix('_size_in_bytes')} {_human(self.memory[k])}"
+                f"{k.removesuffix('_size_in_bytes')} {human_bytes(self.memory[k])}"
                 for k in keys if k in self.memory))
             if self.memory.get("host_argument_size_in_bytes"):
-                lines.append("in host memory per device: " + _human(
+                lines.append("in host memory per device: " + human_bytes(
                     self.memory["host_argument_size_in_bytes"]) + " (inputs placed there)")
         return "\n".join(lines)

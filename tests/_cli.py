@@ -1,15 +1,51 @@
-"""Helpers for tests that run `shardax` in subprocesses: the multi-process environment and
-waiting for a line of a running process's output."""
+"""Helpers for tests that run the ``shardax`` command in subprocesses, as users meet it: the
+environment, the command line, a run's metrics and committed checkpoints, the one-line error
+contract, and waiting for a line of a running process's output."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+from shardax.train.checkpoint import list_steps
+
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """Environment of a ``shardax`` subprocess: this source tree first on the path, CPU
+    devices; ``extra`` variables added."""
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", **extra}
+
+
+def cli_command(*args: object) -> list[str]:
+    """The command line ``shardax ARGS...`` (this interpreter, ``-m shardax.cli``)."""
+    return [sys.executable, "-m", "shardax.cli", *map(str, args)]
+
+
+def run_cli(*args: object, env: dict[str, str] | None = None, timeout: float = 300,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Runs ``shardax ARGS...`` to the end (`cli_env` unless ``env``); output captured."""
+    return subprocess.run(cli_command(*args), env=cli_env() if env is None else env,
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The records of a run directory's ``metrics.jsonl``."""
+    text = (Path(out) / "metrics.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def committed_steps(out: Path) -> list[int]:
+    """A run directory's committed checkpoint steps, read from the file system (a
+    Checkpointer would clean up)."""
+    return list_steps(Path(out) / "checkpoints")[0]
 
 
 def multiprocess_env() -> dict[str, str]:
@@ -20,10 +56,9 @@ def multiprocess_env() -> dict[str, str]:
     differ and it may not write), so process 0 would race ahead and gloo's 30 s rendezvous
     at the first collective would fail on a busy machine.
     """
-    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH")) if p)
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+    env = cli_env(XLA_FLAGS=flags)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
 
