@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from shardax import models
+from shardax.hf import hub
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
@@ -205,17 +206,32 @@ class GenerateConfig:
     out: str | None = None
     """run directory of a shardax train run (may have been moved or copied)"""
     source: Annotated[str | None, _arg("from")] = None
-    """hf:DIR: sample from a Hugging Face model directory instead of a run (--out)"""
+    """hf:DIR or hf:ORG/NAME[@REVISION]: sample from a Hugging Face model (a local directory,
+    else the Hub) instead of a run (--out)"""
     prompt: str = ""
-    """text to continue"""
+    """text to continue (with --chat: the user's message)"""
     prompts: list[str] = field(default_factory=list)
     """more prompts, sampled together with --prompt as one batch (KV cache)"""
     max_tokens: int = 200
     """tokens to sample"""
     temperature: float = 0.8
     """sampling temperature; 0 picks the likeliest token"""
+    top_k: int = 0
+    """sample from the k likeliest tokens only (0: all)"""
+    top_p: float = 1.0
+    """sample from the likeliest tokens whose probability adds up to p (nucleus; 1: all)"""
     seed: int = 0
     """sampling seed, in [0, 2**32)"""
+    chat: bool = False
+    """render each prompt as a user message with the tokenizer's chat template and print the
+    reply, which ends at the template's end-of-turn token"""
+    messages: str | None = None
+    """a .json file with a 'messages' list (one conversation) or a .jsonl file of them (one
+    per line, sampled as a batch) to reply to with the chat template (implies --chat)"""
+    system: str | None = None
+    """a system message put before each conversation (with --chat or --messages)"""
+    show_special_tokens: bool = False
+    """print special tokens (end of turn, end of text) instead of hiding them"""
     step: int | None = None
     """checkpoint step to sample from (default: the newest good one)"""
     attention: Literal["auto", "cudnn", "xla", "blockwise", "einsum"] | None = None
@@ -481,10 +497,16 @@ def check(config: TrainConfig) -> TrainConfig:
 
 
 def hf_dir(spec: str, name: str) -> Path:
-    """The directory of an ``hf:DIR`` flag value (checked on the file system only)."""
+    """The model directory of an ``hf:DIR`` or ``hf:ORG/NAME[@REVISION]`` flag value: a path
+    that exists locally wins; any other name is looked up on the Hugging Face Hub (its cache,
+    ``HF_TOKEN``, ``HF_HUB_OFFLINE``: `shardax.hf.hub`)."""
     _usage(spec.startswith("hf:") and len(spec) > 3,
-           f"{name} {spec!r}: expected hf:DIR, a Hugging Face model directory")
-    path = Path(spec[3:])
+           f"{name} {spec!r}: expected hf:DIR (a Hugging Face model directory) or "
+           "hf:ORG/NAME[@REVISION] (a model on the Hugging Face Hub)")
+    try:
+        path = hub.model_dir(spec)
+    except ValueError as e:
+        raise UsageError(f"{name} {spec}: {e}") from None
     _usage((path / "config.json").exists(),  # a FIFO or such is refused when it is read
            f"{name} {spec!r}: {path} has no config.json; not a Hugging Face model directory")
     return path
@@ -505,13 +527,24 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
     """`check` for `GenerateConfig`."""
     _check_types(config)
     _usage((config.out is None) != (config.source is None),
-           "give exactly one of --out RUN and --from hf:DIR")
+           "give exactly one of --out RUN and --from hf:DIR (or hf:ORG/NAME)")
     if config.source is not None:
         hf_dir(config.source, "--from")
         _usage(config.step is None, "--step needs --out (a run's checkpoints)")
     _usage(config.max_tokens >= 0, f"--max-tokens {config.max_tokens}: must be >= 0")
     _usage(math.isfinite(config.temperature) and config.temperature >= 0,
            f"--temperature {config.temperature}: must be a finite number >= 0")
+    _usage(config.top_k >= 0, f"--top-k {config.top_k}: must be >= 0 (0: no limit)")
+    _usage(math.isfinite(config.top_p) and 0 < config.top_p <= 1,
+           f"--top-p {config.top_p}: must be in (0, 1] (1: no limit)")
+    if config.messages is not None:
+        config.chat = True
+        _usage(not (config.prompt or config.prompts),
+               "--messages replaces --prompt / --prompts: give one or the other")
+        _usage(Path(config.messages).suffix in (".json", ".jsonl"),
+               f"--messages {config.messages}: expected a .json or .jsonl file")
+    _usage(config.system is None or config.chat,
+           "--system needs --chat or --messages (it is a chat template's system message)")
     _check_seed(config.seed)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     return config
