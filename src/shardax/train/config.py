@@ -74,8 +74,10 @@ class TrainConfig:
     model: str = "llama-tiny"
     """model name, e.g. llama-tiny, llama-moe-tiny, gpt2-tiny (shardax.models.CONFIGS)"""
     init_from: str | None = None
-    """hf:DIR: fine-tune the Hugging Face model in DIR (config.json + safetensors; Llama,
-    Mistral, Qwen2, GPT-2), loaded straight into its sharded layout (replaces --model)"""
+    """hf:DIR or hf:ORG/NAME[@REVISION]: fine-tune the Hugging Face model in DIR, or else that
+    model on the Hub through huggingface_hub's cache (HF_TOKEN, HF_HUB_OFFLINE; a local path
+    wins) (config.json + safetensors; Llama, Mistral, Qwen2, GPT-2), loaded straight into its
+    sharded layout (replaces --model)"""
     mesh: str = "fsdp=-1"
     """mesh axes out of dp, fsdp, tp, pp, cp, ep, e.g. fsdp=-1 or pp=2,fsdp=2,tp=2"""
     rules: str = "fsdp_tp"
