@@ -5,6 +5,7 @@ token, from a model named ``hf:ORG/NAME`` in a pre-filled Hugging Face cache
 hand computation keeps; sampling with top-k/top-p is the same on a mesh as on one device.
 Together about 25 s of CPU (two subprocesses, two compiled samplers)."""
 
+import json
 import os
 import shutil
 
@@ -139,3 +140,27 @@ def test_top_k_top_p_sampling_is_mesh_invariant_and_stops_per_row():
     for row, new, ended in zip(sampled, got.tokens, got.stopped):
         cut = row.index(stop) + 1 if stop in row else len(row)
         assert (new, ended) == (row[:cut], stop in row)
+
+
+def test_messages_files_system_message_and_end_of_turn_tokens(tmp_path):
+    from shardax.train.chat import ChatTemplate
+    from shardax.train.generate import _conversations
+
+    chat = [{"role": "system", "content": "old"}, {"role": "user", "content": "hi"}]
+    (tmp_path / "one.json").write_text(json.dumps({"messages": chat}))
+    (tmp_path / "many.jsonl").write_text(f"{json.dumps({'messages': chat[1:]})}\n\n"
+                                         f"{json.dumps({'messages': chat})}\n")
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"content": "no role"}]}\n')
+    got = _conversations(check_generate(GenerateConfig(out="r", messages=str(
+        tmp_path / "one.json"), system="new")))
+    assert got == [[{"role": "system", "content": "new"}, chat[1]]]  # --system replaces it
+    assert _conversations(check_generate(GenerateConfig(
+        out="r", messages=str(tmp_path / "many.jsonl")))) == [chat[1:], chat]
+    with pytest.raises(UsageError, match=r"^--messages .*bad.jsonl:1: 'messages' must be"):
+        _conversations(check_generate(GenerateConfig(out="r", messages=str(
+            tmp_path / "bad.jsonl"))))
+    with pytest.raises(UsageError, match=r"^--messages .*none.json: no such file"):
+        _conversations(GenerateConfig(out="r", messages=str(tmp_path / "none.json")))
+    for name, eot in [("llama3", "<|eot_id|>"), ("chatml", "<|im_end|>")]:
+        template = ChatTemplate(FIXTURES.parent / "chat" / name)
+        assert [template._tok.id_to_token(i) for i in template.end_of_turn()] == [eot]

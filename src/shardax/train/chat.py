@@ -169,7 +169,8 @@ class ChatTemplate:
             return []
         after = self._tok.encode(text[text.rindex(mark) + len(mark):],
                                  add_special_tokens=False).ids
-        return [i for i in after if not self._tok.decode([i], skip_special_tokens=True)]
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return [i for i in after if i in special]
 
     def _assistant_spans(self, messages: Sequence[dict], text: str) -> list[tuple[int, int]]:
         """Character ranges of ``text`` that each assistant turn adds: from the end of the
