@@ -3,7 +3,8 @@
     python examples/equinox_fsdp.py
 
 Equinox modules are pytrees whose leaves are arrays *and* other things (activation functions,
-sizes). Only arrays can cross a ``jit`` boundary, so the module is split the Equinox way,
+sizes). ``sjit`` takes a module whole and keeps those static, as ``eqx.filter_jit`` does
+(docs/models_and_rules.md); here it is split the Equinox way instead,
 ``params, static = eqx.partition(model, eqx.is_array)``: ``params`` goes through ``sjit`` with
 an ``FSDPShardingRule`` (which looks only at shapes, so it shards the optax state built from
 ``params`` the same way), and ``static`` is a static argument (it is hashable). Path rules work

@@ -4,6 +4,8 @@ Every sharded run is compared with the same program on one device: plain SGD for
 rtol 1e-5 / atol 1e-6 (sharded f32 reductions sum in another order; nothing else differs).
 """
 
+from collections.abc import Callable
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -227,10 +229,11 @@ def test_linen_axis_rules_drop_axes_the_mesh_lacks():
     fsdp_only = MeshShardingHelper([-1], ["fsdp"]).mesh
     rules = [("batch", ("dp", "fsdp")), ("mlp", "tp"), ("mlp", None), ("embed", "fsdp")]
     assert linen_rules.axis_rules(rules, fsdp_only) == (
-        ("batch", "fsdp"), ("mlp", None), ("embed", "fsdp"))
-    # Flax then resolves exactly as LogicalAxisRules does.
+        ("batch", "fsdp"), ("mlp", None), ("embed", "fsdp"), ("fsdp", "fsdp"))
+    # Flax then resolves exactly as LogicalAxisRules does (a mesh axis's own name included).
     flax_rules = linen_rules.axis_rules(rules, fsdp_only)
-    for names in [("batch", "mlp"), ("embed", "mlp"), ("batch", "embed")]:
+    for names in [("batch", "mlp"), ("embed", "mlp"), ("batch", "embed"), ("mlp", "fsdp"),
+                  ("embed", "fsdp")]:
         assert nn.logical_to_mesh_axes(names, flax_rules) == \
             LogicalAxisRules(rules).spec_for(names, fsdp_only)
 
@@ -276,11 +279,55 @@ def test_equinox_mlp_fsdp_matches_one_device():
     assert sharded.layers[1].bias.sharding.spec == P()  # 64 elements < min_fsdp_size
 
 
-def test_equinox_non_array_leaves_get_a_clear_error():
-    mesh = MeshShardingHelper([-1], ["fsdp"])
-    model = eqx.nn.MLP(4, 4, 8, 1, key=jax.random.key(0))
-    with pytest.raises(TypeError, match="activation.*static"):
-        mesh.sjit(lambda m: m, in_shardings=FSDPShardingRule())(model)
+class FieldsModel(eqx.Module):
+    """An Equinox model with Python fields of every kind next to its arrays."""
+
+    layers: list  # a list field: a pytree node of Linear modules
+    activation: Callable  # a function leaf
+    residual: bool  # a Python bool leaf (a plain field, as Dropout.inference is)
+    scale: int  # a Python int leaf
+    sizes: list = eqx.field(static=True)  # a list in a static field (unhashable)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            h = self.activation(layer(x))
+            x = x + h if self.residual else h
+        return x * self.scale / len(self.sizes)
+
+
+def whole_model_step(model, x, y):
+    """The Equinox way: the module passed whole, its Python fields filtered by Equinox."""
+    loss, grads = eqx.filter_value_and_grad(
+        lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+    return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), loss
+
+
+def test_equinox_model_with_python_fields_passed_whole_matches_one_device(fsdp8):
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = FieldsModel([eqx.nn.Linear(32, 32, key=k) for k in keys], jax.nn.gelu, True, 2,
+                        [32, 32])
+    fsdp = FSDPShardingRule(min_fsdp_size=256)
+    step = fsdp8.sjit(whole_model_step, in_shardings=(fsdp, P("fsdp"), P("fsdp")),
+                      out_shardings=(fsdp, None))
+    ref_step = eqx.filter_jit(whole_model_step)
+    arrays, python = eqx.partition(model, eqx.is_array)
+    sharded, ref = model, eqx.combine(one_device(arrays), python)
+    for _ in range(5):
+        ref, ref_loss = ref_step(ref, one_device(X), one_device(Y))
+        sharded, loss = step(sharded, X, Y)
+        np.testing.assert_allclose(loss, ref_loss, **TOL)
+    assert_close(eqx.filter(sharded, eqx.is_array), eqx.filter(ref, eqx.is_array))
+    assert sharded.layers[0].weight.sharding.spec == P("fsdp", None)
+    # Python fields come back as the same objects (as eqx.filter_jit returns them)
+    assert sharded.activation is jax.nn.gelu and sharded.residual is True
+    assert type(sharded.scale) is int and sharded.sizes == [32, 32]
+
+
+def test_equinox_unhashable_python_leaf_names_its_path(fsdp8):
+    model = FieldsModel([eqx.nn.Linear(4, 4, key=jax.random.key(0))], jax.nn.relu, True,
+                        {"not": "hashable"}.keys(), [4])  # dict keys: a leaf, unhashable
+    with pytest.raises(TypeError, match=r"'m/scale' of type dict_keys .* not hashable"):
+        fsdp8.sjit(lambda m: m, in_shardings=FSDPShardingRule())(model)
 
 
 def test_equinox_adam_state_sharded_like_params():

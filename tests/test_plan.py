@@ -6,6 +6,7 @@ full gradient). The HLO parser is also checked on hand-written HLO text.
 """
 
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from shardax.hlo import COLLECTIVE_KINDS, hlo_collectives, summarize_collectives
-from shardax.sharding import FSDPShardingRule, ShardingPlan
+from shardax.sharding import FSDPShardingRule, ShardingPlan, match_specs
 
 
 def ones(*shape, dtype=np.float32):
@@ -216,4 +217,47 @@ def test_unused_inputs_are_rows_with_no_bytes(fsdp8):
     assert rows["state/a"].spec == "unused" and rows["state/a"].bytes_per_device == 0
     assert rows["state/b"].spec == "unused"
     assert rows["x"].shape == (8, 2) and rows["x"].bytes_per_device > 0
+    assert plan.argument_bytes_per_device == plan.memory["argument_size_in_bytes"]
+
+
+def _eqx_params():
+    import equinox as eqx
+
+    class Layer(eqx.Module):
+        weight: np.ndarray
+        activation: Any  # a function: None in the array half
+        width: int  # a Python int: None in the array half (eqx.is_array)
+
+    layers = [Layer(ones(3), jnp.tanh, 3), Layer(ones(16, 8), jax.nn.relu, 8)]
+    return eqx.partition(layers, eqx.is_array)[0]
+
+
+@pytest.mark.parametrize("params", [
+    {"a": None, "b": ones(16, 8), "c": ones(3)},  # None first (the rows used to shift)
+    {"a": ones(16, 8), "b": None, "c": ones(3)},  # None in the middle
+    {"a": ones(3), "b": ones(16, 8), "c": None},  # None last (rows used to stop short)
+    {"a": {}, "b": (), "c": [], "d": ones(16, 8), "e": [ones(3), ()]},  # empty containers
+    "eqx.partition",  # nested None subtrees: an Equinox module's non-array half
+    {"lr": 0.5, "w": ones(16, 8)},  # a Python number: a dynamic scalar leaf
+], ids=["none-first", "none-middle", "none-last", "empty", "eqx-partition", "python-number"])
+def test_plan_rows_line_up_with_every_input_leaf(fsdp8, params):
+    """One row per array leaf, in order, with that leaf's own shape and rule-given spec,
+    whatever None subtrees or empty containers sit between the leaves."""
+    params = _eqx_params() if params == "eqx.partition" else params
+    rule = FSDPShardingRule(min_fsdp_size=0)
+
+    def step(p, x):
+        return x * sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(p))
+
+    x = ones(8)
+    plan = fsdp8.sjit(step, in_shardings=(rule, None)).plan(params, x)
+    leaves = jax.tree_util.tree_leaves((params, x))
+    want_specs = jax.tree_util.tree_leaves(match_specs((rule, PS()), (params, x), fsdp8.mesh),
+                                           is_leaf=lambda s: isinstance(s, PS))
+    rows = [r for r in plan.rows if r.kind == "input"]
+    assert [r.shape for r in rows] == [np.shape(leaf) for leaf in leaves]
+    assert [r.path for r in rows][-1] == "x"
+    assert [r.spec for r in rows] == [
+        "replicated" if not any(s) else str(tuple(s) + (None,) * (len(r.shape) - len(s)))
+        for s, r in zip(want_specs, rows)]
     assert plan.argument_bytes_per_device == plan.memory["argument_size_in_bytes"]

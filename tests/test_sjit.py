@@ -302,10 +302,17 @@ def test_unhashable_static_argument_is_an_error(mesh):
         g(arange(8), opts={"a": 1})
 
 
-def test_function_as_dynamic_argument_is_a_type_error(mesh):
-    f = mesh.sjit(lambda x, fn: fn(x))
-    with pytest.raises(TypeError, match=r"'fn'.*static"):
-        f(arange(8), jnp.tanh)
+def test_non_array_leaves_are_static_as_in_eqx_filter_jit(mesh):
+    # A function, a string: kept static (each value its own program), returned as they are.
+    f = mesh.sjit(lambda x, fn, how: (fn(x), {"fn": fn, "how": how}))
+    y, same = f(arange(8), jnp.tanh, "tanh")
+    np.testing.assert_allclose(y, jnp.tanh(arange(8)), rtol=1e-6)
+    assert same == {"fn": jnp.tanh, "how": "tanh"} and same["fn"] is jnp.tanh
+    np.testing.assert_allclose(f(arange(8), jnp.sin, "sin")[0], jnp.sin(arange(8)), rtol=1e-6)
+    with pytest.raises(TypeError, match=r"'how/0' of type set .* not hashable"):
+        f(arange(8), jnp.tanh, [{1, 2}])
+    with pytest.raises(ValueError, match="static"):
+        f.get_jitted_function_by_args(arange(8), jnp.tanh, "tanh")
 
 
 # ----------------------------------------------------------------------------- donation
@@ -572,3 +579,12 @@ def test_spec_longer_than_rank_in_in_shardings(mesh):
     f = mesh.sjit(lambda x: x, in_shardings=PS("fsdp", None))
     with pytest.raises(ValueError, match=r"'x'.*\(8,\).*rank"):
         f(arange(8))
+
+
+def test_static_leaves_next_to_nnx_objects_are_one_clear_error(mesh):
+    from flax import nnx
+
+    model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    f = mesh.sjit(lambda m, x, fn: fn(m(x)))
+    with pytest.raises(TypeError, match=r"'fn' is not an array .* NNX"):
+        f(model, arange(8).reshape(1, 8), jnp.tanh)

@@ -16,8 +16,8 @@ from _processes import assert_one_line_error
 from jax.sharding import PartitionSpec as P
 
 from shardax import FSDPShardingRule, LogicalAxisRules, TreePathShardingRule
-from shardax.plan.rulecheck import rule_findings
 from shardax.plan.verify import load_step, parse_layouts, verify
+from shardax.rulecheck import rule_findings
 from shardax.train.config import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardax import _compat, _context
-from shardax.frameworks import linen
+from shardax.frameworks import haliax, linen
 
 __all__ = ["ShardingContext"]
 
@@ -38,7 +38,8 @@ class ShardingContext(_context.Frame):
 
     Entering it also turns off Flax NNX's eager sharding of new variables (inside ``sjit`` the
     output rules place them, so a model written with logical names is created directly in its
-    sharded layout) and sets Flax linen's logical-axis rules from ``logical_axis_rules``.
+    sharded layout) and sets Flax linen's logical-axis rules and Haliax's axis mapping from
+    ``logical_axis_rules``.
     """
 
     _exits: list[contextlib.ExitStack] = field(default_factory=list, repr=False)
@@ -75,4 +76,8 @@ def _framework_contexts(logical_axis_rules: Any, mesh: Any) -> list[Any]:
         contexts.append(use_eager_sharding(False))
     if logical_axis_rules is not None and "flax.linen" in sys.modules:
         contexts.append(linen.logical_axis_rules(logical_axis_rules, mesh))
+    if logical_axis_rules is not None:
+        mapping = haliax.axis_mapping(logical_axis_rules, mesh)  # None without Haliax loaded
+        if mapping is not None:
+            contexts.append(mapping)
     return contexts

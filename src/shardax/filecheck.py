@@ -84,11 +84,15 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
             raise ValueError(f"{path}: {size} bytes is more than the {limit} bytes such a file "
                              "may hold")
         chunks, total = [], 0
-        while chunk := os.read(fd, limit + 1 - total):  # a file growing under us stays bounded
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > limit:
-                raise ValueError(f"{path}: more than the {limit} bytes such a file may hold")
+        try:  # a file growing under us stays bounded
+            while chunk := os.read(fd, limit + 1 - total):
+                chunks.append(chunk)
+                total += len(chunk)
+                if total > limit:
+                    raise ValueError(f"{path}: more than the {limit} bytes such a file may "
+                                     "hold")
+        except OSError as e:  # e.g. /proc/self/mem: "regular", yet unreadable
+            raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
         return b"".join(chunks)
     finally:
         os.close(fd)

@@ -117,11 +117,11 @@ class ShardingPlan:
         cls, compiled: jax.stages.Compiled, in_paths: list[str], mesh: Any
     ) -> ShardingPlan:
         """Builds the plan of an executable whose flat inputs are named by ``in_paths``."""
-        # None marks an argument jax.jit pruned as unused: it is never put on the devices.
-        arg_shardings = jax.tree_util.tree_leaves(
-            compiled.input_shardings[0], is_leaf=lambda x: x is None
-        )
-        avals = jax.tree_util.tree_leaves(compiled.in_avals[0])  # what the device holds
+        # Read the shardings leaf by leaf of the inputs' own structure: a None there is an
+        # argument jax.jit pruned as unused (never put on the devices), while the inputs' None
+        # subtrees and empty containers hold no leaf at all.
+        avals, inputs = jax.tree_util.tree_flatten(compiled.in_avals[0])  # what devices hold
+        arg_shardings = inputs.flatten_up_to(compiled.input_shardings[0])
         rows = [
             _row("input", path, aval.shape, aval.dtype, sharding)
             for path, aval, sharding in zip(in_paths, avals, arg_shardings)

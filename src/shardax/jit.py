@@ -36,15 +36,23 @@ from jax.sharding import NamedSharding
 from shardax import _compat, _context
 from shardax.constraints import with_sharding_constraint
 from shardax.context import ShardingContext
+from shardax.frameworks import equinox as static_leaves
 from shardax.frameworks.nnx import InPlace, in_place_for
 from shardax.inspect import ShardingPlan
-from shardax.rules import LogicalAxisRules, ShardingRule, match_shardings_flat
+from shardax.rulecheck import warn_replicated
+from shardax.rules import (
+    LogicalAxisRules,
+    ShardingRule,
+    mappings_as_rules,
+    match_shardings_flat,
+)
 from shardax.utils import tree_path_to_string
 
 __all__ = ["sjit", "ShardedFunction", "SJITCompiledFunction"]
 
 _SCALARS = (bool, int, float, complex)
 CACHE_SIZE = 64  # resolved signatures kept per sjit function (least recently used dropped)
+WARN_REPLICATED_BYTES = 2**20  # leaves this large that the rules leave replicated: a warning
 
 
 class _NewSignature(Exception):
@@ -59,22 +67,16 @@ def _as_tuple(x: int | str | Sequence[Any] | None) -> tuple:
 
 def _rule_tuple(rules: Any) -> Any:
     """scalax accepted lists for per-argument rules; jax trees treat lists and tuples alike
-    only when both sides agree, so lists become tuples."""
-    return tuple(rules) if isinstance(rules, list) else rules
+    only when both sides agree, so lists become tuples. A Haliax ``ResourceMapping`` anywhere
+    in the rule tree becomes ``LogicalAxisRules`` (so it also maps activation names)."""
+    return mappings_as_rules(tuple(rules) if isinstance(rules, list) else rules)
 
 
-def _leaf_key(path: str, x: Any) -> tuple:
-    """What a leaf contributes to the cache key: its abstract value."""
+def _leaf_key(x: Any) -> tuple:
+    """What a (non-static) leaf contributes to the cache key: its abstract value."""
     if isinstance(x, _SCALARS):
         return (type(x),)
-    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        kind = "a function" if callable(x) else f"of type {type(x).__name__}"
-        raise TypeError(
-            f"argument {path!r} is {kind}, which is not a valid JAX array; pass it as a static "
-            f"argument (static_argnums / static_argnames) or close over it"
-        )
-    return (tuple(shape), dtype, bool(getattr(getattr(x, "aval", x), "weak_type", False)))
+    return (tuple(x.shape), x.dtype, bool(getattr(getattr(x, "aval", x), "weak_type", False)))
 
 
 def _shape_dtype(x: Any) -> tuple:
@@ -91,7 +93,8 @@ def _canonical(dtype: Any) -> Any:
 
 def _same_signature(expected: tuple, flat: Sequence[Any]) -> bool:
     return len(expected) == len(flat) and all(
-        shape == tuple(np.shape(x)) and (dtype is None or dtype == _canonical(x.dtype))
+        shape == tuple(np.shape(x)) and (dtype is None or (
+            hasattr(x, "dtype") and dtype == _canonical(x.dtype)))
         for (shape, dtype), x in zip(expected, flat)
     )
 
@@ -110,6 +113,7 @@ class _Signature:
     needs_mesh: bool  # no sharding anywhere: call under the ambient mesh to get the devices
     in_place: InPlace | None  # NNX Variables the function updates in place: written back
     by_args: Any = None  # for a non-positional signature, the jax.jit taking the arguments
+    static_leaf: str | None = None  # the first argument leaf kept static (None: none is)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class ShardedFunction:
         donate_argnums: int | Sequence[int] | None = None,
         donate_argnames: str | Sequence[str] | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
+        warn_replicated_bytes: float | None = WARN_REPLICATED_BYTES,
         **jit_kwargs: Any,
     ):
         if not callable(fun):
@@ -147,11 +152,17 @@ class ShardedFunction:
         self.in_shardings = _rule_tuple(in_shardings)
         self.out_shardings = _rule_tuple(out_shardings)
         self.args_sharding_constraint = _rule_tuple(args_sharding_constraint)
+        if annotation_shardings is not None:
+            annotation_shardings = {k: _rule_tuple(v) for k, v in annotation_shardings.items()}
         self.annotation_shardings = annotation_shardings
+        logical_axis_rules = mappings_as_rules(logical_axis_rules)
         self.logical_axis_rules = logical_axis_rules or _find_logical_rules(
             self.in_shardings, self.out_shardings, self.args_sharding_constraint
         )
+        self._static_out = False  # some output had static leaves: calls unwrap their outputs
         self.jit_kwargs = jit_kwargs
+        self.warn_replicated_bytes = warn_replicated_bytes  # None: never warn
+        self._warned = False  # a ReplicationWarning is given once per function
         self._cache: OrderedDict[tuple, _Signature] = OrderedDict()
         self._fast: _Fast | None = None
         try:
@@ -214,38 +225,67 @@ class ShardedFunction:
             sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)
         )
         dynamic_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        for _, value in static_args + static_kwargs:
+        for where, value in static_args + static_kwargs:
             try:
                 hash(value)
-            except TypeError:
+            except TypeError as e:
+                shown = repr(value) if len(repr(value)) <= 80 else f"{repr(value)[:77]}..."
                 raise TypeError(
-                    f"static argument {value!r} of type {type(value).__name__} is not hashable; "
-                    f"static arguments must be hashable (as in jax.jit)"
+                    f"static argument {where!r} ({shown}) of type {type(value).__name__} is not "
+                    f"hashable ({e}); static arguments must be hashable (as in jax.jit). A "
+                    f"module or pytree can be passed as a dynamic argument instead: sjit keeps "
+                    f"its non-array leaves static, as eqx.filter_jit does"
                 ) from None
         return static_args, static_kwargs, dynamic_args, dynamic_kwargs
 
     def _resolve(self, args: tuple, kwargs: dict) -> tuple[_Signature, list]:
         helper = self._helper()
         static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(args, kwargs)
+        static_leaf = None
+        mask = static_leaves.static_mask((dyn_args, dyn_kwargs))
+        if mask is not None:  # functions, strings, a module's Python numbers: kept static
+            static_leaf = self._check_static(dyn_args, dyn_kwargs, static_args, mask)
+            if in_place_for((dyn_args, dyn_kwargs)) is not None:
+                raise TypeError(
+                    f"sjit: argument {static_leaf!r} is not an array (sjit would keep it "
+                    f"static) and the call also passes Flax NNX objects, whose in-place "
+                    f"updates sjit cannot write back next to static leaves; pass it as a "
+                    f"static argument (static_argnums / static_argnames) or close over it")
+            dyn_args, dyn_kwargs = static_leaves.wrap((dyn_args, dyn_kwargs), mask)
         flat, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        try:
-            leaf_keys = tuple(_leaf_key("", x) for x in flat)
-        except TypeError:  # say which argument it was
-            for path, x in zip(self._paths(dyn_args, dyn_kwargs, static_args), flat):
-                _leaf_key(path, x)
-            raise
+        leaf_keys = tuple(_leaf_key(x) for x in flat)
         # The mesh itself (devices, axis names and types), never an object id: a helper
         # built later may reuse a collected one's id.
         key = (helper.mesh, static_args, static_kwargs, treedef, leaf_keys)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._build(helper, static_args, static_kwargs, dyn_args, dyn_kwargs, treedef)
+            entry.static_leaf = static_leaf
             self._cache[key] = entry
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
         return entry, flat
+
+    def _check_static(self, dyn_args: tuple, dyn_kwargs: dict, static_args: tuple,
+                      mask: Sequence[bool]) -> str:
+        """The path of the first static leaf; a static leaf that cannot be a compile-time
+        constant (unhashable: it could change between calls unseen) is a ``TypeError``."""
+        flat = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        paths = self._paths(dyn_args, dyn_kwargs, static_args)
+        for path, x, static in zip(paths, flat, mask):
+            if not static:
+                continue
+            try:
+                hash(static_leaves.Static(x))
+            except TypeError:
+                raise TypeError(
+                    f"argument {path!r} of type {type(x).__name__} is not an array, so sjit "
+                    f"keeps it static (as eqx.filter_jit does), but it is not hashable: make "
+                    f"it hashable (a tuple, a frozen dataclass), an array, or close over it"
+                ) from None
+        return next(path for path, static in zip(paths, mask) if static)
 
     def _arg_names(self, dyn_args: tuple, static_args: tuple) -> list[str]:
         """The parameter name of each dynamic positional argument (``args[i]`` for ``*args``)."""
@@ -319,12 +359,16 @@ class ShardedFunction:
                 out_shape = out_shape[0]
             else:
                 in_place = None  # reads its NNX arguments, or returns new ones: nothing to do
+        checked = [(self.in_shardings, dyn_args, arg_specs, paths[:n_args])]
         if self.out_shardings is not None:
+            out_flat = match_shardings_flat(self.out_shardings, out_shape, mesh,
+                                            what="out_shardings")
             out_shardings = jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(out_shape),
-                match_shardings_flat(self.out_shardings, out_shape, mesh,
-                                     what="out_shardings"),
-            )
+                jax.tree_util.tree_structure(out_shape), out_flat)
+            checked.append((self.out_shardings, out_shape, out_flat, _output_paths(out_shape)))
+        if self.warn_replicated_bytes is not None and not self._warned:
+            self._warned = warn_replicated(getattr(self.fun, "__qualname__", repr(self.fun)),
+                                           mesh, self.warn_replicated_bytes, checked)
         jit_out = out_shardings
         if in_place is not None:  # an updated Variable keeps the sharding it came in with
             jit_out = (out_shardings, [in_shardings[k] for k, kind, _ in in_place.sources
@@ -397,11 +441,12 @@ class ShardedFunction:
         return body
 
     def _run(self, helper, static_args, static_kwargs, dyn_args, dyn_kwargs,
-             in_place: InPlace | None = None) -> Any:
+             in_place: InPlace | None = None, wrap_out: bool = True) -> Any:
         """The user's function under its sharding context, entered while it is traced
         (wherever that happens: top level or under another transformation). With
         ``in_place`` and a function that changes NNX Variables in place, returns
-        ``(output, updates)``: their new values (see ``InPlace.collect``)."""
+        ``(output, updates)``: their new values (see ``InPlace.collect``). With ``wrap_out``,
+        static leaves come in wrapped (``shardax.frameworks.equinox``) and go out wrapped."""
         with self._context(helper):
             if self.args_sharding_constraint is not None:
                 rules = self._per_arg(self.args_sharding_constraint, dyn_args,
@@ -410,10 +455,15 @@ class ShardedFunction:
                                                     what="args_sharding_constraint")
             if in_place is not None:
                 before, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+            if wrap_out:  # the static leaves of the arguments, as the caller passed them
+                dyn_args, dyn_kwargs = static_leaves.unwrap((dyn_args, dyn_kwargs))
             args = list(dyn_args)
             for i, value in static_args:
                 args.insert(i, value)
             out = self.fun(*args, **dyn_kwargs, **dict(static_kwargs))
+            if wrap_out:  # non-array outputs pass through jax.jit as they are
+                out, wrapped = static_leaves.wrap_static(out)
+                self._static_out = self._static_out or wrapped
             if in_place is None:
                 return out
             name = getattr(self.fun, "__qualname__", repr(self.fun))
@@ -435,10 +485,12 @@ class ShardedFunction:
                 else:
                     with _compat.set_mesh(fast.mesh):  # refuses under a trace: resolved below
                         out = fast.jitted(*args)
-            except (_NewSignature, ValueError):
-                pass  # new structure or shapes, or an input on another sharding
+            except (_NewSignature, ValueError, TypeError):
+                pass  # new structure, shapes or leaf kinds, or an input on another sharding
             else:
-                return out if fast.in_place is None else fast.in_place.write_back((args, {}), *out)
+                if fast.in_place is not None:
+                    out = fast.in_place.write_back((args, {}), *out)
+                return self._outputs(out)
         entry, flat = self._resolve(args, kwargs)
         mesh = self._helper().mesh
         placed = _placed(flat, entry.in_shardings)
@@ -448,12 +500,16 @@ class ShardedFunction:
             else:
                 out = entry.jitted(*placed)
         if entry.positional and self.mesh_helper is not None and not self.static_argnums \
-                and not self.static_argnames:
+                and not self.static_argnames and entry.static_leaf is None:
             self._fast = _Fast(entry.jitted, mesh if entry.needs_mesh else None, entry.in_place)
-        if entry.in_place is None:
-            return out
-        _, _, dyn_args, dyn_kwargs = self._split(args, kwargs)
-        return entry.in_place.write_back((dyn_args, dyn_kwargs), *out)
+        if entry.in_place is not None:
+            _, _, dyn_args, dyn_kwargs = self._split(args, kwargs)
+            out = entry.in_place.write_back((dyn_args, dyn_kwargs), *out)
+        return self._outputs(out)
+
+    def _outputs(self, out: Any) -> Any:
+        """The call's output as the function returned it: static leaves unwrapped."""
+        return static_leaves.unwrap(out) if self._static_out else out
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """``jax.stages.Lowered`` for these arguments (``.as_text()``, ``.compile()``...).
@@ -504,6 +560,12 @@ class ShardedFunction:
         object for every call with this signature.
         """
         entry, _ = self._resolve(args, kwargs)
+        if entry.static_leaf is not None:
+            raise ValueError(
+                f"{getattr(self.fun, '__qualname__', self.fun)!r} is called with non-array "
+                f"leaves that sjit keeps static (first: {entry.static_leaf!r}), which a jax.jit "
+                f"object would trace or refuse; call the sjit function itself"
+            )
         if entry.in_place is not None:
             raise ValueError(
                 f"{getattr(self.fun, '__qualname__', self.fun)!r} updates NNX Variables of its "
@@ -518,7 +580,8 @@ class ShardedFunction:
             def by_args(*call_args: Any, **call_kwargs: Any) -> Any:
                 static_args, static_kwargs, dyn_args, dyn_kwargs = self._split(call_args,
                                                                                call_kwargs)
-                return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs)
+                return self._run(helper, static_args, static_kwargs, dyn_args, dyn_kwargs,
+                                 wrap_out=False)
 
             entry.by_args = jax.jit(
                 functools.wraps(self.fun)(by_args),
@@ -544,6 +607,11 @@ def _find_logical_rules(*rule_trees: Any) -> LogicalAxisRules | None:
             if isinstance(leaf, LogicalAxisRules):
                 return leaf
     return None
+
+
+def _output_paths(tree: Any) -> list[str]:
+    """``output/...`` paths of an output tree's leaves, as the ``ShardingPlan`` names them."""
+    return [_join("output", p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def _join(name: str, path: tuple) -> str:
@@ -602,6 +670,7 @@ def sjit(
     *,
     mesh: Any = None,
     logical_axis_rules: LogicalAxisRules | None = None,
+    warn_replicated_bytes: float | None = WARN_REPLICATED_BYTES,
     **jit_kwargs: Any,
 ) -> ShardedFunction | Callable[[Callable[..., Any]], ShardedFunction]:
     """``jax.jit`` with sharding *rules* for inputs, outputs, arguments and annotations.
@@ -619,6 +688,10 @@ def sjit(
       mesh: the ``MeshShardingHelper``; defaults to the innermost active context's.
       logical_axis_rules: maps the names given to ``with_logical_constraint`` inside the
         function; defaults to the first ``LogicalAxisRules`` among the rules above.
+      warn_replicated_bytes: the first time the rules resolve, leaves of at least this many
+        bytes that they leave replicated on every device without being asked to (a logical
+        name no rule knows, an axis that divides no dimension) give one
+        ``shardax.ReplicationWarning`` naming them; None never warns.
       **jit_kwargs: passed to ``jax.jit`` (``static_argnames``, ``donate_argnums``,
         ``donate_argnames``...).
 
@@ -633,6 +706,7 @@ def sjit(
         args_sharding_constraint=args_sharding_constraint,
         annotation_shardings=annotation_shardings,
         logical_axis_rules=logical_axis_rules,
+        warn_replicated_bytes=warn_replicated_bytes,
         **jit_kwargs,
     )
     if fun is None:

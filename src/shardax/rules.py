@@ -30,6 +30,7 @@ __all__ = [
     "PolicyShardingRule",
     "HostOffloadRule",
     "LogicalAxisRules",
+    "mappings_as_rules",
     "match_specs",
     "match_shardings",
     "match_shardings_flat",
@@ -232,9 +233,11 @@ class LogicalAxisRules(ShardingRule):
     """Maps logical axis names (``"embed"``, ``"mlp"``...) to mesh axes, in priority order.
 
     Rules are tried in order (earlier rules have priority) and a rule only applies if its mesh
-    axes are all unused in this spec, so a name may appear several times as fallbacks. Unknown
-    names, and names whose mesh axes are all absent from the active mesh, map to None; axes that
-    the active mesh lacks are dropped, so one preset serves meshes with and without ``dp``.
+    axes are all unused in this spec, so a name may appear several times as fallbacks. A name no
+    rule mentions that is an axis of the active mesh maps to that axis (after the rules, if no
+    other dim took it): ``(None, 'model')`` means what it means to Flax. Other unknown names,
+    and names whose mesh axes are all absent from the active mesh, map to None; axes that the
+    active mesh lacks are dropped, so one preset serves meshes with and without ``dp``.
     ``apply`` reads names from framework metadata (NNX ``out_sharding``, linen ``Partitioned``);
     leaves without names are replicated.
 
@@ -264,7 +267,14 @@ class LogicalAxisRules(ShardingRule):
 
         Rules are read in order (as Flax's ``logical_to_mesh_axes`` does): a rule assigns its
         mesh axes to every still-unassigned dimension of that name if none of those axes is
-        taken yet; ``(name, None)`` assigns "replicated". What stays unassigned is replicated.
+        taken yet; ``(name, None)`` assigns "replicated". Then a name that no rule mentions
+        and that is a free axis of the mesh takes that axis. What stays unassigned is
+        replicated.
+
+        >>> mesh = jax.make_mesh((2, 4), ("data", "model"),
+        ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        >>> LogicalAxisRules([("embed", "fsdp")]).spec_for((None, "model"), mesh)
+        P(None, 'model')
         """
         mesh = mesh if mesh is not None else _context.active().mesh
         present = set(mesh.axis_names) if mesh is not None else None
@@ -284,6 +294,14 @@ class LogicalAxisRules(ShardingRule):
                     continue
                 used.update(candidate)
                 result[dim] = candidate[0] if len(candidate) == 1 else candidate
+        # A name no rule mentions that is an axis of the mesh stands for that axis, as in
+        # Flax's guides (``nnx.with_partitioning(init, (None, 'model'))``).
+        ruled = {rule_name for rule_name, _ in self.rules}
+        for dim, name in enumerate(names):
+            if (result[dim] is unassigned and present is not None and name in present
+                    and name not in ruled and name not in used):
+                used.add(name)
+                result[dim] = name
         return PartitionSpec(*(None if r is unassigned else r for r in result))
 
     def _spec(self, path: str, leaf: Any) -> PartitionSpec:
@@ -341,6 +359,31 @@ def check_spec(
             )
 
 
+def _is_resource_mapping(x: Any) -> bool:
+    """A dict from logical names to mesh axes (Haliax's ``ResourceMapping``), which a rule tree
+    could not be otherwise: its values are neither rules, specs nor None."""
+
+    def mesh_axes(v: Any) -> bool:
+        return isinstance(v, str) or (
+            isinstance(v, (tuple, list)) and not isinstance(v, PartitionSpec) and bool(v)
+            and all(isinstance(a, str) for a in v))
+
+    return isinstance(x, Mapping) and bool(x) and all(
+        isinstance(k, str) and mesh_axes(v) for k, v in x.items())
+
+
+def mappings_as_rules(rules: Any) -> Any:
+    """``rules`` with each Haliax ``ResourceMapping`` in it (``{"embed": "data", "mlp":
+    "model"}``) made the ``LogicalAxisRules`` it means.
+
+    >>> mappings_as_rules(({"mlp": "tp"}, PartitionSpec("dp")))
+    (LogicalAxisRules(rules=(('mlp', 'tp'),)), P('dp',))
+    """
+    return jax.tree_util.tree_map(
+        lambda x: LogicalAxisRules(x) if _is_resource_mapping(x) else x, rules,
+        is_leaf=lambda x: _is_resource_mapping(x) or _is_spec_leaf(x))
+
+
 def match_specs_flat(
     rules: Any,
     pytree: Any,
@@ -357,6 +400,7 @@ def match_specs_flat(
     ``memory_kinds``, when given, is extended with each leaf's memory kind (a
     :class:`HostOffloadRule`'s, else None: the default memory).
     """
+    rules = mappings_as_rules(rules)
     path_leaves, _ = jax.tree_util.tree_flatten_with_path(pytree)
     if paths is None:
         paths = [tree_path_to_string(p, sep="/") for p, _ in path_leaves]

@@ -17,6 +17,7 @@ from shardax.mesh import (
     get_global_mesh,
     get_global_mesh_helper,
 )
+from shardax.rulecheck import ReplicationWarning
 from shardax.rules import (
     FSDPShardingRule,
     LogicalAxisRules,
@@ -46,6 +47,7 @@ __all__ = [
     "PolicyShardingRule",
     "LogicalAxisRules",
     "match_specs",
+    "ReplicationWarning",
     "with_sharding_constraint",
     "with_sharding_annotation",
     "with_logical_constraint",

@@ -1,16 +1,20 @@
 """What the sharding rules need to know about each framework's parameter boxes.
 
 Flax NNX keeps parameters in ``nnx.Variable`` objects and Flax linen in ``Partitioned`` /
-``LogicallyPartitioned`` boxes; both carry logical axis names as metadata. Rules treat such a box
-as one leaf: its shape is the shape of the value inside and its logical names come from the
-metadata. Flax is never imported here: if the user's tree holds Flax objects, Flax is already
-loaded, so looking it up in ``sys.modules`` costs nothing and keeps plain-JAX users free of it.
+``LogicallyPartitioned`` boxes; both carry logical axis names as metadata. A Haliax ``NamedArray``
+is a box too: its logical names are its ``axis_names``. Rules treat such a box as one leaf: its
+shape is the shape of the value inside and its logical names come from the metadata. No
+framework is imported here: if the user's tree holds Flax or Haliax objects, that framework is
+already loaded, so looking it up in ``sys.modules`` costs nothing and keeps plain-JAX users free
+of it.
 """
 
 from __future__ import annotations
 
 import sys
 from typing import Any
+
+from shardax.frameworks.haliax import named_array_type
 
 __all__ = ["is_box", "unbox", "logical_names"]
 
@@ -26,11 +30,20 @@ def _box_types() -> tuple[type, ...]:
     meta = sys.modules.get("flax.core.meta")
     if meta is not None:
         types.append(meta.Partitioned)  # LogicallyPartitioned subclasses it
+    named_array = named_array_type()
+    if named_array is not None:
+        types.append(named_array)
     return tuple(types)
 
 
+def _is_named_array(x: Any) -> bool:
+    named_array = named_array_type()
+    return named_array is not None and isinstance(x, named_array)
+
+
 def is_box(x: Any) -> bool:
-    """True for a framework's parameter box (an NNX Variable, a linen Partitioned)."""
+    """True for a framework's parameter box (an NNX Variable, a linen Partitioned, a Haliax
+    NamedArray)."""
     types = _box_types()
     return bool(types) and isinstance(x, types)
 
@@ -39,6 +52,8 @@ def unbox(x: Any) -> Any:
     """The array inside a box; anything else is returned as is."""
     if not is_box(x):
         return x
+    if _is_named_array(x):
+        return x.array
     get_value = getattr(x, "get_value", None)
     return get_value() if callable(get_value) else x.value
 
@@ -54,6 +69,8 @@ def logical_names(x: Any) -> tuple[str | None, ...] | None:
     """
     if not is_box(x):
         return None
+    if _is_named_array(x):
+        return tuple(x.axis_names)
     names = getattr(x, "names", None)  # linen Partitioned
     if names is not None:
         return tuple(names)

@@ -13,8 +13,8 @@ one rule list decides parameters and activations, as ``with_logical_constraint``
 >>> from shardax import LogicalAxisRules, MeshShardingHelper
 >>> mesh = MeshShardingHelper([-1, 2], ["fsdp", "tp"]).mesh  # no 'dp' axis
 >>> rules = LogicalAxisRules([("batch", ("dp", "fsdp")), ("embed", "fsdp"), ("mlp", "tp")])
->>> axis_rules(rules, mesh)
-(('batch', 'fsdp'), ('embed', 'fsdp'), ('mlp', 'tp'))
+>>> axis_rules(rules, mesh)  # then each mesh axis's own name, as LogicalAxisRules reads it
+(('batch', 'fsdp'), ('embed', 'fsdp'), ('mlp', 'tp'), ('fsdp', 'fsdp'), ('tp', 'tp'))
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ def axis_rules(rules: Iterable[tuple[str, Any]], mesh: Any | None = None) -> Fla
     Flax resolves names the way ``LogicalAxisRules.spec_for`` does (priority order, a mesh axis
     used once per array, later entries as fallbacks) but would pass an absent mesh axis on to
     ``with_sharding_constraint``; shardax drops it. A rule left with no axis is dropped too, so
-    the next rule for that name applies. ``mesh`` defaults to the active one (inside ``sjit`` or
-    ``mesh.get_context()``); with no mesh at all nothing is dropped.
+    the next rule for that name applies. Each mesh axis that no rule names is added last as a
+    rule for itself (``LogicalAxisRules`` maps such a name to its axis). ``mesh`` defaults to
+    the active one (inside ``sjit`` or ``mesh.get_context()``); with no mesh at all nothing is
+    dropped or added.
 
     >>> axis_rules([("batch", ("dp", "fsdp")), ("mlp", "tp")])  # no mesh: nothing dropped
     (('batch', ('dp', 'fsdp')), ('mlp', 'tp'))
@@ -45,7 +47,9 @@ def axis_rules(rules: Iterable[tuple[str, Any]], mesh: Any | None = None) -> Fla
     mesh = mesh if mesh is not None else _context.active().mesh
     present = None if mesh is None else set(mesh.axis_names)
     out = []
+    named = set()
     for name, axes in rules:
+        named.add(name)
         if axes is None:
             out.append((name, None))
             continue
@@ -54,6 +58,9 @@ def axis_rules(rules: Iterable[tuple[str, Any]], mesh: Any | None = None) -> Fla
             kept = tuple(a for a in kept if a in present)
         if kept:
             out.append((name, kept[0] if len(kept) == 1 else kept))
+    # Last, each mesh axis no rule names stands for itself, as in LogicalAxisRules.spec_for.
+    out += [(axis, axis) for axis in (mesh.axis_names if mesh is not None else ())
+            if axis not in named]
     return tuple(out)
 
 

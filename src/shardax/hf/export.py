@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from shardax.filewrite import check_target_dir, write_text
 from shardax.hf.configs import config_to_hf
 from shardax.hf.files import INDEX_NAME, write_safetensors
 from shardax.hf.mapping import TensorMap, iter_maps, param_maps, to_hf
@@ -87,17 +88,18 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
         return out
 
     d = Path(directory)
+    check_target_dir(d, "export directory")  # on every process: all of them stop
     if jax.process_index() == 0:
         d.mkdir(parents=True, exist_ok=True)
         _remove_stale(d, set(files))
         hf_config = {**config_to_hf(config), "torch_dtype": out_dtype.name,
                      **(config_extra or {})}
-        (d / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        write_text(d / "config.json", json.dumps(hf_config, indent=2) + "\n")
         if len(files) > 1:
             weight_map = {n: f for f, names in files.items() for n in names}
             total = sum(out_dtype.itemsize * math.prod(s) for _, s in specs.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (d / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            write_text(d / INDEX_NAME, json.dumps(index, indent=2) + "\n")
     _sync("shardax-hf-export-dir")
     written = []
     for k, (fname, names) in enumerate(files.items()):

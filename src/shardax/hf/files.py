@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from shardax.filecheck import open_regular, read_json
+from shardax.filewrite import replacing
 
 __all__ = ["ReadLog", "SafetensorsFile", "contained_path", "dtype_code", "tensor_index",
            "write_safetensors"]
@@ -158,7 +159,7 @@ def write_safetensors(path: str | os.PathLike, specs: Mapping[str, tuple[object,
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    with replacing(path) as tmp, open(tmp, "wb") as f:  # a symlink at path is replaced
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, (dtype, shape) in specs.items():

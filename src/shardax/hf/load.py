@@ -36,9 +36,11 @@ from shardax.utils import tree_path_to_string
 __all__ = ["default_rules", "load_config", "load_model", "load_params"]
 
 
-def load_config(directory: str | os.PathLike, **overrides: Any) -> LlamaConfig | GPT2Config:
+def load_config(directory: str | os.PathLike, *, weights: bool = True,
+                **overrides: Any) -> LlamaConfig | GPT2Config:
     """The shardax config of the model in ``directory`` (its ``config.json``), checked against
-    the tensors its safetensors headers hold (`shardax.hf.checks`) before anything is built.
+    the tensors its safetensors headers hold (`shardax.hf.checks`) before anything is built;
+    ``weights=False``: from ``config.json`` alone (shapes for planning; no weights needed).
 
     Example::
 
@@ -52,7 +54,8 @@ def load_config(directory: str | os.PathLike, **overrides: Any) -> LlamaConfig |
     except (TypeError, ArithmeticError) as e:
         raise ValueError(f"{Path(directory) / 'config.json'}: a value of the wrong type or "
                          f"size ({e})") from None
-    check_tensors(config, tensor_index(directory), directory)
+    if weights:
+        check_tensors(config, tensor_index(directory), directory)
     return config
 
 

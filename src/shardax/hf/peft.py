@@ -26,6 +26,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from shardax.filewrite import check_target_dir, write_text
 from shardax.hf.export import _host, _sync
 from shardax.hf.files import write_safetensors
 from shardax.hf.mapping import TensorMap, param_maps, to_hf
@@ -93,6 +94,7 @@ def save_adapters(model: nnx.Module, directory: str | os.PathLike, *, base_model
     out_dtype = np.dtype(dtype) if dtype is not None else next(iter(tensors.values())).dtype
     d = Path(directory)
     path = d / "adapter_model.safetensors"
+    check_target_dir(d, "adapter directory")  # on every process: all of them stop
     if jax.process_index() == 0:
         d.mkdir(parents=True, exist_ok=True)
         adapter_config = {
@@ -102,7 +104,7 @@ def save_adapters(model: nnx.Module, directory: str | os.PathLike, *, base_model
             "use_rslora": False, "inference_mode": True, "modules_to_save": None,
             "init_lora_weights": True, "base_model_name_or_path": base_model or None,
         }
-        (d / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+        write_text(d / "adapter_config.json", json.dumps(adapter_config, indent=2) + "\n")
         write_safetensors(path, {k: (out_dtype, v.shape) for k, v in tensors.items()},
                           lambda k: tensors[k].astype(out_dtype))
     _sync("shardax-peft-export")

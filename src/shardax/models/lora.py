@@ -32,11 +32,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["DEFAULT_TARGETS", "LoRA", "LoRAWeight", "add_lora", "lora_weights", "merge_lora",
-           "trainable"]
+__all__ = ["DEFAULT_TARGETS", "LoRA", "LoRAError", "LoRAWeight", "add_lora", "lora_weights",
+           "merge_lora", "trainable"]
 
 #: attention and MLP projections of the Llama and GPT-2 models
 DEFAULT_TARGETS = r"attn/w[qkvo]$|mlp/w_(gate|up|down|fc|proj)$"
+
+
+class LoRAError(ValueError):
+    """LoRA settings that do not fit the model; ``setting`` is ``'rank'`` or ``'targets'``."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +123,9 @@ def _n_in(names: tuple, stacked: bool) -> int:
 
 def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:
     """Wraps every parameter of ``model`` whose path matches ``settings.targets`` in a
-    `LoRAWeight` (in place); returns the wrapped paths. Raises ValueError when none matches.
+    `LoRAWeight` (in place); returns the wrapped paths. Raises `LoRAError`, before anything
+    is allocated or changed, when none matches or the rank exceeds a matched weight's
+    ``min(inputs, outputs)`` (a larger rank adds parameters, not expressiveness).
 
     Example::
 
@@ -128,19 +138,27 @@ def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:
         if not (isinstance(node, nnx.Param) and not isinstance(node, nnx.LoRAParam)
                 and node.ndim >= 2 and pattern.search(name)):
             continue
-        parent = model
-        for part in path[:-1]:
-            parent = parent[part] if isinstance(part, int) else getattr(parent, part)
         names = tuple(node.get_metadata().get("out_sharding") or ())
         if "expert" in names:  # experts' stacked weights are not adapted (they stay frozen)
             continue
         stacked = names[:1] == ("layers",)
-        setattr(parent, path[-1], LoRAWeight(node, _n_in(names, stacked) if names else 1,
-                                             settings, rngs.params(), stacked))
-        found.append(name)
+        n_in = _n_in(names, stacked) if names else 1
+        shape = node.shape[int(stacked):]
+        most = min(math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+        if settings.rank > most:
+            raise LoRAError("rank", f"rank {settings.rank} exceeds the largest useful rank of "
+                            f"weight {name} {'x'.join(map(str, shape))}: min(inputs, outputs) "
+                            f"= {most}")
+        found.append((name, path, node, n_in, stacked))
     if not found:
-        raise ValueError(f"LoRA targets {settings.targets!r} match no weight of the model")
-    return found
+        raise LoRAError("targets", f"LoRA targets {settings.targets!r} match no weight of the "
+                        "model")
+    for _name, path, node, n_in, stacked in found:
+        parent = model
+        for part in path[:-1]:
+            parent = parent[part] if isinstance(part, int) else getattr(parent, part)
+        setattr(parent, path[-1], LoRAWeight(node, n_in, settings, rngs.params(), stacked))
+    return [name for name, *_ in found]
 
 
 def lora_weights(model: nnx.Module) -> dict[str, LoRAWeight]:

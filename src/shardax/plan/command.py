@@ -137,7 +137,9 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
     else:
         est = plan_config(config, device, hbm)
         print(est.summary())
-        run = resolve(config, usable_bytes(device, hbm))
+        run = resolve(config, usable_bytes(device, hbm), weights=False)
+        if run.mesh_why:
+            print(f"mesh: {run.mesh_why}")
         if run.mesh.shape.get("fsdp", 1) > 1:  # the FSDP mode, its recompute, and why
             print(run.fsdp_summary())
         payload = est.to_dict()

@@ -47,7 +47,7 @@ __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds"
            "seconds", "train_command", "usable_bytes", "work_split"]
 
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
-STEP_FIELDS = ("model", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
+STEP_FIELDS = ("model", "init_from", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
                "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
                "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
                "offload_optimizer", "lora_rank", "lora_alpha", "lora_targets")
@@ -120,7 +120,8 @@ class Estimate:
         m, c = self.compiled.memory, self.compiled
         used = {k: v for k, v in c.collectives.items() if v["count"]}
         lines = [
-            f"plan: {self.config['model']} on {c.devices} devices, mesh "
+            f"plan: {self.config.get('init_from') or self.config['model']} on {c.devices} "
+            "devices, mesh "
             + ", ".join(f"{k}={v}" for k, v in c.mesh.items())
             + f", rules {self.config['rules']!r}, remat {self.config['remat']}, "
             f"grad accum {self.config['grad_accum']}",
@@ -220,6 +221,8 @@ def train_command(config: dict[str, Any]) -> str:
         value = config.get(key, defaults[key])
         if value == defaults[key] and key not in ("model", "mesh", "rules"):
             continue
+        if key == "model" and config.get("init_from"):  # --init-from replaces --model
+            continue
         flag = f"--{key.replace('_', '-')}"
         if isinstance(value, bool):
             parts.append(flag)
@@ -277,7 +280,7 @@ def compile_config(run: Resolved) -> Compiled:
     run = on_target(run)
     config = run.config
     graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
-    shardings = run.mesh.match_sharding_rule(run.state_rules, state_shape)
+    shardings = run.shardings(state_shape)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state_shape, shardings)
     batch = (jax.ShapeDtypeStruct((config.batch_size, config.seq_len), jnp.int32),) * 2
@@ -320,7 +323,7 @@ def plan_config(config: TrainConfig, device: DeviceSpec,
     """Compile a checked ``config`` abstractly and estimate it on ``device`` (``hbm_bytes``
     defaults to the device's memory); a ``UsageError`` for a configuration the devices cannot
     run."""
-    run = resolve(config, usable_bytes(device, hbm_bytes))
+    run = resolve(config, usable_bytes(device, hbm_bytes), weights=False)
     return estimate(run, compile_config(run), device, hbm_bytes)
 
 

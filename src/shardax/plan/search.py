@@ -408,7 +408,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                     continue
                 try:
                     # what `shardax train` checks and runs on the target
-                    resolved[id(config)] = resolve(config, usable)
+                    resolved[id(config)] = resolve(config, usable, weights=False)
                 except UsageError:
                     continue
                 analytic_memory[id(config)] = memory

@@ -21,7 +21,7 @@ rules)``:
 losses, gradients (every step) and the final parameters, each leaf's maximum absolute
 difference relative to that leaf's largest magnitude. Also reported per layout: parameter
 leaves of at least ``large_bytes`` left replicated (a warning: memory), what the rules
-silently drop or disagree on (`shardax.plan.rulecheck`: an axis a rule names that the mesh
+silently drop or disagree on (`shardax.rulecheck`: an axis a rule names that the mesh
 lacks or cannot divide, two rules matching one leaf differently, one mesh axis wanted by two
 dims), per-device memory of the compiled step and the bytes per collective kind.
 
@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardax.hlo import hlo_collectives, memory_bytes, peak_bytes, summarize_collectives
 from shardax.inspect import _human
 from shardax.mesh import parse_mesh_string
-from shardax.plan.rulecheck import rule_findings
+from shardax.rulecheck import rule_findings
 from shardax.rules import match_specs_flat
 from shardax.train.config import UsageError
 
@@ -162,9 +162,14 @@ def load_step(spec: str) -> Step:
         raise UsageError(f"{spec!r}: no file {path}")
     module_spec = importlib.util.spec_from_file_location(f"_shardax_verify_{Path(path).stem}",
                                                          path)
+    if module_spec is None or module_spec.loader is None:  # what Python cannot import
+        raise UsageError(f"{spec!r}: {path} is not a Python file; expected FILE.py:FUNCTION")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UsageError(f"{spec!r}: {e.filename}:{e.lineno}: {e.msg}") from None
     make = getattr(module, name, None)
     if not callable(make):
         raise UsageError(f"{spec!r}: {path} has no function {name}")

@@ -18,7 +18,7 @@ if __name__ == "__main__":
     fields, out = json.loads(sys.argv[1]), sys.argv[2]
     memory = float(sys.argv[3]) if len(sys.argv) > 3 else None
     try:
-        compiled = compile_config(resolve(config_from_dict(fields), memory))
+        compiled = compile_config(resolve(config_from_dict(fields), memory, weights=False))
     except Exception as e:
         print(f"shardax plan worker: {type(e).__name__}: {str(e).splitlines()[0]}",
               file=sys.stderr)

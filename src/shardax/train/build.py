@@ -26,7 +26,7 @@ from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
 from shardax.models.lora import add_lora, trainable
 from shardax.train.config import UsageError
-from shardax.train.resolve import Resolved
+from shardax.train.resolve import Resolved, state_shape
 from shardax.train.step import TrainState, init_state, train_step
 
 __all__ = ["abstract", "create", "create_from_hf", "step_function"]
@@ -89,14 +89,7 @@ def create_from_hf(run: Resolved) -> TrainState:
 
 def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper
              ) -> tuple[Any, Any]:
-    """The model's graphdef and the train state's shapes, without computing anything."""
-    graphdefs = []
-
-    def state_only():
-        graphdef, state = create(model_config, tx, seed)
-        graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
-        return state
-
-    with mesh.get_context():
-        state_shape = jax.eval_shape(state_only)
-    return graphdefs[0], state_shape
+    """The model's graphdef and the train state's shapes, without computing anything; LoRA
+    settings that do not fit the model are a UsageError here, before anything is allocated
+    (`shardax.train.resolve.state_shape`)."""
+    return state_shape(model_config, tx, seed, mesh)

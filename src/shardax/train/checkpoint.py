@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import traceback
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from shardax import _compat
+from shardax.filewrite import remove_tree
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
@@ -343,13 +343,16 @@ def _check_target(target: Any, saved_tree: Any, where: str) -> None:
 
 class _Pinned:
     """An orbax preservation policy: the steps in ``steps`` (a set the `Checkpointer` adds
-    to) are kept whatever ``max_to_keep`` says."""
+    to) are kept whatever ``max_to_keep`` says, and so are step folders that are symlinks
+    (e.g. to another run's step): the rotation never deletes through a link."""
 
-    def __init__(self) -> None:
+    def __init__(self, directory: epath.Path) -> None:
+        self.directory = directory
         self.steps: set[int] = set()
 
     def should_preserve(self, checkpoints: Any, *, context: Any) -> list[bool]:
-        return [c.step in self.steps for c in checkpoints]
+        return [c.step in self.steps or os.path.islink(self.directory / str(c.step))
+                for c in checkpoints]
 
 
 class Checkpointer:
@@ -385,7 +388,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = epath.Path(directory).absolute()
         self.read_only = read_only
-        self._pinned = _Pinned()
+        self._pinned = _Pinned(self.directory)
         if read_only:
             if not self.directory.is_dir():
                 raise FileNotFoundError(f"no checkpoint directory {str(self.directory)!r}")
@@ -437,6 +440,17 @@ class Checkpointer:
         """The newest committed step, or None."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def linked_steps(self) -> dict[int, str]:
+        """``{step: where its link leads}`` for the step folders that are symlinks: they are
+        read and kept, never deleted by ``max_to_keep``.
+
+        Example::
+
+            for step, target in ckpt.linked_steps().items(): print(step, "->", target)
+        """
+        paths = {s: os.fspath(self.directory / str(s)) for s in sum(list_steps(self.directory), [])}
+        return {s: os.readlink(p) for s, p in sorted(paths.items()) if os.path.islink(p)}
 
     def pin(self, step: int) -> None:
         """Keeps committed (or being saved) ``step`` whatever ``max_to_keep`` says, e.g. the
@@ -500,7 +514,7 @@ class Checkpointer:
             return
         if jax.process_index() == 0:
             log.warning("removing half-written checkpoint step %d (no commit marker)", step)
-            shutil.rmtree(self.directory / str(step), ignore_errors=True)
+            remove_tree(self.directory / str(step))  # a symlink: only the link
         _compat.sync_processes(f"shardax-clear-step-{step}")
         self._manager.reload()
 

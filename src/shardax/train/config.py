@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from shardax import models
+from shardax.filewrite import check_target_dir
 from shardax.hf import hub
+from shardax.hf.configs import HF_MODEL_TYPES
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
@@ -54,13 +56,18 @@ MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 _MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take a uint32 seed here
 
 
-def _arg(name: str) -> Any:
-    """tyro's flag-name marker (``--from`` for a field that cannot be called ``from``)."""
+def _arg(name: str | None = None, help: str | None = None) -> Any:
+    """tyro's flag marker: its name (``--from`` for a field that cannot be called ``from``)
+    or a help text built at import time (the docstring below the field is then for readers)."""
     try:
         import tyro  # optional: tyro (extra "train"); config files and checks work without it
     except ImportError:
         return name
-    return tyro.conf.arg(name=name)
+    return tyro.conf.arg(name=name, help=help)
+
+
+# The Hugging Face model types the importer reads (`shardax.hf.configs`), for the help texts.
+_HF_TYPES = ", ".join(HF_MODEL_TYPES)
 
 
 class UsageError(ValueError):
@@ -73,11 +80,14 @@ class TrainConfig:
 
     model: str = "llama-tiny"
     """model name, e.g. llama-tiny, llama-moe-tiny, gpt2-tiny (shardax.models.CONFIGS)"""
-    init_from: str | None = None
-    """hf:DIR or hf:ORG/NAME[@REVISION]: fine-tune the Hugging Face model in DIR, or else that
-    model on the Hub through huggingface_hub's cache (HF_TOKEN, HF_HUB_OFFLINE; a local path
-    wins) (config.json + safetensors; Llama, Mistral, Qwen2, GPT-2), loaded straight into its
-    sharded layout (replaces --model)"""
+    init_from: Annotated[str | None, _arg(help=(
+        "hf:DIR or hf:ORG/NAME[@REVISION]: fine-tune the Hugging Face model in DIR, or else "
+        "that model on the Hub through huggingface_hub's cache (HF_TOKEN, HF_HUB_OFFLINE; a "
+        "local path wins) (config.json + safetensors; "
+        f"model_type {_HF_TYPES}), loaded straight into its sharded layout (replaces "
+        "--model); shardax plan needs only its config.json"))] = None
+    """hf:DIR or hf:ORG/NAME[@REVISION]: fine-tune the Hugging Face model in DIR or on the Hub
+    (the help lists the model types)"""
     mesh: str = "fsdp=-1"
     """mesh axes out of dp, fsdp, tp, pp, cp, ep, e.g. fsdp=-1 or pp=2,fsdp=2,tp=2"""
     rules: str = "fsdp_tp"
@@ -207,9 +217,12 @@ class GenerateConfig:
 
     out: str | None = None
     """run directory of a shardax train run (may have been moved or copied)"""
-    source: Annotated[str | None, _arg("from")] = None
-    """hf:DIR or hf:ORG/NAME[@REVISION]: sample from a Hugging Face model (a local directory,
-    else the Hub) instead of a run (--out)"""
+    source: Annotated[str | None, _arg("from", help=(
+        "hf:DIR or hf:ORG/NAME[@REVISION]: sample from a Hugging Face model (a local "
+        "directory, else the Hub; config.json + safetensors; "
+        f"model_type {_HF_TYPES}) instead of a run (--out)"))] = None
+    """hf:DIR or hf:ORG/NAME[@REVISION]: sample from a Hugging Face model instead of a run
+    (--out)"""
     prompt: str = ""
     """text to continue (with --chat: the user's message)"""
     prompts: list[str] = field(default_factory=list)
@@ -522,6 +535,10 @@ def check_export(config: ExportConfig) -> ExportConfig:
     _usage(bool(config.to.strip()), "--to: give a directory to write")
     _usage(Path(config.to).resolve() != Path(config.out).resolve(),
            "--to: must differ from --out (the run directory is only read)")
+    try:  # an export writes only inside --to
+        check_target_dir(config.to, "--to")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return config
 
 

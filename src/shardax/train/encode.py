@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.filewrite import remove_tree
 from shardax.train.readers import (
     DataError,
     DataFile,
@@ -162,7 +163,7 @@ def encode_files(files: Sequence[DataFile], tokenizer: Tokenizer, text_field: st
     if cached is not None:
         return cached
     if final.exists():  # an incomplete cache cannot come from a rename: clear it
-        shutil.rmtree(final, ignore_errors=True)
+        remove_tree(final)  # a symlink there: only the link
     dtype = token_dtype(tokenizer.vocab_size)
     name = f"tokens.u{8 * np.dtype(dtype).itemsize}"
     tmp = final.parent / f".{final.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex}"

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from shardax import hf, models
+from shardax.filewrite import write_text
 from shardax.hf.peft import save_adapters
 from shardax.models.lora import merge_lora
 from shardax.train.config import ExportConfig, UsageError
@@ -78,5 +79,5 @@ def _write_tokenizer(tokenizer: Tokenizer, directory: Path, max_len: int) -> dic
         return {}  # process 0 writes config.json
     ids = tokenizer.export(directory, max_len)
     generation = {**ids, "pad_token_id": ids.get("pad_token_id", ids["eos_token_id"])}
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_text(directory / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     return ids

@@ -33,6 +33,7 @@ from shardax import _compat
 from shardax.devices import device_spec
 from shardax.distributed import RESTART_ENV
 from shardax.filecheck import read_json
+from shardax.filewrite import write_text
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import (
@@ -191,6 +192,8 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
     print(f"shardax train: {_model_name(run)} ({n_params / 1e6:.2f}M params, "
           f"{run.policy.params.name} weights) on {jax.device_count()} devices, mesh "
           f"{run.mesh.shape}, rules {config.rules!r}, precision {run.policy}")
+    if run.mesh_why:
+        print(f"mesh: {run.mesh_why}")
     print(_tokenizer_summary(p))
     print(run.optimizer_summary())
     lora = run.model_config.lora
@@ -246,6 +249,12 @@ class _Steps:
         self.trackers = (report.Trackers(self.config.log_to, p.run_dir.out,
                                          self.config.to_json()) if self.is_main else None)
         self.ckpt = Checkpointer(p.run_dir.checkpoints, max_to_keep=3)
+        linked = self.ckpt.linked_steps()
+        if linked:
+            _note("note: checkpoint step(s) " + ", ".join(f"{s} (a symlink to {t})" for s, t in
+                                                          linked.items())
+                  + " kept as they are: old steps are rotated out, never deleted through a "
+                  "link; remove the link yourself when it is no longer needed")
         self.watch = NonFiniteWatch(self.config.on_nan, start, _note, self.ckpt.pin, skipped)
 
     def ran(self, done: int, metrics: dict) -> None:
@@ -314,7 +323,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     metrics_log = report.MetricsLog(run_dir.metrics)
     start, state, skipped = _initial_state(
-        p, state_shape, mesh.match_sharding_rule(run.state_rules, state_shape))
+        p, state_shape, run.shardings(state_shape))
     records = metrics_log.read(up_to=start, quiet=not is_main) if config.resume else []
     if state is None:
         _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
@@ -333,7 +342,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     plan = step_fn.plan(state, first)
     per_token, peak = flops_per_token(run.model_config, config.seq_len), _peak_flops(config)
     if is_main:  # what the compiled step holds and moves per device (`shardax plan` predicts it)
-        run_dir.plan.write_text(plan.to_json() + "\n")
+        write_text(run_dir.plan, plan.to_json() + "\n")
         _banner(p, state_shape, plan, per_token, peak)
     clock = report.StepClock(config.batch_size * config.seq_len, start, per_token, peak,
                              jax.device_count())

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 
+from shardax.filewrite import append_text, replacing, write_text
 from shardax.train.config import UsageError
 from shardax.train.mfu import mfu
 from shardax.train.trackers import MissingExtra, make_trackers
@@ -161,15 +162,13 @@ class MetricsLog:
         return [r for r in records if r["step"] <= up_to]
 
     def start(self, records: list[dict]) -> None:
-        """Rewrites the file with ``records`` (those of the steps a resumed run keeps)."""
-        with open(self.path, "w") as f:
-            for r in records:
-                f.write(json.dumps(r) + "\n")
+        """Rewrites the file with ``records`` (those of the steps a resumed run keeps),
+        atomically (a symlink at its name is replaced, not written through)."""
+        write_text(self.path, "".join(json.dumps(r) + "\n" for r in records))
 
     def append(self, record: dict[str, Any]) -> None:
         """Adds one record (written and closed at once, so a kill loses at most it)."""
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.path, json.dumps(record) + "\n")
 
 
 def plot(out: Path, records: list[dict]) -> Path | None:
@@ -198,6 +197,7 @@ def plot(out: Path, records: list[dict]) -> Path | None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = out / "loss.png"
-    fig.savefig(path, dpi=100)
+    with replacing(path) as tmp:  # a symlink at loss.png is replaced, not written through
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path

@@ -19,25 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import optax
+from flax import nnx
 
 from shardax import hf, models
-from shardax.mesh import MeshShardingHelper
+from shardax.mesh import MeshShardingHelper, parse_mesh_string
 from shardax.models.attention import resolve_implementation
-from shardax.models.lora import LoRA
+from shardax.models.lora import LoRA, LoRAError
 from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import HostOffloadRule, LogicalAxisRules
 from shardax.train.config import DEFAULT_LR, TrainConfig, UsageError, flag, hf_dir
-from shardax.train.step import TrainState, make_optimizer, make_schedule
+from shardax.train.step import TrainState, init_state, make_optimizer, make_schedule
 
 __all__ = ["SCHEDULE_FIELDS", "Resolved", "fsdp_mode", "make_mesh", "model_config",
-           "optimizer", "resolve", "schedule_change"]
+           "optimizer", "resolve", "schedule_change", "state_shape"]
 
 
 def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
@@ -88,16 +90,18 @@ def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str |
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
-                 pipelined: bool = False) -> Any:
+                 pipelined: bool = False, weights: bool = True) -> Any:
     """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
     the precision ``policy``, ``--remat``, ``--attention`` and ``--seq-len`` applied (no
     parallelism flags); layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in
-    checkpoints too)."""
+    checkpoints too). ``weights=False``: the ``--init-from`` model from its ``config.json``
+    alone (planning)."""
     scan = config.scan_layers or pipelined
     if init_dir is not None:
         try:
-            c = hf.load_config(init_dir, remat=config.remat, attention=config.attention,
-                               dtype=policy.compute, param_dtype=policy.params)
+            c = hf.load_config(init_dir, weights=weights, remat=config.remat,
+                               attention=config.attention, dtype=policy.compute,
+                               param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
         c = dataclasses.replace(c, scan_layers=c.scan_layers or scan)
@@ -286,6 +290,69 @@ def _device_memory() -> int | None:
     return stats.get("bytes_limit")
 
 
+def state_shape(model_config: Any, tx: optax.GradientTransformation, seed: int,
+                mesh: MeshShardingHelper) -> tuple[Any, TrainState]:
+    """``(graphdef, train-state shapes)`` of a fresh model and optimizer, computed abstractly
+    (nothing allocated); LoRA settings that do not fit the model are a UsageError.
+
+    Example::
+
+        graphdef, shapes = state_shape(run.model_config, run.tx, 0, run.mesh)
+    """
+    graphdefs = []
+
+    def state_only():
+        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
+        graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
+        return state
+
+    try:
+        with mesh.get_context():
+            shapes = jax.eval_shape(state_only)
+    except LoRAError as e:
+        raise UsageError(f"--lora-{e.setting} {getattr(model_config.lora, e.setting)}: {e}") \
+            from None
+    return graphdefs[0], shapes
+
+
+def _fit_fsdp(config: TrainConfig, mesh: MeshShardingHelper, base: Any, tx: Any
+              ) -> tuple[MeshShardingHelper, str]:
+    """``--mesh`` with ``fsdp=-1``: the mesh whose 'fsdp' size is the largest of those (the
+    divisors of the devices it was given) that divide every dim it shards, the rest of those
+    devices on 'dp' (6 devices and a 64-wide model: fsdp=2, dp=3), and why, for the banner
+    ("" when the inferred size fits)."""
+    asked = parse_mesh_string(config.mesh)
+    n = mesh.shape.get("fsdp", 1)
+    if asked.get("fsdp") != -1 or n == 1:
+        return mesh, ""
+    shapes = None
+    first = ""
+    for f in [d for d in range(n, 0, -1) if n % d == 0]:
+        sizes = {"dp": 1, **asked, "fsdp": f}  # 'dp' first unless placed
+        sizes["dp"] = asked.get("dp", 1) * (n // f)
+        spec = ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == "fsdp")
+        candidate = make_mesh(spec)
+        try:
+            model, rule_list = _parallelism(config, candidate.shape, base)
+        except ValueError:
+            continue
+        if shapes is None:
+            shapes = state_shape(model, tx, config.seed, candidate)[1]
+        rules = LogicalAxisRules(rule_list)
+        try:
+            candidate.match_sharding_rule(TrainState(rules, rules, rules, rules), shapes)
+        except ValueError as e:
+            leaf = re.search(r"leaf '([^']*)' of shape (\([^)]*\))", str(e))
+            first = first or (f"leaf {leaf.group(1)} {leaf.group(2)}" if leaf else str(e))
+            continue
+        if f == n:
+            return mesh, ""
+        return candidate, (f"--mesh {config.mesh}: fsdp={n} cannot split {first}; fsdp={f} is "
+                           f"the largest size that divides every dim it shards, dp={sizes['dp']} "
+                           "takes the rest")
+    return mesh, ""  # nothing fits: the sharding check says why, naming the leaf
+
+
 @dataclass(frozen=True)
 class Resolved:
     """A config resolved on this machine: what the commands build, plan and train from."""
@@ -311,6 +378,8 @@ class Resolved:
     fsdp_recompute: bool = True
     #: why the FSDP mode and the recompute were chosen (one phrase each, for the banner)
     fsdp_why: str = ""
+    #: how ``--mesh ...fsdp=-1`` was fitted to the model, for the banner ("": as inferred)
+    mesh_why: str = ""
 
     @property
     def state_rules(self) -> TrainState:
@@ -331,6 +400,15 @@ class Resolved:
                        if self.config.grad_accum > 1 else "")
                     + f"); {kept}; why: {self.fsdp_why}")
         return (f"fsdp: xla (the partitioner, from the shardings); why: {self.fsdp_why}")
+
+    def shardings(self, shapes: TrainState) -> TrainState:
+        """The train state's shardings on the mesh; a UsageError naming the leaf, its shape
+        and the axis sizes where the mesh cannot shard it."""
+        try:
+            return self.mesh.match_sharding_rule(self.state_rules, shapes)
+        except ValueError as e:  # it names the leaf, its shape, the spec and the axis sizes
+            raise UsageError(f"--mesh {self.config.mesh!r} cannot shard the train state: "
+                             f"{str(e).removeprefix('sharding: ')}") from None
 
     def attention_summary(self, chat: bool = False) -> str:
         """One line for the train banner: the attention implementation that runs (``auto``
@@ -384,19 +462,23 @@ def _bubble(mesh_shape: dict[str, int], model_config: Any) -> float:
     return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
 
 
-def resolve(config: TrainConfig, device_memory: float | None = None) -> Resolved:
+def resolve(config: TrainConfig, device_memory: float | None = None, *,
+            weights: bool = True) -> Resolved:
     """The run a checked config asks for on this machine's devices: mesh, rules, model config,
     precision, optimizer and schedule, FSDP mode, batch split and bubble, checked against each
     other (no data, no run directory: what ``shardax train`` and ``shardax plan`` share); what
     does not fit the devices is a UsageError. ``device_memory``: the bytes a device may hold,
     which `fsdp_mode` weighs (``shardax plan`` passes its target's); default: what this
-    machine's devices say (nothing on CPU)."""
+    machine's devices say (nothing on CPU). ``weights=False`` (planning): an ``--init-from``
+    model needs only its ``config.json``."""
     mesh = make_mesh(config.mesh)
     policy = Policy.from_string(config.precision)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
+    base = model_config(config, policy, init_dir, weights=weights)
+    tx, schedule = optimizer(config)
+    mesh, mesh_why = _fit_fsdp(config, mesh, base, tx)
     try:
-        model, rule_list = _parallelism(config, mesh.shape,
-                                        model_config(config, policy, init_dir))
+        model, rule_list = _parallelism(config, mesh.shape, base)
     except ValueError as e:
         raise UsageError(str(e)) from None
     memory = _device_memory() if device_memory is None else int(device_memory)
@@ -415,9 +497,8 @@ def resolve(config: TrainConfig, device_memory: float | None = None) -> Resolved
     if config.batch_size % jax.process_count():
         raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
                          f"count {jax.process_count()}")
-    tx, schedule = optimizer(config)
     return Resolved(
         config=config, mesh=mesh, rules=rules, model_config=model, policy=policy, tx=tx,
         schedule=schedule, fsdp_mode=mode, batch_axes=batch_axes, batch_split=batch_split,
         microbatches=micro, bubble=_bubble(mesh.shape, model), init_dir=init_dir,
-        fsdp_recompute=recompute, fsdp_why=why)
+        fsdp_recompute=recompute, fsdp_why=why, mesh_why=mesh_why)

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
+import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shardax.filecheck import read_json
+from shardax.filewrite import check_target_dir, remove_tree, write_text
 from shardax.mesh import parse_mesh_string
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError, flag
@@ -41,6 +42,9 @@ CHECKPOINT_DIR = "checkpoints"
 #: ones, or those past ``--resume-step``), so that the run can save those steps again.
 SET_ASIDE_DIR = "checkpoints-set-aside"
 PROFILE_DIR = "profile"
+# The folders a run writes into (the trackers' too: `shardax.train.trackers`).
+_WRITTEN_DIRS = (CHECKPOINT_DIR, SET_ASIDE_DIR, PROFILE_DIR, TOKENIZER_DIR, "tensorboard",
+                 "wandb")
 #: Settings a resumed run must share with the run it continues (the mesh and the split of
 #: the global batch into ``grad_accum`` microbatches may change, and ``steps`` may grow).
 # The learning-rate schedule (--lr, --steps, --warmup-steps, --min-lr-ratio) may change: a
@@ -141,9 +145,18 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
 
 
 def _check_out(out: Path) -> None:
-    """``--out`` is, or can become, a writable directory (nothing is left behind here)."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} is a file; give a directory")
+    """``--out`` is, or can become, a writable directory (nothing is left behind here), and
+    neither it nor a folder the run writes into is a symlink: a run writes only inside
+    ``--out``."""
+    try:
+        check_target_dir(out, "--out")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for name in _WRITTEN_DIRS:
+        if (out / name).is_symlink():
+            raise UsageError(f"--out {out}: {name} is a symlink to {os.readlink(out / name)}; "
+                             "a run writes only inside --out: make it a real directory (move "
+                             "what it leads to into it) or choose another --out")
     existing = out
     while not existing.exists():
         existing = existing.parent
@@ -234,7 +247,7 @@ def tidy_checkpoints(run_dir: RunDir, start: int, note: Callable[[str], None] | 
         note(f"moved checkpoint steps {newer} (newer than step {start}, which this run "
              f"continues from) to {aside}; delete them when you no longer need them")
     for s in uncommitted:
-        shutil.rmtree(ckpt_dir / str(s), ignore_errors=True)
+        remove_tree(ckpt_dir / str(s))  # a symlink: only the link
     if uncommitted:
         note(f"removed half-written checkpoint steps {uncommitted} (never committed)")
 
@@ -247,10 +260,8 @@ def write_config(run_dir: RunDir, config: TrainConfig, tokenizer: Tokenizer, *,
         run_dir.out.mkdir(parents=True, exist_ok=True)
         if not main:
             return
-        text = json.dumps(config.to_json(), indent=2) + "\n"
-        tmp = run_dir.out / f".{CONFIG_FILE}.tmp"
-        tmp.write_text(text)
-        tmp.replace(run_dir.config_file)  # never a half-written config.json
+        # never a half-written config.json, never one written through a symlink
+        write_text(run_dir.config_file, json.dumps(config.to_json(), indent=2) + "\n")
         tokenizer.save(run_dir.tokenizer)
     except OSError as e:
         raise UsageError(f"--out {run_dir.out}: cannot write there ({_os_reason(e)})") from None

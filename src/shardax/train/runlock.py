@@ -117,7 +117,9 @@ class RunLock:
         except OSError as e:
             raise UsageError(f"--out {self.out}: cannot create it ({e.strerror or e})") from None
         for _ in range(10):  # the file may be replaced under us by a releasing holder
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            if self.path.is_symlink():  # planted: replaced, never written through
+                self.path.unlink(missing_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
             try:
                 stale = self._lock(fd)
                 if os.fstat(fd).st_ino != os.stat(self.path).st_ino:

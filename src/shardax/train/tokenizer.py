@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from shardax.filecheck import decode_utf8, read_json, read_regular
+from shardax.filewrite import copy_file, make_dir, replacing, write_text
 from shardax.train.chat_source import template_files
 
 __all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
@@ -94,8 +94,7 @@ class Tokenizer:
         lacks are removed: transformers would prefer them to this one's template);
         returns the special ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id`` where
         there is one) for ``config.json`` and ``generation_config.json``."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = make_dir(directory)
         source = getattr(self, "directory", None)
         ours = template_files(source) if source is not None else []
         for name in template_files(directory):
@@ -107,8 +106,8 @@ class Tokenizer:
                   "clean_up_tokenization_spaces": False, **config,
                   **{k: text for k, (text, _) in special.items()},
                   "model_max_length": model_max_length}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (directory / "special_tokens_map.json").write_text(json.dumps(
+        write_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        write_text(directory / "special_tokens_map.json", json.dumps(
             {k: text for k, (text, _) in special.items()}, indent=2) + "\n")
         return {f"{k}_id": i for k, (_, i) in special.items() if k != "unk_token"}
 
@@ -148,7 +147,8 @@ class ByteTokenizer(Tokenizer):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([_byte_char(0)])  # NUL ends a document: decoded as nothing
-        tok.save(str(path))
+        with replacing(path) as tmp:
+            tok.save(str(tmp))
         return {}
 
 
@@ -233,13 +233,13 @@ class HFTokenizer(Tokenizer):
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        if directory.resolve() == self.directory.resolve():  # read from there: nothing to do
-            return
+        if not directory.is_symlink() and directory.resolve() == self.directory.resolve():
+            return  # read from there: nothing to do
+        make_dir(directory)
         for name in _FILES:
             source = self.directory / name if name != "tokenizer.json" else self.path
             if source.is_file():
-                shutil.copyfile(source, directory / name)
+                copy_file(source, directory / name)
         for name in template_files(self.directory):
             _copy_into(self.directory / name, directory, name)
 
@@ -256,8 +256,8 @@ class HFTokenizer(Tokenizer):
         return out
 
     def _write_tokenizer_json(self, path: Path) -> dict:
-        if path.resolve() != self.path.resolve():
-            shutil.copyfile(self.path, path)
+        if path.is_symlink() or path.resolve() != self.path.resolve():
+            copy_file(self.path, path)
             for name in template_files(self.directory):  # chat templates, as they were found
                 _copy_into(self.directory / name, path.parent, name)
         # Kept as they are: the chat template, added tokens' flags, the tokenizer's class.
@@ -282,9 +282,7 @@ def _copy_into(source: Path, root: Path, name: str) -> None:
     if target.parent != root and target.parent.is_symlink():
         target.parent.unlink()
     target.parent.mkdir(exist_ok=True)
-    if target.is_symlink():
-        target.unlink()
-    shutil.copyfile(source, target)
+    copy_file(source, target)
 
 
 def read_tokenizer_config(directory: str | Path) -> dict:
