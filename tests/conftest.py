@@ -6,6 +6,9 @@ import os
 
 import pytest
 
+# No test reaches the Hugging Face Hub: hf:ORG/NAME resolves from the cache only.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
 # Shared meshes: one `MeshShardingHelper` per layout for the whole session (per xdist worker).
 # Tests that are about constructing a helper build their own.
 

@@ -471,12 +471,14 @@ def _generate_run(args: Any, run_dir: Any) -> int:
     from shardax.train.generate import sample
 
     config = args.sample
-    prompts = [config.prompt, *config.prompts]
     stats: dict = {}
     texts = sample(config, run_dir, stats=stats)
     print("\n\n".join(texts) if len(texts) > 1 else texts[0])
-    # Not a "shardax generate:" note (those report problems): a plain statistics line.
-    print(f"generated {stats['tokens']} tokens for {len(prompts)} prompt(s) in "
+    # Not "shardax generate:" notes (those report problems): plain statistics lines.
+    for i, (end, n) in enumerate(zip(stats["ends"], stats["counts"]), 1):
+        if end is not None:
+            print(f"prompt {i}: stopped at {end} after {n} tokens", file=sys.stderr)
+    print(f"generated {stats['tokens']} tokens for {len(texts)} prompt(s) in "
           f"{stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s (KV cache, "
           "compile included)", file=sys.stderr)
     return 0

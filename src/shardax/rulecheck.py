@@ -38,7 +38,6 @@ import jax
 from jax.sharding import PartitionSpec
 
 from shardax import _context, frameworks
-from shardax.utils import human_bytes as _human
 from shardax.rules import (
     FSDPShardingRule,
     HostOffloadRule,
@@ -47,6 +46,7 @@ from shardax.rules import (
     TreePathShardingRule,
 )
 from shardax.utils import array_nbytes, leaf_shape, tree_path_to_string
+from shardax.utils import human_bytes as _human
 
 __all__ = ["Finding", "ReplicationWarning", "rule_findings", "replicated_silently",
            "warn_replicated"]

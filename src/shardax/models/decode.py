@@ -35,7 +35,7 @@ from shardax.models._annotate import constrain
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
 
-__all__ = ["Generated", "KVCache", "forward", "generate", "init_cache"]
+__all__ = ["Generated", "KVCache", "filter_logits", "forward", "generate", "init_cache"]
 
 _CACHE_NAMES = ("layers", "batch", None, "kv_heads", "head_dim")
 
@@ -123,13 +123,15 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
 
 @dataclasses.dataclass
 class Generated:
-    """``tokens``: the new ids per prompt; ``prefill_s`` / ``decode_s``: wall time of the
-    prefill and of the remaining steps (compile included on first use); ``tokens_per_s``:
-    new tokens of all rows per second of decoding."""
+    """``tokens``: the new ids per prompt (up to and including a stop id); ``prefill_s`` /
+    ``decode_s``: wall time of the prefill and of the remaining steps (compile included on
+    first use); ``stopped``: per prompt, whether it ended at one of ``stop_ids``;
+    ``tokens_per_s``: new tokens of all rows per second of decoding."""
 
     tokens: list[list[int]]
     prefill_s: float
     decode_s: float
+    stopped: list[bool] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -137,71 +139,114 @@ class Generated:
         return n / max(self.prefill_s + self.decode_s, 1e-9)
 
 
-def _pick(logits: jax.Array, key: jax.Array, temperature: float) -> jax.Array:
+def filter_logits(logits: jax.Array, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """``logits`` [..., vocab] with the tokens outside the ``top_k`` likeliest (0: no limit)
+    and outside the smallest set whose probability reaches ``top_p`` set to -inf, as
+    transformers' ``TopKLogitsWarper`` then ``TopPLogitsWarper`` do (the likeliest token is
+    always kept; ties at the threshold are all kept).
+
+    >>> filter_logits(jnp.log(jnp.array([0.5, 0.3, 0.2])), top_p=0.7).tolist()[2]
+    -inf
+    """
+    logits = logits.astype(jnp.float32)
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ordered = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)  # likeliest first
+        probs = jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # probability of the likelier tokens
+        # The last token kept in sorted order (the first always is): its logit is the cut.
+        kept = jnp.sum(before < top_p, axis=-1, keepdims=True)
+        cut = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    return logits
+
+
+def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int,
+          top_p: float) -> jax.Array:
     if temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+    # As transformers: temperature first, then top-k, then top-p.
+    logits = filter_logits(logits.astype(jnp.float32) / temperature, top_k, top_p)
+    return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
-@jax.jit(static_argnames=("temperature",))
-def _prefill(model, tokens, positions, cache, start, key, temperature):
+_SAMPLING = ("temperature", "top_k", "top_p")
+
+
+@jax.jit(static_argnames=_SAMPLING)
+def _prefill(model, tokens, positions, cache, start, key, temperature, top_k, top_p):
     logits, cache = forward(model, tokens, positions, cache, jnp.int32(0), start)
-    return _pick(logits[:, -1], key, temperature), cache
+    return _pick(logits[:, -1], key, temperature, top_k, top_p), cache
 
 
-@jax.jit(static_argnames=("temperature",), donate_argnames=("cache",))
-def _step(model, token, position, cache, index, start, key, temperature):
+@jax.jit(static_argnames=_SAMPLING, donate_argnames=("cache",))
+def _step(model, token, position, cache, index, start, key, temperature, top_k, top_p):
     logits, cache = forward(model, token[:, None], position[:, None], cache, index, start)
-    return _pick(logits[:, 0], key, temperature), cache
+    return _pick(logits[:, 0], key, temperature, top_k, top_p), cache
 
 
-@jax.jit(static_argnames=("temperature",))
-def _recompute(model, window, positions, cache, start, last, key, temperature):
+@jax.jit(static_argnames=_SAMPLING)
+def _recompute(model, window, positions, cache, start, last, key, temperature, top_k, top_p):
     logits, _ = forward(model, window, positions, cache, jnp.int32(0), start)
-    return _pick(logits[:, last], key, temperature)
+    return _pick(logits[:, last], key, temperature, top_k, top_p)
 
 
 def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-             temperature: float = 0.0, seed: int = 0, use_cache: bool = True,
-             mesh: Any = None, rules: Any = None) -> Generated:
-    """``max_new_tokens`` new tokens after each prompt (greedy when ``temperature <= 0``).
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             stop_ids: Sequence[int] = (), use_cache: bool = True, mesh: Any = None,
+             rules: Any = None) -> Generated:
+    """``max_new_tokens`` new tokens after each prompt (greedy when ``temperature <= 0``,
+    else sampled from the ``top_k`` likeliest tokens (0: all) within probability ``top_p``).
 
-    With ``mesh`` and ``rules`` (``LogicalAxisRules``) the computation runs under them (the
-    model's arrays should already be sharded; the cache follows the rules). When the longest
-    prompt plus the new tokens exceed ``max_seq_len``, generation goes in rounds: each round
-    re-reads (prefills) the last ``max_seq_len // 2`` tokens of every row and fills the rest
-    of the window. Any number of prompts works: where the rules split the batch over mesh axes
-    the prompt count does not divide, the batch is padded with copies of the first prompt and
-    those rows are dropped from the result.
+    A row ends at the first of ``stop_ids`` it emits (kept as its last token; ``stopped``
+    says so), and decoding ends once every row has. With ``mesh`` and ``rules``
+    (``LogicalAxisRules``) the computation runs under them (the model's arrays should already
+    be sharded; the cache follows the rules). When the longest prompt plus the new tokens
+    exceed ``max_seq_len``, generation goes in rounds: each round re-reads (prefills) the last
+    ``max_seq_len // 2`` tokens of every row and fills the rest of the window. Any number of
+    prompts works: where the rules split the batch over mesh axes the prompt count does not
+    divide, the batch is padded with copies of the first prompt and those rows are dropped
+    from the result.
 
     Example::
 
-        out = generate(model, [tok.encode('def ')], 64, temperature=0.8)
+        out = generate(model, [tok.encode('def ')], 64, temperature=0.8, top_p=0.95)
         print(out.tokens_per_s)
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"top_k={top_k} must be >= 0 and top_p={top_p} in (0, 1]")
     length = model.config.max_seq_len
     rows = _padded_rows(len(prompts), mesh, rules)
     seqs = [list(p) for p in prompts] + [list(prompts[0])] * (rows - len(prompts))
     new: list[list[int]] = [[] for _ in seqs]
-    out = Generated(new, 0.0, 0.0)
+    # Padding rows count as stopped: nothing waits for them.
+    stopped = [False] * len(prompts) + [True] * (rows - len(prompts))
+    out = Generated(new, 0.0, 0.0, stopped)
+    stop = np.asarray(sorted(set(stop_ids)), np.int32)
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
     remaining, round_ = max_new_tokens, 0
-    while remaining > 0:
+    while remaining > 0 and not all(stopped):
         if max(map(len, seqs)) + remaining > length:
             seqs = [s[-(length // 2):] for s in seqs]
         n = min(remaining, length - max(map(len, seqs)))
-        got = _once(model, seqs, n, temperature, seed + round_, use_cache, mesh, rules)
+        got = _once(model, seqs, n, sampling, seed + round_, stop, stopped, use_cache, mesh,
+                    rules)
         for r, toks in enumerate(got.tokens):
-            new[r].extend(toks)
-            seqs[r].extend(toks)
+            if not stopped[r]:
+                new[r].extend(toks)
+                seqs[r].extend(toks)
+                stopped[r] = got.stopped[r]
         out.prefill_s += got.prefill_s
         out.decode_s += got.decode_s
         remaining -= n
         round_ += 1
-    del new[len(prompts):]
+    del new[len(prompts):], stopped[len(prompts):]
     return out
 
 
@@ -223,9 +268,10 @@ def _padded_rows(n: int, mesh: Any, rules: Any) -> int:
     return -(-n // multiple) * multiple
 
 
-def _once(model, prompts, max_new_tokens, temperature, seed, use_cache, mesh, rules
+def _once(model, prompts, max_new_tokens, sampling, seed, stop, done, use_cache, mesh, rules
           ) -> Generated:
-    """One round of :func:`generate`: prompt plus new tokens fit ``max_seq_len``."""
+    """One round of :func:`generate`: prompt plus new tokens fit ``max_seq_len``; rows in
+    ``done`` have already stopped (the round ends early once every row has)."""
     width = max(len(p) for p in prompts)
     total = width + max_new_tokens
     b = len(prompts)
@@ -237,6 +283,18 @@ def _once(model, prompts, max_new_tokens, temperature, seed, use_cache, mesh, ru
     positions = np.maximum(cols[None, :] - pad[:, None], 0).astype(np.int32)
     start = jnp.asarray(pad)
     key = jax.random.key(seed)
+    ends = np.full(b, total)  # the column after each row's stop id
+    finished = np.array(done, bool)
+    hits = np.zeros(b, bool)  # the rows that stop in this round
+    end = total
+
+    def record(col: int) -> bool:
+        """Notes the rows that stopped at ``col``; whether every row now has."""
+        hit = ~finished & np.isin(buf[:, col], stop)
+        ends[hit] = col + 1
+        finished[hit] = hits[hit] = True
+        return bool(finished.all())
+
     contexts = []
     if mesh is not None:
         contexts.append(jax.set_mesh(getattr(mesh, "mesh", mesh)))
@@ -251,26 +309,35 @@ def _once(model, prompts, max_new_tokens, temperature, seed, use_cache, mesh, ru
             key, sub = jax.random.split(key)
             tok, cache = _prefill(model, jnp.asarray(buf[:, :width]),
                                   jnp.asarray(positions[:, :width]), cache, start, sub,
-                                  temperature)
+                                  **sampling)
             buf[:, width] = np.asarray(tok)
             t1 = time.perf_counter()
-            for col in range(width + 1, total):
+            if record(width):
+                end = width + 1
+            for col in range(width + 1, end):
                 key, sub = jax.random.split(key)
                 tok, cache = _step(model, jnp.asarray(buf[:, col - 1]),
                                    jnp.asarray(positions[:, col - 1]), cache, jnp.int32(col - 1),
-                                   start, sub, temperature)
+                                   start, sub, **sampling)
                 buf[:, col] = np.asarray(tok)
+                if record(col):
+                    end = col + 1
+                    break
         else:
             t1 = t0
             for col in range(width, total):
                 key, sub = jax.random.split(key)
                 tok = _recompute(model, jnp.asarray(buf), jnp.asarray(positions), cache, start,
-                                 jnp.int32(col - 1), sub, temperature)
+                                 jnp.int32(col - 1), sub, **sampling)
                 buf[:, col] = np.asarray(tok)
                 if col == width:
                     t1 = time.perf_counter()
+                if record(col):
+                    end = col + 1
+                    break
         t2 = time.perf_counter()
     finally:
         for ctx in reversed(contexts):
             ctx.__exit__(None, None, None)
-    return Generated([buf[r, width:].tolist() for r in range(b)], t1 - t0, t2 - t1)
+    return Generated([buf[r, width:min(ends[r], end)].tolist() for r in range(b)], t1 - t0,
+                     t2 - t1, hits.tolist())

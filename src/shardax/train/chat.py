@@ -42,8 +42,8 @@ from shardax.filecheck import parse_json, read_text
 from shardax.train.chat_source import find_template
 from shardax.train.tokenizer import MAX_TOKENIZER_BYTES, read_tokenizer_config, special_token
 
-__all__ = ["LOSS_ON", "ChatTemplate", "chat_records", "is_chat_file", "read_chats",
-           "render_chat"]
+__all__ = ["LOSS_ON", "ChatTemplate", "chat_messages", "chat_records", "is_chat_file",
+           "read_chats", "render_chat"]
 
 #: values of ``--loss-on``: the assistant turns only, or every token of a conversation
 LOSS_ON = ("assistant", "all")
@@ -148,6 +148,30 @@ class ChatTemplate:
             mask |= (starts >= lo) & (starts < hi)
         return ids, mask
 
+    def prompt(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids that ask the model for the next assistant turn: the conversation rendered
+        with ``add_generation_prompt=True``, without special tokens added (the template writes
+        its own), as ``apply_chat_template(messages, add_generation_prompt=True)``."""
+        text = self.render(messages, add_generation_prompt=True)
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def end_of_turn(self) -> list[int]:
+        """The special token ids the template writes after an assistant turn's content (Llama
+        3's ``<|eot_id|>``, ChatML's ``<|im_end|>``): where a generated reply ends. Empty when
+        the template writes none or refuses a plain user/assistant exchange."""
+        mark = "SHARDAXENDOFTURNMARK"
+        try:
+            text = self.render([{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": mark}])
+        except ValueError:
+            return []
+        if mark not in text:
+            return []
+        after = self._tok.encode(text[text.rindex(mark) + len(mark):],
+                                 add_special_tokens=False).ids
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return [i for i in after if i in special]
+
     def _assistant_spans(self, messages: Sequence[dict], text: str) -> list[tuple[int, int]]:
         """Character ranges of ``text`` that each assistant turn adds: from the end of the
         conversation before it (with the generation prompt) to the end of the turn."""
@@ -248,10 +272,10 @@ def is_chat_file(path: str | Path) -> bool:
     return False
 
 
-def chat_records(path: str | Path) -> Iterator[tuple[str, list[dict]]]:
-    """``("FILE:LINE", messages)`` of every record of a ``.jsonl`` file, each message checked
-    to have a string ``role`` and a ``content`` that is a string or a list of text parts; a
-    ValueError names the file, line and field otherwise.
+def chat_records(path: str | Path, flag: str = "--data"
+                 ) -> Iterator[tuple[str, list[dict]]]:
+    """``("FILE:LINE", messages)`` of every record of a ``.jsonl`` file, each checked by
+    `chat_messages` (errors start with ``flag``).
 
     Example::
 
@@ -261,17 +285,27 @@ def chat_records(path: str | Path) -> Iterator[tuple[str, list[dict]]]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            where = f"--data {path}:{n}"
-            record = parse_json(line, where)
-            if not isinstance(record, dict):
-                raise ValueError(f"{where}: not a JSON object")
-            messages = record.get("messages")
-            if not (isinstance(messages, list) and messages):
-                raise ValueError(f"{where}: 'messages' must be a non-empty list of "
-                                 "{'role': ..., 'content': ...} objects")
-            for i, message in enumerate(messages):
-                _check_message(message, where, i)
-            yield f"{path}:{n}", messages
+            where = f"{flag} {path}:{n}"
+            yield f"{path}:{n}", chat_messages(parse_json(line, where), where)
+
+
+def chat_messages(record: Any, where: str) -> list[dict]:
+    """The ``messages`` of a JSON record, each message checked to have a string ``role`` and
+    a ``content`` that is a string or a list of text parts; a ValueError starting with
+    ``where`` names the field otherwise.
+
+    >>> chat_messages({"messages": [{"role": "user", "content": "hi"}]}, "chat.json")
+    [{'role': 'user', 'content': 'hi'}]
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    messages = record.get("messages")
+    if not (isinstance(messages, list) and messages):
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of "
+                         "{'role': ..., 'content': ...} objects")
+    for i, message in enumerate(messages):
+        _check_message(message, where, i)
+    return messages
 
 
 def read_chats(path: str | Path) -> list[list[dict]]:

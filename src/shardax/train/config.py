@@ -29,6 +29,7 @@ from shardax import models
 from shardax.errors import MissingExtra, UsageError
 from shardax.errors import require as _usage
 from shardax.filewrite import check_target_dir
+from shardax.hf import hub
 from shardax.hf.configs import HF_MODEL_TYPES
 from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
@@ -82,10 +83,13 @@ class TrainConfig:
     model: str = "llama-tiny"
     """model name, e.g. llama-tiny, llama-moe-tiny, gpt2-tiny (shardax.models.CONFIGS)"""
     init_from: Annotated[str | None, _arg(help=(
-        "hf:DIR: fine-tune the Hugging Face model in DIR (config.json + safetensors; "
+        "hf:DIR or hf:ORG/NAME[@REVISION]: fine-tune the Hugging Face model in DIR, or else "
+        "that model on the Hub through huggingface_hub's cache (HF_TOKEN, HF_HUB_OFFLINE; a "
+        "local path wins) (config.json + safetensors; "
         f"model_type {_HF_TYPES}), loaded straight into its sharded layout (replaces "
         "--model); shardax plan needs only its config.json"))] = None
-    """hf:DIR: fine-tune the Hugging Face model in DIR (the help lists the model types)"""
+    """hf:DIR or hf:ORG/NAME[@REVISION]: fine-tune the Hugging Face model in DIR or on the Hub
+    (the help lists the model types)"""
     mesh: str = "fsdp=-1"
     """mesh axes out of dp, fsdp, tp, pp, cp, ep, e.g. fsdp=-1 or pp=2,fsdp=2,tp=2"""
     rules: str = "fsdp_tp"
@@ -216,19 +220,35 @@ class GenerateConfig:
     out: str | None = None
     """run directory of a shardax train run (may have been moved or copied)"""
     source: Annotated[str | None, _arg("from", help=(
-        "hf:DIR: sample from a Hugging Face model directory (config.json + safetensors; "
+        "hf:DIR or hf:ORG/NAME[@REVISION]: sample from a Hugging Face model (a local "
+        "directory, else the Hub; config.json + safetensors; "
         f"model_type {_HF_TYPES}) instead of a run (--out)"))] = None
-    """hf:DIR: sample from a Hugging Face model directory instead of a run (--out)"""
+    """hf:DIR or hf:ORG/NAME[@REVISION]: sample from a Hugging Face model instead of a run
+    (--out)"""
     prompt: str = ""
-    """text to continue"""
+    """text to continue (with --chat: the user's message)"""
     prompts: list[str] = field(default_factory=list)
     """more prompts, sampled together with --prompt as one batch (KV cache)"""
     max_tokens: int = 200
     """tokens to sample"""
     temperature: float = 0.8
     """sampling temperature; 0 picks the likeliest token"""
+    top_k: int = 0
+    """sample from the k likeliest tokens only (0: all)"""
+    top_p: float = 1.0
+    """sample from the likeliest tokens whose probability adds up to p (nucleus; 1: all)"""
     seed: int = 0
     """sampling seed, in [0, 2**32)"""
+    chat: bool = False
+    """render each prompt as a user message with the tokenizer's chat template and print the
+    reply, which ends at the template's end-of-turn token"""
+    messages: str | None = None
+    """a .json file with a 'messages' list (one conversation) or a .jsonl file of them (one
+    per line, sampled as a batch) to reply to with the chat template (implies --chat)"""
+    system: str | None = None
+    """a system message put before each conversation (with --chat or --messages)"""
+    show_special_tokens: bool = False
+    """print special tokens (end of turn, end of text) instead of hiding them"""
     step: int | None = None
     """checkpoint step to sample from (default: the newest good one)"""
     attention: Literal["auto", "cudnn", "xla", "blockwise", "einsum"] | None = None
@@ -469,10 +489,16 @@ def check(config: TrainConfig) -> TrainConfig:
 
 
 def hf_dir(spec: str, name: str) -> Path:
-    """The directory of an ``hf:DIR`` flag value (checked on the file system only)."""
+    """The model directory of an ``hf:DIR`` or ``hf:ORG/NAME[@REVISION]`` flag value: a path
+    that exists locally wins; any other name is looked up on the Hugging Face Hub (its cache,
+    ``HF_TOKEN``, ``HF_HUB_OFFLINE``: `shardax.hf.hub`)."""
     _usage(spec.startswith("hf:") and len(spec) > 3,
-           f"{name} {spec!r}: expected hf:DIR, a Hugging Face model directory")
-    path = Path(spec[3:])
+           f"{name} {spec!r}: expected hf:DIR (a Hugging Face model directory) or "
+           "hf:ORG/NAME[@REVISION] (a model on the Hugging Face Hub)")
+    try:
+        path = hub.model_dir(spec)
+    except ValueError as e:
+        raise UsageError(f"{name} {spec}: {e}") from None
     _usage((path / "config.json").exists(),  # a FIFO or such is refused when it is read
            f"{name} {spec!r}: {path} has no config.json; not a Hugging Face model directory")
     return path
@@ -497,13 +523,24 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
     """`check` for `GenerateConfig`."""
     config = coerce_fields(config)
     _usage((config.out is None) != (config.source is None),
-           "give exactly one of --out RUN and --from hf:DIR")
+           "give exactly one of --out RUN and --from hf:DIR (or hf:ORG/NAME)")
     if config.source is not None:
         hf_dir(config.source, "--from")
         _usage(config.step is None, "--step needs --out (a run's checkpoints)")
     _usage(config.max_tokens >= 0, f"--max-tokens {config.max_tokens}: must be >= 0")
     _usage(math.isfinite(config.temperature) and config.temperature >= 0,
            f"--temperature {config.temperature}: must be a finite number >= 0")
+    _usage(config.top_k >= 0, f"--top-k {config.top_k}: must be >= 0 (0: no limit)")
+    _usage(math.isfinite(config.top_p) and 0 < config.top_p <= 1,
+           f"--top-p {config.top_p}: must be in (0, 1] (1: no limit)")
+    if config.messages is not None:
+        config.chat = True
+        _usage(not (config.prompt or config.prompts),
+               "--messages replaces --prompt / --prompts: give one or the other")
+        _usage(Path(config.messages).suffix in (".json", ".jsonl"),
+               f"--messages {config.messages}: expected a .json or .jsonl file")
+    _usage(config.system is None or config.chat,
+           "--system needs --chat or --messages (it is a chat template's system message)")
     _check_seed(config.seed)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     return config

@@ -12,8 +12,10 @@ never from ``config.json``. A damaged newest checkpoint is skipped with a note o
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,12 +23,14 @@ from flax import nnx
 
 from shardax import hf, models
 from shardax.errors import CorruptCheckpointError, UsageError
+from shardax.filecheck import read_json
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
 from shardax.models.lora import merge_lora
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
+from shardax.train.chat import ChatTemplate, chat_messages, chat_records
 from shardax.train.checkpoint import Checkpointer, restore_state
 from shardax.train.config import GenerateConfig, check_generate, hf_dir
 from shardax.train.notes import note
@@ -85,12 +89,16 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
 def sample(config: GenerateConfig, run_dir: RunDir | None = None,
            stats: dict | None = None) -> list[str]:
     """``shardax generate`` for a checked config: each prompt (``--prompt``, then
-    ``--prompts``) followed by ``--max-tokens`` sampled tokens. ``run_dir``: what `check_run`
-    returned for ``--out`` (read here if not given). ``stats``, if given, receives
-    ``tokens``, ``seconds`` and ``tokens_per_s``."""
-    prompts = [config.prompt, *config.prompts]
+    ``--prompts``) followed by up to ``--max-tokens`` sampled tokens, or with ``--chat`` /
+    ``--messages`` the reply to each conversation. A text ends early at the model's eos ids
+    (``generation_config.json``'s ``eos_token_id``, the tokenizer's ``eos_token``) and, in
+    chat, at the template's end-of-turn tokens. ``run_dir``: what `check_run` returned for
+    ``--out`` (read here if not given). ``stats``, if given, receives ``tokens``, ``seconds``,
+    ``tokens_per_s``, and per prompt ``counts`` (new tokens) and ``ends`` (the stop token's
+    text, or None)."""
     if config.source is not None:
         directory = hf_dir(config.source, "--from")
+        flag = f"--from {config.source}"
         mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
         try:  # the model first: a damaged directory is one error line, no note before it
             model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
@@ -101,30 +109,42 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
                       "UTF-8 bytes (token id = byte value)")
             tokenizer = load_tokenizer(directory if found else BYTES)
         except ValueError as e:
-            raise UsageError(f"--from {config.source}: {e}") from None
+            raise UsageError(f"{flag}: {e}") from None
     else:
         run_dir = run_dir or check_run(config.out, config.step)
+        flag = f"--out {config.out}"
         try:
             tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
         except ValueError as e:
-            raise UsageError(f"--out {config.out}: {e}") from None
+            raise UsageError(f"{flag}: {e}") from None
+        init = run_dir.saved.init_from
+        directory = None if init is None else hf_dir(init, "--init-from")
         _, model, _ = restore_model(run_dir, config.step, attention=config.attention)
         merge_lora(model)  # LoRA adapters folded in once, not per token
-    return _sample(model, tokenizer, prompts, config.max_tokens, config.temperature,
-                   config.seed, stats)
+    stops = {tokenizer.eos_id: "end of text", **dict.fromkeys(_eos_ids(directory), "eos")}
+    if config.chat:
+        template = _chat_template(tokenizer)
+        ids = [template.prompt(m) for m in _conversations(config)]
+        stops.update(dict.fromkeys(template.end_of_turn(), "end of turn"))
+    else:
+        ids = [tokenizer.encode(text) for text in [config.prompt, *config.prompts]]
+    return _sample(model, tokenizer, ids, config, stops, stats)
 
 
 def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int = 200,
              temperature: float = 0.8, seed: int = 0, step: int | None = None, *,
              source: str | None = None, stats: dict | None = None,
-             attention: str | None = None) -> str | list[str]:
+             attention: str | None = None, top_k: int = 0, top_p: float = 1.0,
+             chat: bool = False) -> str | list[str]:
     """The ``prompt`` followed by ``max_tokens`` tokens sampled from the newest good checkpoint
     in run directory ``out`` (or checkpoint ``step``), or from the Hugging Face model ``source``
     (``'hf:DIR'``); ``temperature`` 0 takes the likeliest token. Text goes through the run's
     tokenizer (bytes, or its copy of a Hugging Face tokenizer), or the ``tokenizer.json`` of
     ``source`` (bytes when it has none). ``attention``: the implementation to sample with
-    (default: the run's). Several prompts (a list) are sampled as one batch with
-    the KV cache and give a list of texts: `sample` of a `GenerateConfig`.
+    (default: the run's). ``top_k`` / ``top_p`` limit sampling to the likeliest tokens;
+    ``chat`` sends each prompt as a user message through the tokenizer's chat template and
+    returns the replies. Several prompts (a list) are sampled as one batch with the KV cache
+    and give a list of texts: `sample` of a `GenerateConfig`.
 
     >>> generate(None, ["def ", "class "], 32, source="hf:llama")  # doctest: +SKIP
     """
@@ -132,29 +152,98 @@ def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int 
     config = check_generate(GenerateConfig(
         out=out, source=source, prompt=prompts[0] if prompts else "", prompts=prompts[1:],
         max_tokens=max_tokens, temperature=temperature, seed=seed, step=step,
-        attention=attention))
+        attention=attention, top_k=top_k, top_p=top_p, chat=chat))
     texts = sample(config, stats=stats)
     return texts[0] if isinstance(prompt, str) else texts
-def _sample(model: nnx.Module, tokenizer: Tokenizer, prompts: list[str], max_tokens: int,
-            temperature: float, seed: int, stats: dict | None) -> list[str]:
+def _sample(model: nnx.Module, tokenizer: Tokenizer, ids: list[list[int]],
+            config: GenerateConfig, stops: dict[int, str], stats: dict | None) -> list[str]:
     """Sampling with the KV cache (``shardax.models.decode``): each prompt followed by its new
-    tokens. An empty prompt conditions on a newline that is not part of the output."""
-    ids, skips = [], []
-    for text in prompts:
-        encoded, skip = tokenizer.encode(text), 0
-        if not encoded:
-            encoded = tokenizer.encode("\n")
-            skip = len(encoded)
-        ids.append(encoded)
-        skips.append(skip)
+    tokens (with ``--chat``, the new tokens only). An empty prompt conditions on a newline
+    that is not part of the output."""
+    skips = []
+    for r, row in enumerate(ids):
+        skips.append(len(row) if config.chat else 0)
+        if not row:
+            ids[r] = tokenizer.encode("\n")
+            skips[r] = len(ids[r])
     vocab = model.config.vocab_size
     if any(t >= vocab for row in ids for t in row):
         raise UsageError(f"the prompt has token ids >= the model's vocab_size {vocab}; this "
                          "model needs its own tokenizer")
-    out = decode.generate(model, ids, max_tokens, temperature=temperature, seed=seed)
+    out = decode.generate(model, ids, config.max_tokens, temperature=config.temperature,
+                          top_k=config.top_k, top_p=config.top_p, seed=config.seed,
+                          stop_ids=[i for i in stops if i < vocab])
     if stats is not None:
-        n = sum(map(len, out.tokens))
-        stats.update(tokens=n, seconds=out.prefill_s + out.decode_s,
-                     tokens_per_s=out.tokens_per_s)
-    return [tokenizer.decode([*row_ids, *new][skip:])
-            for row_ids, new, skip in zip(ids, out.tokens, skips)]
+        stats.update(tokens=sum(map(len, out.tokens)), seconds=out.prefill_s + out.decode_s,
+                     tokens_per_s=out.tokens_per_s, counts=[len(t) for t in out.tokens],
+                     ends=[_stop_name(tokenizer, new[-1], stops) if stopped else None
+                           for new, stopped in zip(out.tokens, out.stopped)])
+    skip = not config.show_special_tokens
+    return [tokenizer.decode([*row_ids, *new][cut:], skip_special_tokens=skip)
+            for row_ids, new, cut in zip(ids, out.tokens, skips)]
+
+
+def _stop_name(tokenizer: Tokenizer, token: int, stops: dict[int, str]) -> str:
+    """``'end of turn <|eot_id|>'``: what a stop token is, and its text."""
+    return f"{stops[token]} {tokenizer.decode([token], skip_special_tokens=False)!r}"
+
+
+def _eos_ids(directory: Path | None) -> list[int]:
+    """The ``eos_token_id`` (an int or a list) of ``generation_config.json`` in a Hugging Face
+    model directory, as transformers' ``generate`` stops at them; [] without one."""
+    path = None if directory is None else directory / "generation_config.json"
+    if path is None or not os.path.lexists(path):
+        return []
+    try:
+        eos = read_json(path)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    eos = eos.get("eos_token_id") if isinstance(eos, dict) else None
+    eos = [eos] if isinstance(eos, int) else eos if eos is not None else []
+    if not (isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                          and i >= 0 for i in eos)):
+        raise UsageError(f"{path}: eos_token_id must be a token id or a list of them")
+    return eos
+
+
+def _chat_template(tokenizer: Tokenizer) -> ChatTemplate:
+    """The chat template of ``tokenizer``'s Hugging Face directory (a UsageError naming the
+    flag when it has none)."""
+    directory = getattr(tokenizer, "directory", None)
+    if directory is None:
+        raise UsageError("--chat: the model's tokenizer is bytes, which has no chat template "
+                         "(sample from a model with a Hugging Face tokenizer and template)")
+    try:
+        return ChatTemplate(directory)
+    except ValueError as e:
+        raise UsageError(f"--chat: {e}") from None
+
+
+def _conversations(config: GenerateConfig) -> list[list[dict]]:
+    """The conversations to reply to: ``--messages``' (a .json object or list, or a .jsonl
+    file of them), else each prompt as a user message; ``--system`` goes first in each
+    (replacing a system message there)."""
+    path = config.messages
+    try:
+        if path is None:
+            chats = [[{"role": "user", "content": text}]
+                     for text in [config.prompt, *config.prompts]]
+        elif not Path(path).is_file():
+            raise UsageError(f"--messages {path}: no such file (or not a regular file)")
+        elif path.endswith(".jsonl"):
+            chats = [messages for _, messages in chat_records(path, "--messages")]
+            if not chats:
+                raise UsageError(f"--messages {path}: no conversation in the file")
+        else:
+            record = read_json(path)
+            record = {"messages": record} if isinstance(record, list) else record
+            chats = [chat_messages(record, f"--messages {path}")]
+    except UsageError:
+        raise
+    except ValueError as e:
+        raise UsageError(str(e) if str(e).startswith("--messages") else
+                         f"--messages {e}") from None
+    if config.system is not None:
+        system = {"role": "system", "content": config.system}
+        chats = [[system, *(c[1:] if c[0].get("role") == "system" else c)] for c in chats]
+    return chats

@@ -60,9 +60,9 @@ class Tokenizer:
         """Token ids of each text, without special tokens."""
         raise NotImplementedError
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids`` (special tokens of a Hugging Face tokenizer left out); invalid UTF-8
-        becomes U+FFFD."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (special tokens of a Hugging Face tokenizer left out unless
+        ``skip_special_tokens`` is False); invalid UTF-8 becomes U+FFFD."""
         raise NotImplementedError
 
     def encode(self, text: str | bytes) -> list[int]:
@@ -130,7 +130,7 @@ class ByteTokenizer(Tokenizer):
         return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), np.uint8)
                 for t in texts]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
     def special_tokens(self) -> dict[str, tuple[str, int]]:
@@ -228,8 +228,8 @@ class HFTokenizer(Tokenizer):
         dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
         return [np.asarray(e.ids, dtype) for e in encode(texts, add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: str | Path) -> None:
         directory = Path(directory)
