@@ -534,7 +534,7 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
     _usage(math.isfinite(config.top_p) and 0 < config.top_p <= 1,
            f"--top-p {config.top_p}: must be in (0, 1] (1: no limit)")
     if config.messages is not None:
-        config.chat = True
+        config = dataclasses.replace(config, chat=True)
         _usage(not (config.prompt or config.prompts),
                "--messages replaces --prompt / --prompts: give one or the other")
         _usage(Path(config.messages).suffix in (".json", ".jsonl"),
