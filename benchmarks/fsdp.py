@@ -34,6 +34,7 @@ from _common import (
     real_train_state,
 )
 
+from shardax import layout
 from shardax.train.step import train_step
 
 MODEL = "llama-small"
@@ -74,8 +75,8 @@ def _step(mesh, rules, graphdef, tx, mode, grad_accum):
 def _setup(preset, mesh_text, overrides):
     config = llama_config(MODEL, FP32, scan_layers=True, **overrides)
     mesh = MeshShardingHelper.from_string(mesh_text)
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
     return config, mesh, rules
 
 

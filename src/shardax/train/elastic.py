@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardax.models.axes import BATCH_AXES
+from shardax.layout.axes import BATCH_AXES
 from shardax.train.config import TrainConfig, UsageError, parse_mesh
 
 __all__ = ["refit", "resolve_sizes"]

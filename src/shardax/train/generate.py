@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from shardax import hf, models
+from shardax import hf, layout
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
 from shardax.models.lora import merge_lora
@@ -92,7 +92,7 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
         directory = hf_dir(config.source, "--from")
         mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
         try:  # the model first: a damaged directory is one error line, no note before it
-            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
+            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(layout.PRESETS["dp"]),
                                   attention=config.attention or "auto")
             found = has_tokenizer(directory)
             if not found:
