@@ -38,6 +38,7 @@ from _common import (
 
 from shardax import layout
 from shardax.hlo import hlo_collectives
+from shardax.layout import Layout
 from shardax.parallel import tp_mlp
 from shardax.train.step import TrainState, eval_loss
 
@@ -98,6 +99,8 @@ def _group(path: str) -> str:
 
 def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
     """Plans one train step; returns the numbers both tables need."""
+    overrides = dict(overrides)
+    lay = Layout(pp_microbatches=overrides.pop("pp_microbatches", 1))
     config = llama_config(MODEL, policy, **overrides)
     tx = adamw()
     graphdef, state = abstract_train_state(config, tx)
@@ -105,7 +108,8 @@ def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
     # resolve() adds the parallel axes (layers -> pp) as `shardax train` does.
     rules = LogicalAxisRules(layout.presets.resolve(
         layout.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
-    plan = llama_step(mesh, rules, graphdef, tx, policy).plan(state, batch_shape(BATCH, SEQ))
+    plan = llama_step(mesh, rules, graphdef, tx, policy, layout=lay).plan(
+        state, batch_shape(BATCH, SEQ))
 
     psi = models.param_count(config)
     psi_layers = psi - models.param_count(dataclasses.replace(config, n_layers=0))
