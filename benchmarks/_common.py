@@ -130,11 +130,14 @@ def llama_step(
     tx: Any,
     policy: Policy,
     donate: bool = False,
+    layout: Any = None,
 ):
-    """The library's train step under ``mesh.sjit`` with one logical rule set for the state."""
+    """The library's train step under ``mesh.sjit`` with one logical rule set for the state
+    (``layout``: a `shardax.layout.Layout`, default the plain one)."""
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     return mesh.sjit(
-        partial(train_step, graphdef=graphdef, tx=tx, policy=policy),
+        partial(train_step, graphdef=graphdef, tx=tx, policy=policy,
+                **({} if layout is None else {"layout": layout})),
         in_shardings=(rules, batch_spec),
         out_shardings=(rules, None),
         **({"donate_argnums": 0} if donate else {}),

@@ -23,6 +23,8 @@ from _common import (
     models,
 )
 
+from shardax import layout
+
 DEPTHS = (2, 32)
 GOAL = 1.5  # scanned: 32 layers may cost at most 1.5x the 2-layer compile
 REPEATS = 2  # fresh builds per cell; the one with least CPU time is kept (interference only adds)
@@ -34,7 +36,7 @@ def measure(n_layers: int, scan: bool) -> dict[str, Any]:
     config = llama_config("llama-tiny", policy, n_layers=n_layers, scan_layers=scan)
     graphdef, state = abstract_train_state(config, tx)
     mesh = MeshShardingHelper.from_string("fsdp=-1")
-    step = llama_step(mesh, LogicalAxisRules(models.PRESETS["fsdp"]), graphdef, tx, policy)
+    step = llama_step(mesh, LogicalAxisRules(layout.PRESETS["fsdp"]), graphdef, tx, policy)
     start, cpu = time.perf_counter(), time.process_time()
     lowered = step.lower(state, batch_shape(8, 64))
     lower, lower_cpu = time.perf_counter() - start, time.process_time() - cpu

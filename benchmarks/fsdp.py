@@ -34,6 +34,8 @@ from _common import (
     real_train_state,
 )
 
+from shardax import layout
+from shardax.layout import Layout
 from shardax.train.step import train_step
 
 MODEL = "llama-small"
@@ -54,28 +56,30 @@ CASES = [
     # Explicit FSDP composed with the other axes (the formula and the bytes theory add each
     # axis' own memory and traffic: `formula`, `theory`).
     ("fsdp x cp explicit", "fsdp", "fsdp=4,cp=2", "explicit", {}, 1),
-    ("fsdp x pp explicit", "fsdp", "fsdp=4,pp=2", "explicit", {"pp_microbatches": 2}, 1),
+    ("fsdp x pp explicit", "fsdp", "fsdp=4,pp=2", "explicit", {}, 1),
     ("fsdp x ep explicit (MoE, 4 experts)", "fsdp", "fsdp=4,ep=2", "explicit",
      {"n_experts": 4, "top_k": 2}, 1),
 ]
 COMPOSED = ("pp", "cp", "ep")
+MICROBATCHES = 2  # the pipeline's microbatches on a 'pp' mesh
 DEPTHS = (2, 8, 32)
 ROUNDS = 3  # a llama-small step takes ~10-20 s on 2 shared cores
 
 
 def _step(mesh, rules, graphdef, tx, mode, grad_accum):
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
+    micro = MICROBATCHES if mesh.shape.get("pp", 1) > 1 else 1
     return mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, policy=FP32, grad_accum=grad_accum,
-                param_rules=rules, fsdp_mode=mode),
+                param_rules=rules, layout=Layout(fsdp_mode=mode, pp_microbatches=micro)),
         in_shardings=(rules, batch_spec), out_shardings=(rules, None))
 
 
 def _setup(preset, mesh_text, overrides):
     config = llama_config(MODEL, FP32, scan_layers=True, **overrides)
     mesh = MeshShardingHelper.from_string(mesh_text)
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
     return config, mesh, rules
 
 
@@ -146,7 +150,7 @@ def _composed_formula(c: Any, batch: int, seq: int, shape: dict[str, int]) -> di
         mlp = 3 * slots * c.mlp_dim + 4 * slots * c.dim + 2 * b * s * c.n_experts * _capacity(c, s)
     else:
         mlp = 3 * b * s * c.mlp_dim
-    m = c.pp_microbatches if pp > 1 else 1
+    m = MICROBATCHES if pp > 1 else 1
     saved = c.n_layers / pp * b * s * c.dim * (m + pp - 1) / m  # a layer input per step
     act = 4 * (saved + 6 * b * s * c.dim + mlp + 2 * b * c.n_heads * s * s
                + 2 * b * s * c.vocab_size)
@@ -169,7 +173,7 @@ def theory(config: Any, mesh_shape: dict[str, int], grad_accum: int = 1, batch: 
     layer, experts = _layer_sizes(c)
     rest = psi - c.n_layers * layer
     one = layer - experts + experts / ep
-    m = c.pp_microbatches if pp > 1 else 1
+    m = MICROBATCHES if pp > 1 else 1
     steps = m + pp - 1 if pp > 1 else 1  # every pipeline step gathers its stage's layers
     moved = 4 * grad_accum * (rest + steps * c.n_layers / pp * one)
     out = {"all-gather": 2 * moved, "reduce-scatter": moved}

@@ -60,7 +60,7 @@ def main() -> None:
 
     from flax import nnx
 
-    from shardax import models
+    from shardax import layout, models
     from shardax.devices import device_spec
     from shardax.mesh import MeshShardingHelper
     from shardax.precision import Policy
@@ -77,7 +77,7 @@ def main() -> None:
         scan_layers=not args.no_scan,
         max_seq_len=max(args.seq_len, models.CONFIGS[args.model].max_seq_len))
     mesh = MeshShardingHelper.from_string(args.mesh)
-    rules = LogicalAxisRules(models.PRESETS[args.rules])
+    rules = LogicalAxisRules(layout.PRESETS[args.rules])
     batch = args.batch_per_device * len(devices)
     tx = make_optimizer("adamw", 3e-4, args.steps + args.warmup, warmup=1)
 

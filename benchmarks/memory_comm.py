@@ -36,7 +36,9 @@ from _common import (
     models,
 )
 
+from shardax import layout
 from shardax.hlo import hlo_collectives
+from shardax.layout import Layout
 from shardax.parallel import tp_mlp
 from shardax.train.step import TrainState, eval_loss
 
@@ -97,14 +99,17 @@ def _group(path: str) -> str:
 
 def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
     """Plans one train step; returns the numbers both tables need."""
+    overrides = dict(overrides)
+    lay = Layout(pp_microbatches=overrides.pop("pp_microbatches", 1))
     config = llama_config(MODEL, policy, **overrides)
     tx = adamw()
     graphdef, state = abstract_train_state(config, tx)
     mesh = MeshShardingHelper.from_string(mesh_text)
     # resolve() adds the parallel axes (layers -> pp) as `shardax train` does.
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
-    plan = llama_step(mesh, rules, graphdef, tx, policy).plan(state, batch_shape(BATCH, SEQ))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS[preset], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
+    plan = llama_step(mesh, rules, graphdef, tx, policy, layout=lay).plan(
+        state, batch_shape(BATCH, SEQ))
 
     psi = models.param_count(config)
     psi_layers = psi - models.param_count(dataclasses.replace(config, n_layers=0))
@@ -146,7 +151,7 @@ def tp_forward() -> dict[str, Any]:
     config = llama_config(MODEL, FP32)
     graphdef, state = abstract_train_state(config, adamw())
     mesh = MeshShardingHelper.from_string("dp=2,tp=4")
-    rules = LogicalAxisRules(models.PRESETS["tp"])
+    rules = LogicalAxisRules(layout.PRESETS["tp"])
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     loss = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=FP32),
                      in_shardings=(rules, batch_spec))

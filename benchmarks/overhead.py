@@ -31,6 +31,7 @@ from _common import (
 )
 from jax.sharding import NamedSharding
 
+from shardax import layout
 from shardax.rules import FSDPShardingRule
 
 GOALS = {4: 1.05, 256: 1.02}  # sjit / jax.jit per leaf count (issue 13)
@@ -87,7 +88,7 @@ def first_call(repeats: int = 3) -> dict[str, Any]:
     graphdef, state = abstract_train_state(config, tx)
     batch = batch_shape(16, 128)
     mesh = MeshShardingHelper.from_string("fsdp=-1")
-    rules = LogicalAxisRules(models.PRESETS["fsdp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp"])
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     times: dict[str, list[float]] = {k: [] for k in
                                       ("rules", "sjit_lower", "jit_lower", "compile")}

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from shardax import models  # noqa: E402
+from shardax import layout, models  # noqa: E402
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper, TreePathShardingRule  # noqa: E402
 from shardax.sharding import PartitionSpec as P  # noqa: E402
 from shardax.train.data import TokenBatches, default_corpus, load_bytes  # noqa: E402
@@ -55,7 +55,7 @@ def main():
     state = mesh.sjit(lambda: init_state(create, tx)[1], out_shardings=RULES)()
     # The model names its activations ('batch', 'length', 'embed'...); these rules say the
     # batch is split over 'fsdp' and the rest is whole, so XLA gathers weights, not activations.
-    activations = LogicalAxisRules(models.PRESETS["fsdp"])
+    activations = LogicalAxisRules(layout.PRESETS["fsdp"])
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx),
                      in_shardings=(RULES, P("fsdp")), out_shardings=(RULES, None),
                      logical_axis_rules=activations, donate_argnums=0)

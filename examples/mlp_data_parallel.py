@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from shardax import models  # noqa: E402
+from shardax import layout, models  # noqa: E402
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper  # noqa: E402
 from shardax.train.data import default_corpus, load_bytes  # noqa: E402
 
@@ -70,7 +70,7 @@ def main():
           f"of Python stdlib source")
 
     mesh = MeshShardingHelper([-1], ["dp"])
-    rules = LogicalAxisRules(models.PRESETS["dp"])  # 'batch' -> ('dp', 'fsdp'); params: replicated
+    rules = LogicalAxisRules(layout.PRESETS["dp"])  # 'batch' -> ('dp', 'fsdp'); params: replicated
     batch_spec = rules.spec_for(("batch",), mesh.mesh)
 
     def create():

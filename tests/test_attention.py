@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as PS
 
 from shardax import models
 from shardax.hf import config_from_hf, config_to_hf
+from shardax.layout import PRESETS
 from shardax.logical import use_logical_rules
-from shardax.models import PRESETS
 from shardax.models import attention as attn
 from shardax.models import loss as loss_mod
 from shardax.models._layers import cross_entropy
@@ -163,6 +163,7 @@ def test_sharded_matches_one_device(mesh_name, impl):
 
 def test_ring_load_balanced_with_window_and_segments():
     """The model's cp path: q, k, v and segment ids in load_balance order."""
+    from shardax.layout.forward import ring_attend
     from shardax.parallel import load_balance, unload_balance
 
     q, k, v, ct = _qkv(b=2, s=32)
@@ -173,8 +174,8 @@ def test_ring_load_balanced_with_window_and_segments():
 
     def run(q, k, v, ct, segs):
         lb = lambda x: load_balance(x, 4)
-        f = lambda q, k, v: attn.attention(q, k, v, window=11, segment_ids=lb(segs),
-                                           load_balanced=True, block_size=4)
+        f = lambda q, k, v: ring_attend(True)(q, k, v, window=11, segment_ids=lb(segs),
+                                              block_size=4)
         out, vjp = jax.vjp(f, lb(q), lb(k), lb(v))
         return tuple(unload_balance(x, 4) for x in (out, *vjp(lb(ct))))
 
@@ -473,6 +474,7 @@ def test_packed_documents_equal_unpacked(name):
 def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
     """Packed llama training_loss (segment ids) on a pipeline / context-parallel mesh: loss
     and gradients as on one device."""
+    from shardax.layout import Layout, forward
     from shardax.parallel import load_balance
 
     tokens, positions, segs, _ = _packed()
@@ -482,8 +484,8 @@ def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
 
     def loss(p, t, pos, s, balanced=False):
         m = nnx.merge(graphdef, p)
-        return m.training_loss(t[:, :-1], t[:, 1:], pos[:, :-1], segment_ids=s[:, :-1],
-                               load_balanced=balanced)[0]
+        return forward.training_loss(m, Layout(), t[:, :-1], t[:, 1:], pos[:, :-1],
+                                     segment_ids=s[:, :-1], load_balanced=balanced)[0]
 
     ref = jax.jit(jax.value_and_grad(loss))(params, tokens, positions, segs)
     if mesh_name == "pp":
@@ -499,8 +501,9 @@ def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
         def balanced(p, t, pos, s):
             lb = lambda x: load_balance(x, 2)
             m = nnx.merge(graphdef, p)
-            return m.training_loss(lb(t[:, :-1]), lb(t[:, 1:]), lb(pos[:, :-1]),
-                                   segment_ids=lb(s[:, :-1]), load_balanced=True)[0]
+            return forward.training_loss(m, Layout(), lb(t[:, :-1]), lb(t[:, 1:]),
+                                         lb(pos[:, :-1]), segment_ids=lb(s[:, :-1]),
+                                         load_balanced=True)[0]
 
         with jax.set_mesh(mesh):
             got = jax.jit(jax.value_and_grad(balanced))(params, t, pos, s)

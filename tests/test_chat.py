@@ -18,7 +18,7 @@ from _cli import run_cli
 from _reference import documents_alone_loss, init_train_state
 from test_pack import _KEEP_GRADS, CONFIG, _assert_matches
 
-from shardax import models
+from shardax import layout
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train.chat_data import ChatBatches, ChatRows, chat_val_batches, pack_chats
@@ -153,8 +153,8 @@ def test_chat_step_equals_per_conversation_on_one_device(reference, grad_accum):
 def test_chat_step_equals_per_conversation_sharded(reference, mesh_spec, fsdp_mode):
     graphdef, state, batch, loss, grads = reference
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads))
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=0,
                              param_rules=rules, fsdp_mode=fsdp_mode),

@@ -20,7 +20,7 @@ import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 from jax.sharding import AxisType, NamedSharding
 
-from shardax import models
+from shardax import layout, models
 from shardax.logical import use_logical_rules
 from shardax.mesh import MeshShardingHelper
 from shardax.models import embedding
@@ -56,7 +56,7 @@ def test_lookup_equals_one_device_and_gathers_no_table(shape, names, preset):
     want_x = jnp.take(table, tokens, axis=0)
     want = jax.jit(jax.value_and_grad(f))(table, tokens)
     mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
-    rules = LogicalAxisRules(models.PRESETS[preset])
+    rules = LogicalAxisRules(layout.PRESETS[preset])
     with jax.set_mesh(mesh), use_logical_rules(rules):
         t = jax.device_put(table, NamedSharding(mesh, rules.spec_for(("vocab", "embed"))))
         tok = jax.device_put(tokens, NamedSharding(mesh, rules.spec_for(("batch", "length"))))
@@ -87,7 +87,7 @@ def test_llama_step_moves_no_table_and_equals_one_device(reference, mode, mesh_s
     """An untied llama, 5 SGD steps: no all-gather of the [vocab, dim] table in the step."""
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              fsdp_mode=mode),

@@ -19,7 +19,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 from shardax.frameworks import linen as linen_rules
-from shardax.models import PRESETS
+from shardax.layout import PRESETS
 from shardax.sharding import (
     FSDPShardingRule,
     LogicalAxisRules,

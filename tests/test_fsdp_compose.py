@@ -21,8 +21,9 @@ import optax
 import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 
-from shardax import models
+from shardax import layout, models
 from shardax.hlo import hlo_collectives
+from shardax.layout import Layout
 from shardax.mesh import MeshShardingHelper
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
@@ -34,8 +35,8 @@ STEPS = 5
 CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
 MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, scan_layers=True)
 # Circular, 2 virtual stages: each stage gathers its layers, moved between stages per trip.
-PIPED = dataclasses.replace(CONFIG, n_layers=4, pp_schedule="circular", pp_virtual_stages=2,
-                            pp_microbatches=2)
+PIPED = dataclasses.replace(CONFIG, n_layers=4)
+CIRCULAR = Layout(pp_schedule="circular", pp_virtual_stages=2, pp_microbatches=2)
 
 
 def _batches():
@@ -49,8 +50,6 @@ def references():
     runs = {}
 
     def get(config):
-        config = dataclasses.replace(config, pp_schedule="gpipe", pp_virtual_stages=1,
-                                     pp_microbatches=1)  # no pipeline on one device
         if config not in runs:
             runs[config] = train_one_device(config, optax.sgd(0.1), _batches())
         return runs[config]
@@ -58,14 +57,14 @@ def references():
     return get
 
 
-def _step(mesh_spec, config, grad_accum=1, recompute=True):
+def _step(mesh_spec, config, grad_accum=1, recompute=True, lay=None):
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.presets.resolve(models.PRESETS["fsdp_tp"], mesh.shape))
+    rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
     graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              fsdp_mode="explicit", grad_accum=grad_accum,
-                             fsdp_recompute=recompute),
+                             fsdp_recompute=recompute, layout=lay or Layout()),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     return step, state, mesh.mesh
 
@@ -90,14 +89,15 @@ def test_explicit_fsdp_with_tp_moves_parameters_over_fsdp_only(tied):
 
 
 # No accumulation with experts: the load-balancing loss of two microbatches is not the batch's.
-@pytest.mark.parametrize("mesh_spec,config,grad_accum", [("dp=2,fsdp=2,tp=2", CONFIG, 2),
-                                                         ("dp=2,fsdp=2,cp=2", CONFIG, 1),
-                                                         ("dp=2,fsdp=2,ep=2", MOE, 1),
-                                                         ("pp=2,fsdp=4", PIPED, 1)],
+@pytest.mark.parametrize("mesh_spec,config,grad_accum,lay",
+                         [("dp=2,fsdp=2,tp=2", CONFIG, 2, Layout()),
+                          ("dp=2,fsdp=2,cp=2", CONFIG, 1, Layout()),
+                          ("dp=2,fsdp=2,ep=2", MOE, 1, Layout()),
+                          ("pp=2,fsdp=4", PIPED, 1, CIRCULAR)],
                          ids=["tp", "cp", "ep", "pp"])
-def test_hsdp_composed_equals_one_device(references, mesh_spec, config, grad_accum):
+def test_hsdp_composed_equals_one_device(references, mesh_spec, config, grad_accum, lay):
     want = references(config)
-    step, state, _ = _step(mesh_spec, config, grad_accum=grad_accum)
+    step, state, _ = _step(mesh_spec, config, grad_accum=grad_accum, lay=lay)
     losses = []
     for batch in _batches():
         state, metrics = step(state, batch)

@@ -21,7 +21,7 @@ import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 from jax.sharding import PartitionSpec as P
 
-from shardax import models
+from shardax import layout, models
 from shardax.mesh import MeshShardingHelper
 from shardax.parallel import fsdp
 from shardax.rules import LogicalAxisRules
@@ -125,7 +125,7 @@ def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():
     tx = optax.sgd(0.1)
     want = train_one_device(config, tx, batches)
     mesh = MeshShardingHelper.from_string("fsdp=8")
-    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              fsdp_mode="explicit"),

@@ -29,6 +29,7 @@ from flax import nnx
 
 from shardax import hf, models
 from shardax.hf.files import SafetensorsFile, tensor_index
+from shardax.layout import Layout, forward
 from shardax.logical import use_logical_rules
 from shardax.models import decode
 from shardax.sharding import MeshShardingHelper
@@ -48,8 +49,9 @@ def reference(arch):
     return np.load(FIXTURES / arch / "reference.npz")
 
 
-def logits_of(model, tokens, mesh=None, rules=None):
-    fn = jax.jit(lambda m, t: m(t))
+def logits_of(model, tokens, mesh=None, rules=None, lay=None):
+    """The model's logits (under ``lay``, a `shardax.layout.Layout`, when given)."""
+    fn = jax.jit(lambda m, t: m(t) if lay is None else forward.logits(m, lay, t))
     if mesh is None:
         return np.asarray(fn(model, jnp.asarray(tokens)))
     with jax.set_mesh(mesh.mesh), use_logical_rules(rules):
@@ -130,10 +132,11 @@ def test_qk_norm_under_megatron_tensor_parallelism(arch):
     """tp_mode='sync' norms q and k per head inside the fused column-parallel QKV."""
     ref = reference(arch)
     mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
-    config = hf.load_config(FIXTURES / arch, tp_mode="sync")
+    config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
     model = nnx.merge(*hf.load_params(FIXTURES / arch, config, mesh, rules))
-    assert_logits_close(logits_of(model, ref["tokens"], mesh, rules), ref["logits"])
+    assert_logits_close(logits_of(model, ref["tokens"], mesh, rules, Layout(tp_mode="sync")),
+                        ref["logits"])
 
 
 def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
@@ -153,10 +156,11 @@ def test_qwen2_biases_under_megatron_tensor_parallelism(mesh_spec):
     'tp' (8) exceeds the 4 heads and they are repeated."""
     ref = reference("qwen2")
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    config = hf.load_config(FIXTURES / "qwen2", tp_mode="sync")
+    config = hf.load_config(FIXTURES / "qwen2")
     rules = hf.default_rules(config, mesh.mesh)
     model = nnx.merge(*hf.load_params(FIXTURES / "qwen2", config, mesh, rules))
-    assert_logits_close(logits_of(model, ref["tokens"], mesh, rules), ref["logits"])
+    assert_logits_close(logits_of(model, ref["tokens"], mesh, rules, Layout(tp_mode="sync")),
+                        ref["logits"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from shardax import models
+from shardax import layout, models
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper, match_specs
 from shardax.train.step import init_state
 
@@ -52,7 +52,7 @@ def reference():
 def fsdp_init():
     """The init compiled once for fsdp=8: (mesh, rules, compiled, state)."""
     mesh = MeshShardingHelper.from_string("fsdp=8")
-    rules = LogicalAxisRules(models.PRESETS["fsdp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp"])
     compiled = mesh.sjit(create, out_shardings=rules).lower().compile()
     return mesh, rules, compiled, compiled()
 
@@ -60,7 +60,7 @@ def fsdp_init():
 @pytest.mark.parametrize("mesh_spec", MESHES)
 def test_init_is_bit_identical_on_any_mesh(mesh_spec, reference, fsdp_init):
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.PRESETS[MESHES[mesh_spec]])
+    rules = LogicalAxisRules(layout.PRESETS[MESHES[mesh_spec]])
     if mesh_spec == "fsdp=8":
         mesh, rules, _, state = fsdp_init
     else:
@@ -76,7 +76,7 @@ def test_scan_layout_init_is_bit_identical_too(reference):
     the same numbers as the list layout, layer for layer."""
     cfg = dataclasses.replace(CFG, scan_layers=True)
     mesh = MeshShardingHelper.from_string("dp=2,fsdp=2,tp=2")
-    rules = LogicalAxisRules([("layers", "dp"), *models.PRESETS["fsdp_tp"]])
+    rules = LogicalAxisRules([("layers", "dp"), *layout.PRESETS["fsdp_tp"]])
     state = mesh.sjit(lambda: create(cfg), out_shardings=rules)()
     w_up = state["layers"]["mlp"]["w_up"]
     assert w_up.get_metadata("out_sharding") == ("layers", "embed", "mlp")

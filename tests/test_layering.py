@@ -1,8 +1,10 @@
 """The core is layered: no import cycles anywhere in ``src/shardax`` (module level and inside
-functions alike), and ``shardax.parallel`` needs nothing from shardax but ``_compat``."""
+functions alike), ``shardax.parallel`` needs nothing from shardax but ``_compat``, and the
+models are architectures only (no schedule, layout or training import, no mesh-axis name)."""
 
 import ast
 import pathlib
+import re
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
@@ -160,3 +162,64 @@ def test_errors_are_a_bottom_module():
     assert graph["shardax.errors"] == set()
     for module in ("shardax.plan.topology", "shardax.plan.verify"):
         assert not any(m.startswith("shardax.train") for m in graph[module]), module
+
+
+# What a model may use of shardax.parallel: kernels and remat, no schedule (pipeline, 1f1b,
+# FSDP, tensor, context, expert): the layout applies those from outside (shardax.layout).
+MODEL_MAY_USE = {"shardax.parallel.attention_kernel", "shardax.parallel.moe_kernel",
+                 "shardax.parallel.remat"}
+
+
+def _model_layout_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of a module under shardax.models that reach into the layout: the training
+    wing, the layout package, or a shardax.parallel module other than `MODEL_MAY_USE` (the
+    package itself included: it imports every schedule)."""
+    return sorted(
+        (module, target)
+        for module, targets in graph.items() if module.startswith("shardax.models")
+        for target in targets
+        if target.startswith(("shardax.train", "shardax.layout"))
+        or (target.startswith("shardax.parallel") and target not in MODEL_MAY_USE))
+
+
+def test_models_import_no_schedule_layout_or_training():
+    bad = _model_layout_imports(_graph())
+    assert not bad, f"shardax.models reaches into the layout: {bad}"
+
+
+def test_the_model_import_check_can_fail():
+    graph = {"shardax.models.x": {"shardax.parallel.pipeline", "shardax.parallel.remat"},
+             "shardax.models.y": {"shardax.train.step", "shardax.parallel"},
+             "shardax.layout.forward": {"shardax.parallel.pipeline"}}
+    assert _model_layout_imports(graph) == [("shardax.models.x", "shardax.parallel.pipeline"),
+                                            ("shardax.models.y", "shardax.parallel"),
+                                            ("shardax.models.y", "shardax.train.step")]
+
+
+# What only the layout may name: the mesh axes (as string literals), axis sizes, the pipeline
+# schedules and the FSDP modes.
+MESH_AXIS_NAMES = {"dp", "fsdp", "tp", "pp", "cp", "ep"}
+LAYOUT_WORDS = re.compile(r"\baxis_size\b|1f1b|gpipe|circular|fsdp_mode|\bfsdp_recompute\b")
+
+
+def _layout_words(text: str) -> list[str]:
+    """What of ``text`` (Python source) names the layout: string literals equal to a mesh axis,
+    and lines with an axis-size call, a schedule or an FSDP mode."""
+    found = [repr(node.value) for node in ast.walk(ast.parse(text))
+             if isinstance(node, ast.Constant) and node.value in MESH_AXIS_NAMES]
+    return found + [line.strip() for line in text.splitlines() if LAYOUT_WORDS.search(line)]
+
+
+def test_model_files_name_no_mesh_axis_schedule_or_fsdp_mode():
+    """The architecture does not know how it runs: no model file names a mesh axis, asks an
+    axis size, or names a pipeline schedule or FSDP mode (shardax.layout does)."""
+    found = {str(p.relative_to(SRC)): words for p in sorted((SRC / "shardax" / "models").rglob(
+        "*.py")) if (words := _layout_words(p.read_text()))}
+    assert not found, found
+
+
+def test_the_layout_word_check_can_fail():
+    text = ('x = 1\nif axis_size("pp") > 1:\n    mesh.get("tp")\nschedule = "gpipe"\n'
+            'ok = "tpu", "a \'tp\' axis"\n')
+    assert _layout_words(text) == ["'pp'", "'tp'", 'if axis_size("pp") > 1:',
+                                   'schedule = "gpipe"']

@@ -21,7 +21,7 @@ import pytest
 from _cli import run_cli
 from flax import nnx
 
-from shardax import hf, models
+from shardax import hf, layout, models
 from shardax.hf.files import SafetensorsFile
 from shardax.hf.peft import save_adapters
 from shardax.mesh import MeshShardingHelper
@@ -171,8 +171,8 @@ def test_lora_step_with_stacked_layers(lora_state):
 def test_lora_step_sharded_equals_one_device(lora_state):
     config, graphdef, state, batch, want, loss = lora_state
     mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS["fsdp_tp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS["fsdp_tp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, param_rules=rules),
                      in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
                      out_shardings=(rules, None))

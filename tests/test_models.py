@@ -14,10 +14,10 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from shardax import models
+from shardax.layout import PRESETS
 from shardax.models import (
     GPT2,
     MLP,
-    PRESETS,
     Llama,
     constrain,
     cross_entropy,

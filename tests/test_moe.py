@@ -16,7 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
-from shardax import models
+from shardax import layout, models
 from shardax.logical import use_logical_rules
 from shardax.models.moe import DroplessMoE, route
 from shardax.rules import LogicalAxisRules
@@ -93,8 +93,8 @@ def test_training_on_ep_fsdp_mesh_equals_one_device():
 
     want_losses, want = train()
     mesh = MeshShardingHelper.from_string("ep=2,fsdp=4")
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS["fsdp"], dict(mesh.mesh.shape), heads=cfg.n_heads, kv_heads=cfg.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS["fsdp"], dict(mesh.mesh.shape), heads=cfg.n_heads, kv_heads=cfg.n_kv_heads))
     losses, got = train(mesh, rules)
     np.testing.assert_allclose(losses, want_losses, **TOL)
     assert want_losses[-1] < want_losses[0]

@@ -14,7 +14,7 @@ from _reference import GuideMLP
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from shardax.models import PRESETS
+from shardax.layout import PRESETS
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper
 
 RULES = LogicalAxisRules(PRESETS["fsdp_tp"])

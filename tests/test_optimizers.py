@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 
-from shardax import frameworks, models
+from shardax import frameworks, layout, models
 from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
@@ -45,8 +45,8 @@ def test_sharded_optimizer_state_follows_the_params_and_trains_like_one_device(
     want = train_one_device(CONFIG, tx, batches)
 
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads,
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads,
         sequence_parallel=False))
     graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,

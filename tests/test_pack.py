@@ -20,7 +20,7 @@ import pytest
 from _reference import TINY_TRAIN, documents_alone_loss, init_train_state
 from flax import nnx
 
-from shardax import models
+from shardax import layout, models
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train.generate import generate
@@ -122,8 +122,8 @@ def test_packed_step_equals_per_document_on_one_device(reference, grad_accum):
 def test_packed_step_equals_per_document_sharded(reference, mesh_spec, fsdp_mode):
     graphdef, state, rows, loss, grads = reference
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads))
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=END,
                              param_rules=rules, fsdp_mode=fsdp_mode),
@@ -195,14 +195,14 @@ def test_packed_pipeline_loss_equals_per_document(reference, schedule):
     """Under a 'pp' pipeline (2 microbatches) the segment ids travel with each microbatch and
     the loss weights keep the mean over the whole batch: the per-document loss."""
     _, _, rows, loss, _ = reference
-    config = dataclasses.replace(CONFIG, scan_layers=True, pp_schedule=schedule,
-                                 pp_microbatches=2)
+    config = dataclasses.replace(CONFIG, scan_layers=True)
     mesh = MeshShardingHelper.from_string("pp=2,fsdp=4")
-    rules = LogicalAxisRules(models.presets.resolve(
-        models.PRESETS["fsdp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
+    rules = LogicalAxisRules(layout.presets.resolve(
+        layout.PRESETS["fsdp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
     graphdef, state = init_train_state(config, _KEEP_GRADS)  # the same numbers, stacked
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=END,
-                             param_rules=rules),
+                             param_rules=rules,
+                             layout=layout.Layout(pp_schedule=schedule, pp_microbatches=2)),
                      in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
                      out_shardings=(rules, None))
     _, metrics = step(state, (jnp.asarray(rows[:, :-1]), jnp.asarray(rows[:, 1:])))

@@ -23,7 +23,7 @@ import pytest
 from _reference import assert_trained_alike, init_train_state, train_one_device
 from jax.sharding import PartitionSpec as P
 
-from shardax import models
+from shardax import layout, models
 from shardax.cli import main
 from shardax.hlo import hlo_collectives
 from shardax.mesh import MeshShardingHelper
@@ -60,7 +60,7 @@ def reference():
 
 def _sharded_step(mesh_spec, tx, grad_accum):
     mesh = MeshShardingHelper.from_string(mesh_spec)
-    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=grad_accum,

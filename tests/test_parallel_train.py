@@ -16,7 +16,7 @@ import pytest
 from _reference import TINY_TRAIN, train_one_device
 from flax import nnx
 
-from shardax import models
+from shardax import layout, models
 from shardax.cli import main
 from shardax.jit import ShardedFunction
 from shardax.train.loop import TrainConfig, prepare, train
@@ -231,22 +231,29 @@ def test_sync_tensor_parallel_block_is_megatron():
     more backward (the gradients of the column-parallel inputs)."""
     from jax.sharding import AxisType
 
+    from shardax.layout.blocks import llama_block
+    from shardax.models.attention import attention
     from shardax.models.llama import Block, rope_tables
     from shardax.rules import LogicalAxisRules
 
-    cfg = models.get_config("llama-tiny", tp_mode="sync")
+    cfg = models.get_config("llama-tiny")
     block = Block(cfg, nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (8, 16, cfg.dim))
     cos, sin = rope_tables(jnp.broadcast_to(jnp.arange(16), (8, 16)), cfg.head_dim, 1e4)
 
-    def loss(block, x):
+    def plain(block, x):
         y, _ = block(x, cos, sin)
         return jnp.sum(jnp.sin(y))
 
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    def loss(block, x):
+        y, _ = llama_block(block, x, {"cos": cos, "sin": sin}, attention,
+                           layout.Layout(tp_mode="sync"))
+        return jnp.sum(jnp.sin(y))
+
+    grad = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))
     (want, (want_block, want_x)) = grad(block, x)
     mesh = jax.make_mesh((4, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     with jax.set_mesh(mesh), models.use_logical_rules(rules):
         fresh = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         got, (got_block, got_x) = fresh(block, x)
@@ -278,7 +285,7 @@ def test_sync_tensor_parallel_block_is_megatron():
     (["--mesh", "fsdp=4,cp=2", "--sequence-parallel"], "needs a 'tp' mesh axis"),
     (["--mesh", "fsdp=8", "--microbatches", "2"], "need a 'pp' mesh axis"),
     (["--mesh", "xy=8"], "unknown axes ['xy']"),
-    (["--model", "gpt2-tiny", "--mesh", "fsdp=4,tp=2", "--tp-mode", "sync"], "use a llama model"),
+    (["--model", "gpt2-tiny", "--mesh", "ep=2,fsdp=4"], "needs a mixture-of-experts model"),
 ])
 def test_bad_combinations_exit_2(flags, message, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "run"), "--batch-size", "8", *flags]) == 2
@@ -287,13 +294,14 @@ def test_bad_combinations_exit_2(flags, message, tmp_path, capsys):
 
 
 def test_check_mesh_and_presets():
-    cfg = models.get_config("llama-tiny", tp_mode="sync")
+    cfg = models.get_config("llama-tiny")
     with pytest.raises(ValueError, match="n_heads=4 and 'tp' size 3"):
-        models.check_mesh(cfg, {"tp": 3}, batch_size=8, seq_len=30)
-    rules = models.presets.resolve(models.PRESETS["fsdp_tp"], {"tp": 8}, heads=4, kv_heads=2)
+        layout.check_mesh(cfg, layout.Layout(tp_mode="sync"), {"tp": 3}, batch_size=8,
+                          seq_len=30)
+    rules = layout.presets.resolve(layout.PRESETS["fsdp_tp"], {"tp": 8}, heads=4, kv_heads=2)
     names = [name for name, _ in rules]
     assert "heads" not in names and "kv_heads" not in names
-    nd = models.presets.resolve(models.PRESETS["fsdp_tp"], {"tp": 2}, heads=4, kv_heads=2,
+    nd = layout.presets.resolve(layout.PRESETS["fsdp_tp"], {"tp": 2}, heads=4, kv_heads=2,
                                 sequence_parallel=True)
     from shardax.rules import LogicalAxisRules
 
@@ -311,13 +319,14 @@ def test_moe_cross_entropy_alone_is_refused_under_1f1b():
     """Under 1f1b the pipeline differentiates one scalar per microbatch, so an MoE model's
     separate (cross-entropy, aux) cannot both carry gradients: `loss` says to use
     `training_loss`, which returns the objective (differentiable) and the cross-entropy."""
-    config = models.get_config("llama-moe-tiny", pp_schedule="1f1b", pp_microbatches=2,
-                               scan_layers=True)
+    config = models.get_config("llama-moe-tiny", scan_layers=True)
+    lay = layout.Layout(pp_schedule="1f1b", pp_microbatches=2)
     mesh = jax.make_mesh((2, 4), ("pp", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = jnp.zeros((4, 16), jnp.int32)
     model = models.create(config, nnx.Rngs(0))
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match="use training_loss"):
-            jax.eval_shape(lambda: model.loss(tokens, tokens))
-        objective, ce = jax.eval_shape(lambda: model.training_loss(tokens, tokens))
+            jax.eval_shape(lambda: layout.forward.loss(model, lay, tokens, tokens))
+        objective, ce = jax.eval_shape(
+            lambda: layout.forward.training_loss(model, lay, tokens, tokens))
     assert objective.shape == ce.shape == ()

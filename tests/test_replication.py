@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import shardax
-from shardax.models import PRESETS
+from shardax.layout import PRESETS
 from shardax.rulecheck import rule_findings
 from shardax.sharding import (
     FSDPShardingRule,

@@ -25,7 +25,7 @@ from _cli import cli_command, cli_env, committed_steps
 from _reference import TINY_TRAIN, assert_trained_alike, init_train_state
 from flax import nnx
 
-from shardax import models
+from shardax import layout, models
 from shardax.cli import main
 from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
@@ -348,7 +348,7 @@ def test_sharded_grad_accumulation_equals_one_big_batch_on_one_device(sgd_refere
     # sharding; 8 rows on 4 data shards = 2 microbatches of one row per shard.
     tx, graphdef, state, batch, want = sgd_reference
     mesh = MeshShardingHelper.from_string(MESH_3D)
-    rules = LogicalAxisRules(models.PRESETS["fsdp_tp"])
+    rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=2, param_rules=rules),
         in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardax import models
+from shardax import layout, models
 from shardax._compat import make_mesh
 from shardax.hf.checks import check_tensors, read_config_json
 from shardax.hf.configs import config_from_hf
@@ -63,7 +63,7 @@ def default_rules(config: LlamaConfig | GPT2Config, mesh: jax.sharding.Mesh) -> 
     """The ``fsdp_tp`` preset fitted to ``mesh`` and the model's head counts."""
     heads = config.n_heads
     kv = getattr(config, "n_kv_heads", heads)
-    return LogicalAxisRules(models.presets.resolve(models.PRESETS["fsdp_tp"], dict(mesh.shape),
+    return LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], dict(mesh.shape),
                                                    heads=heads, kv_heads=kv))
 
 

@@ -1,4 +1,5 @@
-"""Reference models (Flax NNX) with logical axis names on every parameter and key activation.
+"""Reference models (Flax NNX) with logical axis names on every parameter and key activation:
+architectures only (how they run on a mesh is `shardax.layout`).
 
 Example::
 
@@ -28,14 +29,14 @@ from shardax.models.configs import (
     RopeScaling,
 )
 from shardax.models.gpt2 import GPT2
-from shardax.models.llama import Llama, check_mesh
+from shardax.models.llama import Llama
 from shardax.models.lora import add_lora
 from shardax.models.mlp import MLP
-from shardax.models.presets import PRESETS
+from shardax.models.protocol import LanguageModel
 
 __all__ = [
-    "CONFIGS", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "MLP", "PRESETS", "REMAT_POLICIES",
-    "RopeScaling", "check_mesh", "constrain", "create", "cross_entropy",
+    "CONFIGS", "GPT2", "GPT2Config", "LanguageModel", "Llama", "LlamaConfig", "MLP",
+    "REMAT_POLICIES", "RopeScaling", "constrain", "create", "cross_entropy",
     "current_logical_rules", "get_config", "param_count", "stack_states", "use_logical_rules",
 ]
 

@@ -14,9 +14,9 @@ Implementations (``implementation=``):
 * ``'auto'``: cudnn where it applies, else blockwise when the key length is at least
   ``BLOCKWISE_MIN_LEN`` (1024), else xla.
 
-On a mesh with a 'cp' axis larger than 1, every implementation runs as ring attention
-(``shardax.parallel.ring_attention``), whose ring steps use the blockwise kernel: context
-parallelism gets the same masks. Softmax statistics are float32; the result has q's dtype.
+Context parallelism is the layout's: `shardax.layout.forward` passes models ring attention
+(``shardax.parallel.ring_attention``, blockwise ring steps, the same masks) in place of this
+function on a 'cp' mesh. Softmax statistics are float32; the result has q's dtype.
 
 Example::
 
@@ -29,9 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from shardax.models.axes import CONTEXT_AXIS
 from shardax.parallel import attention_kernel as kernel
-from shardax.parallel import axis_size, ring_attention
 from shardax.parallel.attention_kernel import Spec, flash_attention
 
 __all__ = ["BLOCKWISE_MIN_LEN", "IMPLEMENTATIONS", "Spec", "attention", "flash_attention",
@@ -105,7 +103,6 @@ def attention(
     softcap: float | None = None,
     scale: float | None = None,
     implementation: str = "auto",
-    load_balanced: bool = False,
     block_size: int = 512,
 ) -> jax.Array:
     """Softmax attention of q [b, sq, heads, d] over k, v [b, sk, kv_heads, d] (kv_heads
@@ -120,7 +117,6 @@ def attention(
     zeros. ``softcap``: scores become ``softcap * tanh(s / softcap)`` after the ``scale``
     (default ``1/sqrt(d)``).
 
-    ``load_balanced``: on a 'cp' mesh, the sequence is in ``load_balance`` order.
     ``block_size``: the blockwise kernel's query and key block.
 
     Example::
@@ -133,14 +129,6 @@ def attention(
     if causal and sq != sk and not explicit:
         raise ValueError(f"causal attention of q{tuple(q.shape)} over k{tuple(k.shape)} needs "
                          "q_positions and kv_positions (the keys' and queries' sequence indices)")
-    if axis_size(CONTEXT_AXIS) > 1:
-        if kv_mask is not None:
-            raise ValueError("a kv_mask (decode padding) cannot run as ring attention over "
-                             "'cp'; decode without a 'cp' axis")
-        return ring_attention(q, k, v, causal=causal, load_balanced=load_balanced,
-                              window=window, segment_ids=segment_ids, q_positions=q_positions,
-                              kv_positions=kv_positions, softcap=softcap, scale=scale,
-                              block_size=block_size)
     custom = explicit or segment_ids is not None or kv_mask is not None
     impl = resolve_implementation(implementation, q, k, custom_mask=custom, softcap=softcap)
     spec = Spec(causal=causal, window=window, softcap=softcap, scale=scale,

@@ -17,13 +17,11 @@ from shardax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATION
 from shardax.models.ops import RopeScaling
 from shardax.models.remat import REMAT_POLICIES, check_remat
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "CONFIGS", "PP_SCHEDULES", "REMAT_POLICIES", "TP_MODES",
-           "GPT2Config", "LlamaConfig", "RopeScaling"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "CONFIGS", "REMAT_POLICIES", "GPT2Config", "LlamaConfig",
+           "RopeScaling"]
 
-TP_MODES = ("none", "sync", "async", "async_bidi")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_IMPLS = ("capacity", "dropless")
-PP_SCHEDULES = ("gpipe", "circular", "1f1b")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +31,10 @@ class LlamaConfig:
     ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``;
     ``remat`` is one of 'none', 'full', 'save_dots', 'offload' (a ``jax.checkpoint`` policy).
 
-    Parallelism (no effect without the matching mesh axis): ``tp_mode`` 'none' leaves tensor
-    parallelism to XLA and the rules, 'sync'/'async'/'async_bidi' use ``shardax.parallel``'s
-    column/row-parallel blocks; ``sequence_parallel`` needs one of those (the async modes
-    imply it). ``pp_*``: pipeline schedule, microbatches and virtual stages over 'pp' (needs
-    ``scan_layers``). ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with
-    ``mlp_dim`` hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
+    How the model runs on a mesh (tensor, pipeline, context parallelism, explicit FSDP) is
+    not here: it is a `shardax.layout.Layout`. ``n_experts > 0`` makes every MLP a
+    top-``top_k`` mixture of experts with ``mlp_dim`` hidden units per expert;
+    ``moe_aux_weight`` weighs its load-balancing loss.
 
     ``rope_scaling`` is Llama-3's frequency scaling, ``qkv_bias`` adds q/k/v biases (Qwen2),
     ``sliding_window`` limits attention to that many positions back (Mistral).
@@ -83,11 +79,6 @@ class LlamaConfig:
     dtype: Any = jnp.float32
     scan_layers: bool = False
     remat: str = "none"
-    tp_mode: str = "none"
-    sequence_parallel: bool = False
-    pp_schedule: str = "gpipe"
-    pp_microbatches: int = 1
-    pp_virtual_stages: int = 1
     n_experts: int = 0
     top_k: int = 2
     capacity_factor: float = 1.25
@@ -136,21 +127,6 @@ class LlamaConfig:
         _check_attention(self.attention)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
-        if self.tp_mode not in TP_MODES:
-            raise ValueError(f"tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
-        if self.sequence_parallel and self.tp_mode == "none":
-            raise ValueError("sequence_parallel needs explicit tensor parallelism: "
-                             "tp_mode 'sync', 'async' or 'async_bidi'")
-        if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"pp_schedule must be one of {PP_SCHEDULES}, got "
-                             f"{self.pp_schedule!r}")
-        if self.pp_microbatches < 1 or self.pp_virtual_stages < 1:
-            raise ValueError(f"pp_microbatches={self.pp_microbatches} and pp_virtual_stages="
-                             f"{self.pp_virtual_stages} must be >= 1")
-        if self.pp_schedule != "circular" and self.pp_virtual_stages != 1:
-            raise ValueError(f"pp_virtual_stages={self.pp_virtual_stages} needs "
-                             f"pp_schedule='circular' ({self.pp_schedule} has one stage per "
-                             "device)")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
             raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
                              "in [1, n_experts]")
@@ -205,11 +181,6 @@ class LlamaConfig:
         if self.qkv_bias:
             return "qwen2"
         return "mistral" if self.sliding_window is not None else "llama"
-
-    @property
-    def sp(self) -> bool:
-        """Sequence-parallel activations: asked for, or implied by an async TP mode."""
-        return self.sequence_parallel or self.tp_mode.startswith("async")
 
 
 def _check_attention(name: str) -> None:

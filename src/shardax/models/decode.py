@@ -94,16 +94,13 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
     keys = jnp.arange(length)
     masks = dict(q_positions=slots, kv_positions=keys, kv_mask=keys[None, :] >= start[:, None])
     llama = isinstance(model, Llama)
-    if llama:
-        x, cos, sin = model._embed(tokens, positions)
-    else:
-        x = model._embed(tokens, positions)
+    x, extras = model.embed_inputs(tokens, positions)
     ks, vs = [], []
     for i, layer in enumerate(_layers(model)):
         h = layer.attn_norm(x) if llama else layer.ln_1(x)
         q, k, v = layer.attn.qkv(h)
         if llama:
-            q, k = layer.attn.rope(q, k, cos, sin)
+            q, k = layer.attn.rope(q, k, extras["cos"], extras["sin"])
         kc = jax.lax.dynamic_update_slice(cache.k[i], k.astype(cache.k.dtype), (0, index, 0, 0))
         vc = jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v.dtype), (0, index, 0, 0))
         ks.append(kc)
@@ -116,7 +113,7 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
             x = constrain(x + layer.attn.out(out), ("batch", "length", "embed"))
             x = x + layer.mlp(layer.ln_2(x))
         x = constrain(x, ("batch", "length", "embed"))
-    logits = model._head(x, *model._head_params()) if llama else model._head(x)
+    logits = model.head(x, *model.head_params())
     new = KVCache(constrain(jnp.stack(ks), _CACHE_NAMES), constrain(jnp.stack(vs), _CACHE_NAMES))
     return logits, new
 

@@ -50,7 +50,7 @@ def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
     rules, mesh = current_logical_rules(), _compat.abstract_mesh()
     if rules is None or mesh is None or mesh.empty or tokens.ndim != 2:
         return jnp.take(table, tokens, axis=0)
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    sizes = dict(mesh.shape)
     if set(mesh.manual_axes):  # nested manual regions do not differentiate in JAX 0.10
         return jnp.take(table, tokens, axis=0)
     rows, cols = _fit(rules.spec_for(TABLE_NAMES), table.shape, sizes)
@@ -88,12 +88,12 @@ def lookup_manual(table: jax.Array, tokens: jax.Array, axis: str, dim: int | Non
 
     Example::
 
-        x = lookup_manual(gather.local(params["embed"]), tokens, "fsdp", 1)
+        x = lookup_manual(gather.local(params["embed"]), tokens, axis, 1)   # columns split
     """
     if dim is None:
         return jnp.take(table, tokens, axis=0)
     mesh = _compat.abstract_mesh()
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    sizes = dict(mesh.shape)
     rows, cols = ((axis,), ()) if dim == 0 else ((), (axis,))
     return _local_lookup(table, tokens, rows, cols, {axis: 0}, sizes)
 

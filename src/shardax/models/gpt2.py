@@ -1,6 +1,7 @@
 """GPT-2 (learned positions, LayerNorm, GELU MLP, tied embeddings) in Flax NNX.
 
-Same logical axis names as the Llama model, plus biases named after their output dim.
+Same logical axis names as the Llama model, plus biases named after their output dim; the
+protocol of `shardax.models.protocol`, so every layout (`shardax.layout`) runs it.
 
 Example::
 
@@ -19,11 +20,11 @@ from flax import nnx
 
 from shardax.models import embedding
 from shardax.models._annotate import constrain
-from shardax.models._layers import make_layers, param, run_layers
+from shardax.models._layers import make_layers, param
 from shardax.models.attention import attention
 from shardax.models.configs import GPT2_CONFIGS, GPT2Config
-from shardax.models.loss import chunked_cross_entropy
 from shardax.models.ops import layer_norm
+from shardax.models.protocol import LanguageModel
 from shardax.models.remat import checkpoint_name
 
 __all__ = ["CONFIGS", "GPT2", "GPT2Config", "param_count"]
@@ -77,17 +78,20 @@ class Attention(nnx.Module):
         self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
         self.implementation = c.attention
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 attend: Callable = attention) -> jax.Array:
         q, k, v = self.qkv(x)
-        out = constrain(self.attend(q, k, v, segment_ids=segment_ids),
+        out = constrain(self.attend(q, k, v, attend, segment_ids=segment_ids),
                         ("batch", "length", "heads", "head_dim"))
         return checkpoint_name(self.out(out), "attn_proj")
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, **masks: Any) -> jax.Array:
-        """Attention under the config's implementation; ``masks``: more keyword arguments of
-        ``shardax.models.attention.attention``."""
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, fn: Callable = attention,
+               **masks: Any) -> jax.Array:
+        """Attention under the config's implementation through ``fn``
+        (``shardax.models.attention.attention``, or the layout's ring attention); ``masks``:
+        more keyword arguments of it."""
         q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        out = attention(q, k, v, implementation=self.implementation, **masks)
+        out = fn(q, k, v, implementation=self.implementation, **masks)
         return checkpoint_name(out, "attn_out")
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -133,15 +137,23 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
         self.mlp = MLPBlock(c, rngs)
 
-    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
-        x = constrain(x + self.attn(self.ln_1(x), segment_ids), ("batch", "length", "embed"))
-        return constrain(x + self.mlp(self.ln_2(x)), ("batch", "length", "embed"))
+    def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
+                 attend: Callable = attention) -> jax.Array:
+        x = self.residual(x, self.attn(self.ln_1(x), segment_ids, attend))
+        return self.residual(x, self.mlp(self.ln_2(x)))
+
+    @staticmethod
+    def residual(x: jax.Array, y: jax.Array) -> jax.Array:
+        """The residual stream after adding a sublayer's output ``y``."""
+        return constrain(x + y, ("batch", "length", "embed"))
 
 
-class GPT2(nnx.Module):
-    """GPT-2 causal LM: ``model(tokens [b, s]) -> logits [b, s, vocab]`` (float32).
+class GPT2(LanguageModel):
+    """GPT-2 causal LM: ``model(tokens [b, s]) -> logits [b, s, vocab]`` (float32); the
+    protocol of `shardax.models.protocol`.
 
     The output projection is the token embedding (``wte``) transposed: one shared parameter.
+    ``positions`` [b, s] index the learned position table (default ``0 .. s-1``).
     """
 
     def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
@@ -153,46 +165,9 @@ class GPT2(nnx.Module):
         self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, c.scan_layers)
         self.ln_f = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
-        """Logits ``[b, s, vocab]`` (float32); ``positions`` [b, s] index the learned position
-        table (default ``0 .. s-1``); ``segment_ids`` [b, s] (ints >= 0): packed documents,
-        attention stays within a segment."""
-        return self._head(self._hidden(tokens, positions, segment_ids))
-
-    def training_loss(self, tokens: jax.Array, targets: jax.Array,
-                      positions: jax.Array | None = None, *,
-                      segment_ids: jax.Array | None = None, load_balanced: bool = False,
-                      cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
-                      loss_weights: jax.Array | None = None,
-                      ) -> tuple[jax.Array, jax.Array]:
-        """``(objective, cross-entropy)``, both the mean token cross-entropy of ``targets``
-        under ``cast(logits)`` (each times its ``loss_weights`` [b, s], if given; see
-        ``Llama.loss``): the interface every shardax language model shares (see
-        ``Llama.training_loss``). GPT-2 has no context parallelism (``load_balanced``).
-
-        Example::
-
-            objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
-        """
-        if load_balanced:
-            raise ValueError("GPT-2 has no context parallelism: use a mesh without a 'cp' axis "
-                             "(or a llama model)")
-        x = self._hidden(tokens, positions, segment_ids)
-        # In sequence chunks: the whole [b, s, vocab] logits never exist (models.loss).
-        ce = chunked_cross_entropy(lambda h: cast(self._head(h)), x, targets,
-                                   weights=loss_weights)
-        return ce, ce
-
-    def _hidden(self, tokens: jax.Array, positions: jax.Array | None,
-                segment_ids: jax.Array | None = None) -> jax.Array:
-        """The final hidden states [b, s, dim] (before the final norm)."""
-        c = self.config
-        x = self._embed(tokens, positions)
-        return run_layers(self.layers, x, lambda layer, h: layer(h, segment_ids),
-                          c.scan_layers, c.remat)
-
-    def _embed(self, tokens: jax.Array, positions: jax.Array | None) -> jax.Array:
+    def embed_inputs(self, tokens, positions=None, segment_ids=None, *, lookup=None):
+        """Token plus position embeddings ``[b, s, dim]`` in the compute dtype, and the
+        segment ids (if any) every block reads."""
         c = self.config
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tokens.shape}")
@@ -202,11 +177,20 @@ class GPT2(nnx.Module):
             pos = self.wpe[: tokens.shape[1]]
         else:
             pos = jnp.take(self.wpe[...], jnp.clip(positions, 0, c.max_seq_len - 1), axis=0)
-        x = embedding.lookup(self.wte[...], tokens) + pos  # the table stays put
-        return constrain(x.astype(c.dtype), ("batch", "length", "embed"))
+        x = (lookup or embedding.lookup)(self.wte[...], tokens) + pos  # the table stays put
+        x = constrain(x.astype(c.dtype), ("batch", "length", "embed"))
+        return x, ({} if segment_ids is None else {"segment_ids": segment_ids})
 
-    def _head(self, x: jax.Array) -> jax.Array:
+    def block(self, layer, h, extras, attend=attention):
+        """One transformer layer: ``(h, 0)`` (GPT-2 has no auxiliary loss)."""
+        return layer(h, extras.get("segment_ids"), attend), jnp.zeros((), jnp.float32)
+
+    def head_params(self):
+        return self.ln_f.scale[...], self.ln_f.bias[...], self.wte[...]
+
+    def head(self, x, scale, bias, w):
+        """Final LayerNorm and the tied vocabulary projection: logits in float32."""
         c = self.config
-        x = self.ln_f(x)
-        logits = jnp.einsum("bse,ve->bsv", x, self.wte[...].astype(c.dtype)).astype(jnp.float32)
+        x = layer_norm(x, scale, bias, c.norm_eps)
+        logits = jnp.einsum("bse,ve->bsv", x, w.astype(c.dtype)).astype(jnp.float32)
         return constrain(logits, ("batch", "length", "vocab"))

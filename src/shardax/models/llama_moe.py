@@ -1,7 +1,8 @@
 """The mixture-of-experts MLP of the Llama MoE variant (``LlamaConfig(n_experts=...)``).
 
 Every layer's SwiGLU MLP becomes ``n_experts`` SwiGLU experts of ``mlp_dim`` hidden units and
-a top-``top_k`` router (``shardax.parallel.moe_mlp``). Expert weights carry the logical name
+a top-``top_k`` router (``shardax.parallel.moe_kernel.capacity_moe``; the layout runs it
+expert-parallel as ``shardax.parallel.moe_mlp``). Expert weights carry the logical name
 'expert' first, so a rule ``('expert', 'ep')`` splits them over an 'ep' mesh axis and the
 tokens travel to their experts with ``all_to_all``. Routing groups are the batch rows (one
 sequence per group), so the routing, and so the numbers, do not depend on the mesh.
@@ -14,16 +15,15 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax import _context
 from shardax.models._layers import param
-from shardax.models.axes import BATCH_AXES
-from shardax.parallel import moe_mlp
+from shardax.parallel.moe_kernel import capacity_moe
 
 if TYPE_CHECKING:
     from shardax.models.configs import LlamaConfig
@@ -56,13 +56,16 @@ class MoE(nnx.Module):
         init_experts(self, c, rngs)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self.run(x, capacity_moe)
+
+    def run(self, x: jax.Array, moe: Callable = capacity_moe, **kwargs
+            ) -> tuple[jax.Array, jax.Array]:
+        """``(y, load_balancing_loss)`` through ``moe`` (``capacity_moe``, or the layout's
+        ``moe_mlp`` with its ``kwargs``), groups the batch rows."""
         c, dt = self.config, self.config.dtype
-        mesh = _context.active().abstract_mesh
-        names = () if mesh is None else mesh.axis_names
-        axes = tuple(a for a in BATCH_AXES if a in names) if "ep" in names else ()
-        y, aux = moe_mlp(
+        y, aux = moe(
             x, self.router[...], self.w_up[...].astype(dt), self.w_down[...].astype(dt),
             self.w_gate[...].astype(dt), top_k=c.top_k, capacity_factor=c.capacity_factor,
-            num_groups=x.shape[0], batch_axes=axes, activation=jax.nn.silu,
+            num_groups=x.shape[0], activation=jax.nn.silu, **kwargs,
         )
         return y.astype(x.dtype), aux["load_balancing_loss"].astype(jnp.float32)

@@ -7,7 +7,7 @@ gradients equal ``cross_entropy(logits_fn(x), targets)`` up to float32 summation
 
 Example::
 
-    loss = chunked_cross_entropy(lambda h: model._head(h, *model._head_params()), x, targets)
+    loss = chunked_cross_entropy(lambda h: model.head(h, *model.head_params()), x, targets)
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from shardax import models
 from shardax.devices import DeviceSpec
 from shardax.hlo import peak_bytes
 from shardax.plan.topology import memory_source, on_target
@@ -301,13 +300,10 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
     bubble = run.bubble
     compute_s = flops / (device.peak_flops * device.flops_fraction) / (1.0 - bubble)
     comm_s, across_s = comm_seconds(compiled, device)
-    notes = []
-    if not isinstance(run.model_config, models.LlamaConfig):
-        notes.append("bubble and parallel axes apply to llama models only")
     return Estimate(
         config={k: getattr(config, k) for k in STEP_FIELDS}, compiled=compiled, device=device,
         hbm_bytes=hbm_bytes if hbm_bytes is not None else device.hbm_bytes, bubble=bubble,
-        flops_per_device=flops, compute_s=compute_s, comm_s=comm_s, notes=notes,
+        flops_per_device=flops, compute_s=compute_s, comm_s=comm_s,
         across_s=across_s, hidden_s=hidden_seconds(compiled, device, compute_s))
 
 

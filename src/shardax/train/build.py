@@ -43,8 +43,7 @@ def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
     rules, mesh = run.rules, run.mesh
     return mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
-                grad_accum=run.config.grad_accum, param_rules=rules, fsdp_mode=run.fsdp_mode,
-                fsdp_recompute=run.fsdp_recompute,
+                grad_accum=run.config.grad_accum, param_rules=rules, layout=run.layout,
                 end_id=end_id if run.config.pack == "documents" else None,
                 skip_nonfinite=run.config.on_nan == "skip",
                 offload_optimizer=run.config.offload_optimizer),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from shardax import models
+from shardax import layout, models
 from shardax.errors import MissingExtra, UsageError
 from shardax.errors import require as _usage
 from shardax.filewrite import check_target_dir
@@ -463,8 +463,8 @@ def check(config: TrainConfig) -> TrainConfig:
             raise UsageError(f"--lora-targets: {e}") from None
     _usage(config.model in models.CONFIGS,
            f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
-    _usage(config.rules in models.PRESETS,
-           f"unknown --rules {config.rules!r}; known presets: {sorted(models.PRESETS)}")
+    _usage(config.rules in layout.PRESETS,
+           f"unknown --rules {config.rules!r}; known presets: {sorted(layout.PRESETS)}")
     try:
         check_remat(config.remat)
     except ValueError as e:

@@ -28,7 +28,7 @@ import dataclasses
 import math
 
 from shardax.errors import UsageError
-from shardax.models.axes import BATCH_AXES
+from shardax.layout.axes import BATCH_AXES
 from shardax.train.config import TrainConfig, parse_mesh
 
 __all__ = ["refit", "resolve_sizes"]

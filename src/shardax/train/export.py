@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from shardax import hf, models
+from shardax import hf, layout
 from shardax.errors import UsageError
 from shardax.filewrite import write_text
 from shardax.hf.peft import save_adapters
@@ -41,7 +41,7 @@ def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path
     run_dir = run_dir or check_run(config.out, config.step)
     n = jax.device_count()
     model_config, model, _ = restore_model(run_dir, config.step, f"fsdp={n}",
-                                           models.PRESETS["fsdp"])
+                                           layout.PRESETS["fsdp"])
     if getattr(model_config, "n_experts", 0) and model_config.moe_impl != "dropless":
         raise UsageError(f"--out {config.out}: a capacity-based mixture-of-experts model has "
                          "no Hugging Face form (the dropless one has)")

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from shardax import hf, models
+from shardax import hf, layout
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.mesh import MeshShardingHelper
@@ -101,7 +101,7 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
         flag = f"--from {config.source}"
         mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
         try:  # the model first: a damaged directory is one error line, no note before it
-            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(models.PRESETS["dp"]),
+            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(layout.PRESETS["dp"]),
                                   attention=config.attention or "auto")
             found = has_tokenizer(directory)
             if not found:

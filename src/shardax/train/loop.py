@@ -329,7 +329,8 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
 
     end_id = inputs.tokenizer.eos_id if config.pack == "documents" else None
     step_fn = build.step_function(run, graphdef, end_id=end_id)
-    evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy, end_id=end_id),
+    evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy, end_id=end_id,
+                                 layout=run.layout),
                          in_shardings=(run.state_rules, inputs.sharding.spec))
     first = inputs.batch(start)
     plan = step_fn.plan(state, first)

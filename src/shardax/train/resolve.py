@@ -1,9 +1,10 @@
 """Resolves a checked `TrainConfig` into the run it describes on this machine, once.
 
 `resolve` computes, in one place and in one pass, everything the commands derive from a
-config: the mesh, the precision policy, the model config (precision, remat, parallelism flags
-applied), the rule list fitted to the mesh, the optimizer and its learning-rate schedule, the
-FSDP mode, and the batch split and pipeline bubble. ``shardax train``, ``shardax plan`` and
+config: the mesh, the precision policy, the model config (the architecture, with precision and
+remat), the `Layout` (how the model runs: tensor, sequence and pipeline parallelism, FSDP
+mode), the rule list fitted to the mesh, the optimizer and its learning-rate schedule, and the
+batch split and pipeline bubble. ``shardax train``, ``shardax plan`` and
 ``shardax generate``/``export`` take the `Resolved` run it returns and never re-read the
 config's strings. The config must already have passed `shardax.train.config.check` (the CLI
 checks it before JAX starts); what only the devices can tell (mesh sizes, divisibility) is a
@@ -28,8 +29,9 @@ import jax
 import optax
 from flax import nnx
 
-from shardax import hf, models
+from shardax import hf, layout, models
 from shardax.errors import UsageError
+from shardax.layout import Layout
 from shardax.mesh import MeshShardingHelper, parse_mesh_string
 from shardax.models.attention import resolve_implementation
 from shardax.models.lora import LoRA, LoRAError
@@ -127,9 +129,11 @@ def _with_lora(model_config: Any, config: TrainConfig) -> Any:
                                                        config.lora_targets))
 
 
-def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
-    """The model config with the parallelism flags applied and the rule list fitted to the
-    mesh and model (``models.presets.resolve``); ValueError on a mismatch."""
+def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
+    """``(model config, layout, rules)``: the model config with its layers stacked on a 'pp'
+    mesh, the `Layout` of the parallelism flags (FSDP mode still 'xla': `fsdp_mode` decides)
+    and the rule list fitted to the mesh and model (``layout.presets.resolve``); ValueError
+    on a mismatch."""
     pp = mesh_shape.get("pp", 1)
     if pp == 1 and (config.microbatches > 1 or config.virtual_stages > 1):
         raise ValueError("--microbatches and --virtual-stages need a 'pp' mesh axis of size > 1 "
@@ -137,30 +141,26 @@ def _parallelism(config: TrainConfig, mesh_shape: dict[str, int], model_config: 
     if pp == 1 and config.pp_schedule != "gpipe":
         raise ValueError(f"--pp-schedule {config.pp_schedule} needs a 'pp' mesh axis of size > 1 "
                          f"(mesh {mesh_shape})")
-    asked = {"tp_mode": config.tp_mode != "none", "sequence_parallel": config.sequence_parallel}
-    if not isinstance(model_config, models.LlamaConfig):
-        used = [flag(k) for k, v in asked.items() if v] + [a for a in ("pp", "cp", "ep")
-                                                            if mesh_shape.get(a, 1) > 1]
-        if used:
-            raise ValueError(f"--model {config.model} does not support {used}; use a llama model")
-        return model_config, models.PRESETS[config.rules]
     tp_mode = config.tp_mode
     if config.sequence_parallel and tp_mode == "none":
         tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
-    model_config = dataclasses.replace(
-        model_config, tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
-        scan_layers=model_config.scan_layers or pp > 1, pp_schedule=config.pp_schedule,
-        pp_microbatches=config.microbatches or pp, pp_virtual_stages=config.virtual_stages)
-    models.check_mesh(model_config, mesh_shape, batch_size=config.batch_size,
+    lay = Layout(tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
+                 pp_schedule=config.pp_schedule, pp_microbatches=config.microbatches or pp,
+                 pp_virtual_stages=config.virtual_stages)
+    if pp > 1 and not model_config.scan_layers:
+        model_config = dataclasses.replace(model_config, scan_layers=True)
+    layout.check_mesh(model_config, lay, mesh_shape, batch_size=config.batch_size,
                       seq_len=config.seq_len)
-    rules = models.presets.resolve(
-        models.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
-        kv_heads=model_config.n_kv_heads, sequence_parallel=model_config.sp)
-    return model_config, rules
+    rules = layout.presets.resolve(
+        layout.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
+        kv_heads=getattr(model_config, "n_kv_heads", model_config.n_heads),
+        sequence_parallel=lay.sp)
+    return model_config, lay, rules
 
 
 def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any,
-              policy: Policy, memory_bytes: int | None) -> tuple[str, bool, str]:
+              policy: Policy, memory_bytes: int | None, lay: Layout | None = None
+              ) -> tuple[str, bool, str]:
     """``(mode, recompute, why)``: the FSDP mode a run uses (``'explicit'`` or ``'xla'``),
     whether explicit FSDP re-gathers each layer and recomputes its forward in the backward pass
     (`fsdp_recompute`), and why, for the banner. UsageError (one line naming the combination)
@@ -179,7 +179,7 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     ...           models.CONFIGS["llama-tiny"], Policy(), None)[:2]
     ('explicit', True)
     """
-    blockers = _explicit_blockers(config, mesh_shape, model_config)
+    blockers = _explicit_blockers(config, mesh_shape, model_config, lay or Layout())
     if config.fsdp_mode == "explicit" and blockers:
         raise UsageError(f"--fsdp-mode explicit does not run with {blockers[0]}; "
                          "use --fsdp-mode xla")
@@ -219,31 +219,29 @@ def _auto_prefers_xla(mesh_shape: dict[str, int]) -> str | None:
     return None
 
 
-def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
-                       ) -> list[str]:
+def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any,
+                       lay: Layout) -> list[str]:
     """Why explicit FSDP cannot run here, one phrase each (none: it can)."""
     blockers = []
     if mesh_shape.get("fsdp", 1) == 1:
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
-    if not isinstance(model_config, models.LlamaConfig):
-        blockers.append(f"--model {config.model} (needs a llama model)")
-    elif model_config.n_experts and model_config.moe_impl == "dropless":
+    if getattr(model_config, "n_experts", 0) and model_config.moe_impl == "dropless":
         blockers.append(f"--model {config.model} (dropless experts run their own shard_map; "
                         "the capacity MoE runs inside explicit FSDP)")
-    elif model_config.mixed_layers:
+    elif getattr(model_config, "mixed_layers", False):
         blockers.append(f"--model {config.model} (its sliding-window and global layers differ; "
                         "explicit FSDP runs one layer body)")
     else:
-        if model_config.tp_mode != "none":
-            blockers.append(f"--tp-mode {model_config.tp_mode}"
-                            + (" / --sequence-parallel" if model_config.sp else "")
+        if lay.tp_mode != "none":
+            blockers.append(f"--tp-mode {lay.tp_mode}"
+                            + (" / --sequence-parallel" if lay.sp else "")
                             + " (explicit TP blocks cannot nest in the FSDP shard_map under "
                             "differentiation in JAX 0.10: https://github.com/jax-ml/jax/pull/26588;"
                             " --tp-mode none shards 'tp' by --rules)")
         if model_config.lora is not None:
             blockers.append("--lora-rank (the frozen base weights stay sharded by the "
                             "partitioner)")
-        if mesh_shape.get("pp", 1) > 1 and model_config.pp_schedule == "1f1b":
+        if mesh_shape.get("pp", 1) > 1 and lay.pp_schedule == "1f1b":
             blockers.append("--pp-schedule 1f1b (it differentiates inside its own shard_map "
                             "over 'pp', which cannot nest in the FSDP region under "
                             "differentiation in JAX 0.10: https://github.com/jax-ml/jax/pull/26588;"
@@ -335,7 +333,7 @@ def _fit_fsdp(config: TrainConfig, mesh: MeshShardingHelper, base: Any, tx: Any
         spec = ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == "fsdp")
         candidate = make_mesh(spec)
         try:
-            model, rule_list = _parallelism(config, candidate.shape, base)
+            model, _, rule_list = _layout(config, candidate.shape, base)
         except ValueError:
             continue
         if shapes is None:
@@ -362,11 +360,13 @@ class Resolved:
     config: TrainConfig
     mesh: MeshShardingHelper
     rules: LogicalAxisRules
+    #: the architecture (with precision and remat)
     model_config: Any
+    #: how the model runs on the mesh (the FSDP mode and recompute included)
+    layout: Layout
     policy: Policy
     tx: optax.GradientTransformation
     schedule: optax.Schedule
-    fsdp_mode: str
     #: the mesh axes the 'batch' rule splits the rows over, and over how many devices
     batch_axes: tuple[str, ...]
     batch_split: int
@@ -376,12 +376,21 @@ class Resolved:
     bubble: float
     #: the Hugging Face model directory of ``--init-from hf:DIR`` (None without it)
     init_dir: Path | None = None
-    #: explicit FSDP: each layer re-gathered and its forward recomputed in the backward pass
-    fsdp_recompute: bool = True
     #: why the FSDP mode and the recompute were chosen (one phrase each, for the banner)
     fsdp_why: str = ""
     #: how ``--mesh ...fsdp=-1`` was fitted to the model, for the banner ("": as inferred)
     mesh_why: str = ""
+
+    @property
+    def fsdp_mode(self) -> str:
+        """'explicit' or 'xla' (``layout.fsdp_mode``)."""
+        return self.layout.fsdp_mode
+
+    @property
+    def fsdp_recompute(self) -> bool:
+        """Explicit FSDP: each layer re-gathered and its forward recomputed in the backward
+        pass (``layout.fsdp_recompute``)."""
+        return self.layout.fsdp_recompute
 
     @property
     def state_rules(self) -> TrainState:
@@ -444,7 +453,7 @@ class Resolved:
 
     def pipeline_summary(self) -> str:
         """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
-        c = self.model_config
+        c = self.layout
         virtual = (f", {c.pp_virtual_stages} virtual stages" if c.pp_schedule == "circular"
                    else "")
         return (f"pipeline: {c.pp_schedule} over {self.mesh.shape['pp']} stages, "
@@ -452,13 +461,11 @@ class Resolved:
                 "step")
 
 
-def _bubble(mesh_shape: dict[str, int], model_config: Any) -> float:
+def _bubble(mesh_shape: dict[str, int], lay: Layout) -> float:
     pp = mesh_shape.get("pp", 1)
     if pp == 1:
         return 0.0
-    c = model_config
-    v = c.pp_virtual_stages if c.pp_schedule == "circular" else 1
-    return bubble_fraction(c.pp_schedule, pp, c.pp_microbatches, v)
+    return bubble_fraction(lay.pp_schedule, pp, lay.pp_microbatches, lay.virtual_stages)
 
 
 def resolve(config: TrainConfig, device_memory: float | None = None, *,
@@ -478,17 +485,18 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     tx, schedule = optimizer(config)
     mesh, mesh_why = _fit_fsdp(config, mesh, base, tx)
     try:
-        model, rule_list = _parallelism(config, mesh.shape, base)
+        model, lay, rule_list = _layout(config, mesh.shape, base)
     except ValueError as e:
         raise UsageError(str(e)) from None
     memory = _device_memory() if device_memory is None else int(device_memory)
-    mode, recompute, why = fsdp_mode(config, mesh.shape, model, policy,
-                                     memory)  # UsageError if it cannot run
+    mode, recompute, why = fsdp_mode(config, mesh.shape, model, policy, memory,
+                                     lay)  # UsageError if it cannot run
+    lay = dataclasses.replace(lay, fsdp_mode=mode, fsdp_recompute=recompute)
     rules = LogicalAxisRules(rule_list)
     spec = rules.spec_for(("batch",), mesh.mesh)[0]
     batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
     batch_split = math.prod(mesh.shape[a] for a in batch_axes)
-    micro = getattr(model, "pp_microbatches", 1) if mesh.shape.get("pp", 1) > 1 else 1
+    micro = lay.pp_microbatches if mesh.shape.get("pp", 1) > 1 else 1
     if config.batch_size % (batch_split * config.grad_accum * micro):
         raise UsageError(
             f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
@@ -498,7 +506,7 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
         raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
                          f"count {jax.process_count()}")
     return Resolved(
-        config=config, mesh=mesh, rules=rules, model_config=model, policy=policy, tx=tx,
-        schedule=schedule, fsdp_mode=mode, batch_axes=batch_axes, batch_split=batch_split,
-        microbatches=micro, bubble=_bubble(mesh.shape, model), init_dir=init_dir,
-        fsdp_recompute=recompute, fsdp_why=why, mesh_why=mesh_why)
+        config=config, mesh=mesh, rules=rules, model_config=model, layout=lay, policy=policy,
+        tx=tx, schedule=schedule, batch_axes=batch_axes, batch_split=batch_split,
+        microbatches=micro, bubble=_bubble(mesh.shape, lay), init_dir=init_dir, fsdp_why=why,
+        mesh_why=mesh_why)

@@ -5,12 +5,13 @@ The train state is a `TrainState` ``(params, rest, opt_state, step)``: NNX param
 gradients and optimizer moments alike), the model's other state, the optax state and the step
 counter.
 
-The loss is the model's ``training_loss`` and follows the mesh: on a 'cp' axis the tokens,
-targets and RoPE positions are put in ``load_balance`` order once (so ring attention gives
-every device equal work, and the mean loss needs no undoing), and an MoE model's
-load-balancing loss, weighted by ``moe_aux_weight``, is added to the cross-entropy.
+The loss is `shardax.layout.forward.training_loss` of the model under a `Layout` and follows
+the mesh: on a 'cp' axis the tokens, targets and RoPE positions are put in ``load_balance``
+order once (so ring attention gives every device equal work, and the mean loss needs no
+undoing), and an MoE model's load-balancing loss, weighted by ``moe_aux_weight``, is added to
+the cross-entropy.
 
->>> from shardax.models import CONFIGS
+>>> from shardax.models import CONFIGS, Llama
 >>> graphdef, state = init_state(lambda: Llama(CONFIGS["llama-tiny"], nnx.Rngs(0)),
 ...                              optax.sgd(0.1))
 >>> batch = (jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))
@@ -21,6 +22,7 @@ load-balancing loss, weighted by ``moe_aux_weight``, is added to the cross-entro
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,20 +32,18 @@ import optax
 from flax import nnx
 
 from shardax.constraints import with_sharding_constraint
+from shardax.layout import forward
+from shardax.layout.spec import FSDP_MODES, Layout
 from shardax.logical import with_logical_constraint
-from shardax.models import Llama, embedding
-from shardax.models._layers import remat_policy
 from shardax.models.lora import trainable
-from shardax.parallel import axis_size, fsdp, load_balance, to_microbatches
+from shardax.parallel import axis_size, load_balance, to_microbatches
 from shardax.precision import Policy
 from shardax.train import packing
 
 __all__ = ["FSDP_MODES", "TrainState", "eval_loss", "init_state", "train_step"]
 
 FULL_PRECISION = Policy()
-# 'xla': FSDP from the parameter shardings, left to the partitioner; 'explicit': ZeRO-3 written
-# out (shardax.parallel.fsdp): per-layer gathers and reduce-scatters under a shard_map.
-FSDP_MODES = ("xla", "explicit")
+ONE_DEVICE = Layout()  # the default layout: the rules and XLA decide everything
 
 
 class TrainState(NamedTuple):
@@ -66,15 +66,16 @@ def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformatio
 
 
 def _loss(params, rest, graphdef, inputs, targets, policy: Policy, weights=None,
-          segment_ids=None, end_id: int | None = None):
-    """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss. Every
-    shardax language model has ``training_loss`` (``shardax.models``)."""
+          segment_ids=None, end_id: int | None = None, layout: Layout = ONE_DEVICE):
+    """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss
+    (`shardax.layout.forward.training_loss` under ``layout``)."""
     # Fresh Variables for the non-differentiated state (LoRA's frozen base) at this trace
     # level, as the differentiated ones are: nnx.scan refuses Variables of an outer trace.
     rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
     inputs, targets, kwargs = _with_positions(inputs, targets, weights, end_id, segment_ids)
-    return model.training_loss(inputs, targets, cast=policy.cast_to_output, **kwargs)
+    return forward.training_loss(model, layout, inputs, targets, cast=policy.cast_to_output,
+                                 **kwargs)
 
 
 def _with_weights(batch: tuple, end_id: int | None) -> tuple:
@@ -113,78 +114,17 @@ def _with_positions(inputs, targets, weights=None, end_id: int | None = None,
     return inputs, targets, {"positions": positions, "load_balanced": cp > 1, **docs}
 
 
-def _explicit_fsdp(state, batch, graphdef, policy: Policy, grad_accum, param_rules,
-                   end_id: int | None, recompute: bool = True):
-    """``(loss, grads)`` under explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked
-    layers are gathered one at a time (in the compute dtype) and their gradients reduce-scattered
-    in float32; the other parameters (embedding, head, final norm) are gathered once. With a
-    'cp' axis the region is manual over it too: each device holds its load-balanced piece of
-    the sequence and ring attention runs its body directly. With an 'ep' axis it splits the
-    rows (experts' tokens) too: each device gathers its own experts over 'fsdp' and the MoE
-    layer runs its all-to-alls directly."""
-    if param_rules is None:
-        raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
-    rest = state.rest
-    # An untied embedding table stays sharded: each device looks up its own columns of the
-    # tokens of its FSDP group and the rows move (embedding.lookup_manual), not the table. A
-    # tied one is gathered for the head anyway.
-    untied = "lm_head" in state.params
-    local = ("layers", "embed") if untied else ("layers",)
-    # On a 'pp' mesh the layers reach the pipeline as shards, each gathered inside its stage.
-    piped = axis_size("pp") > 1
-    table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
-
-    def lookup(table, tokens):
-        if policy.compute is not None:
-            table = table.astype(policy.compute)
-        return embedding.lookup_manual(table, tokens, "fsdp", table_dim)
-
-    def loss_fn(gather, params, inputs, targets, *extras):
-        top = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: (leaf if piped and _key(path) == "layers" else
-                                gather.local(leaf) if _key(path) in local else gather(leaf)),
-            params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
-        model = nnx.merge(graphdef, top, rest)
-        if not isinstance(model, Llama):
-            raise ValueError("fsdp_mode='explicit' needs a llama model")
-        c = model.config
-        # With ``recompute`` each layer is recomputed in the backward pass (that is what
-        # frees its gathered parameters); a remat policy that saves more (dots) applies within
-        # it. Without, the gathered layers are kept from forward to backward.
-        policy_ = remat_policy(c.remat) if c.remat not in ("none", "full") else None
-        layers = params["layers"]
-        keep = dict(policy=policy_, reshard_after_forward=recompute or c.remat != "none")
-
-        def stack(layer_fn, x):
-            if c.scan_layers:
-                return fsdp.scan_layers(gather, layer_fn, layers, x, **keep)
-            return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
-                                    x, **keep)
-
-        kwargs = dict(zip(names, extras), load_balanced=load_balanced)
-        layer_stack = dict(layer_gather=gather) if piped else dict(stack=stack)
-        return model.training_loss(inputs, targets, cast=policy.cast_to_output,
-                                   lookup=lookup if untied else None, **layer_stack,
-                                   **kwargs)[0]
-
-    # Positions, segments and the load-balanced order are computed on the whole sequence,
-    # outside the region: with 'cp' it splits the sequence, and RoPE and ring attention need
-    # each token's global position.
+def _explicit_fsdp(state, batch, graphdef, layout: Layout, policy: Policy, grad_accum,
+                   param_rules, end_id: int | None):
+    """``(loss, grads)`` under explicit ZeRO-3 FSDP (`shardax.layout.forward
+    .fsdp_value_and_grad`). Positions, segments and the load-balanced order are computed on the
+    whole sequence, outside its region: with 'cp' it splits the sequence, and RoPE and ring
+    attention need each token's global position."""
     inputs, targets, kwargs = _with_positions(*batch[:3], end_id=end_id,
                                               segment_ids=(batch[3:] or (None,))[0])
-    load_balanced = kwargs.pop("load_balanced")
-    names = tuple(kwargs)
-    return fsdp.value_and_grad(
-        loss_fn, state.params, param_rules.apply(state.params), inputs, targets,
-        *kwargs.values(), batch_axes=("ep", "dp"),
-        seq_axes=("cp",) if axis_size("cp") > 1 else (),
-        grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
-
-
-def _key(path) -> str:
-    """The first key of a tree path, as a string."""
-    k = path[0]
-    return str(getattr(k, "key", getattr(k, "name", k)))
+    return forward.fsdp_value_and_grad(graphdef, state.params, state.rest, layout, inputs,
+                                       targets, kwargs, param_rules=param_rules, policy=policy,
+                                       grad_accum=grad_accum)
 
 
 def train_step(
@@ -196,19 +136,22 @@ def train_step(
     policy: Policy = FULL_PRECISION,
     grad_accum: int = 1,
     param_rules: Any = None,
-    fsdp_mode: str = "xla",
+    fsdp_mode: str | None = None,
     end_id: int | None = None,
     skip_nonfinite: bool = False,
     offload_optimizer: bool = False,
-    fsdp_recompute: bool = True,
+    fsdp_recompute: bool | None = None,
+    layout: Layout = ONE_DEVICE,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)`` (or packed conversations
     ``(inputs, targets, segment_ids, loss_mask)``: `shardax.train.chat_data`), optionally in
     ``grad_accum`` microbatches accumulated in the parameter dtype and (with
     ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
+    ``layout``: how the model runs on the mesh (`shardax.layout.Layout`); ``fsdp_mode`` and
+    ``fsdp_recompute``, when given, replace its own.
     ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
-    (a dense llama; ``param_rules`` give the parameters' sharding; gradients
+    (``param_rules`` give the parameters' sharding; gradients
     of the microbatches are reduce-scattered one by one into a sharded float32 accumulator).
     ``fsdp_recompute=False`` (explicit, with ``remat='none'``): the gathered layers are kept
     from forward to backward instead of re-gathered and recomputed (more memory, fewer FLOPs).
@@ -225,22 +168,24 @@ def train_step(
     ``offload_optimizer``: the optimizer state comes in (and, by the caller's
     ``out_shardings``, goes back) in pinned host memory; it is moved to the device for the
     update."""
-    if fsdp_mode not in FSDP_MODES:
+    if fsdp_mode is not None and fsdp_mode not in FSDP_MODES:
         raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
+    given = {"fsdp_mode": fsdp_mode, "fsdp_recompute": fsdp_recompute}
+    layout = dataclasses.replace(layout, **{k: v for k, v in given.items() if v is not None})
     batch = _with_weights(batch, end_id)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    if fsdp_mode == "explicit":
-        loss, grads = _explicit_fsdp(state, batch, graphdef, policy, grad_accum, param_rules,
-                                     end_id, fsdp_recompute)
+    if layout.fsdp_mode == "explicit":
+        loss, grads = _explicit_fsdp(state, batch, graphdef, layout, policy, grad_accum,
+                                     param_rules, end_id)
     elif grad_accum == 1:
         (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *batch[:2], policy,
-                                   *batch[2:], end_id=end_id)
+                                   *batch[2:], end_id=end_id, layout=layout)
     else:
         def accumulate(carry, micro):
             loss_sum, grad_sum = carry
             micro = [with_logical_constraint(a, ("batch", "length")) for a in micro]
             (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *micro[:2],
-                                       policy, *micro[2:], end_id=end_id)
+                                       policy, *micro[2:], end_id=end_id, layout=layout)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             if param_rules is not None:
                 grad_sum = with_sharding_constraint(grad_sum, param_rules)
@@ -266,9 +211,10 @@ def train_step(
 
 
 def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
-              policy: Policy = FULL_PRECISION, end_id: int | None = None) -> jax.Array:
+              policy: Policy = FULL_PRECISION, end_id: int | None = None,
+              layout: Layout = ONE_DEVICE) -> jax.Array:
     """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss);
-    ``end_id`` as for `train_step`."""
+    ``end_id`` and ``layout`` as for `train_step`."""
     batch = _with_weights(batch, end_id)
     return _loss(state.params, state.rest, graphdef, *batch[:2], policy, *batch[2:],
-                 end_id=end_id)[1]
+                 end_id=end_id, layout=layout)[1]

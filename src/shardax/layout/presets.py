@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardax.models.axes import BATCH_AXES
+from shardax.layout.axes import BATCH_AXES
 
 Rule = tuple[str, str | tuple[str, ...] | None]
 

@@ -1,0 +1,363 @@
+"""One forward that runs any model (the protocol of `shardax.models.protocol`) on any layout.
+
+It reads the mesh and the `Layout` and picks, from ``shardax.parallel``: the layer stack as a
+scan or loop (``config.scan_layers``), a pipeline over 'pp' (gpipe, circular, 1f1b), or
+explicit FSDP's gathered stack (`fsdp_value_and_grad`); tensor-parallel blocks over 'tp' and
+the mixture of experts over 'ep' (`shardax.layout.blocks`); ring attention over 'cp'. The
+model itself stays the one-device architecture, as torchtitan's ``parallelize_*`` applies
+parallelism from outside the model.
+
+On a 'pp' mesh the final norm, head and cross-entropy run on the pipeline's output stage only
+(``pipeline(loss_fn=...)``): the outputs never leave it and just the two scalars are reduced
+over 'pp'. Without a mesh every path computes the plain single-device math.
+
+Example::
+
+    objective, ce = training_loss(model, Layout(pp_schedule="1f1b", pp_microbatches=4),
+                                  tokens[:, :-1], tokens[:, 1:])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.layout.axes import CONTEXT_AXIS, FSDP_AXIS, PIPELINE_AXIS
+from shardax.layout.blocks import block_fn
+from shardax.layout.spec import Layout
+from shardax.models import embedding
+from shardax.models._layers import remat_policy
+from shardax.models.attention import attention
+from shardax.models.loss import chunked_cross_entropy
+from shardax.models.protocol import LanguageModel, run_blocks
+from shardax.parallel import fsdp
+from shardax.parallel.axes import axis_size
+from shardax.parallel.context import ring_attention
+from shardax.parallel.pipeline import pipeline, to_stage_layout
+from shardax.precision import Policy
+
+__all__ = ["fsdp_value_and_grad", "logits", "loss", "ring_attend", "training_loss"]
+
+
+def _identity(logits: jax.Array) -> jax.Array:
+    return logits
+
+
+def logits(model: LanguageModel, layout: Layout, tokens: jax.Array,
+           positions: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+           load_balanced: bool = False, return_aux: bool = False):
+    """Logits ``[b, s, vocab]`` (float32) of ``model`` under ``layout`` on the active mesh
+    (``(logits, aux)`` with ``return_aux``). ``load_balanced``: ``tokens``, ``positions`` and
+    ``segment_ids`` are in ``load_balance(., cp)`` order (then the logits are too).
+
+    Example::
+
+        out = logits(model, Layout(tp_mode="sync"), tokens)
+    """
+    run = _Run(model, layout, load_balanced)
+    x, extras = model.embed_inputs(tokens, positions, segment_ids)
+    if axis_size(PIPELINE_AXIS) > 1:
+        x, aux = run.pipeline(x, extras)
+    else:
+        x, aux = run.stack(x, extras)
+    out = model.head(x, *model.head_params())
+    return (out, aux) if return_aux else out
+
+
+def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.Array,
+         positions: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
+         load_balanced: bool = False, cast: Callable[[jax.Array], jax.Array] = _identity,
+         loss_weights: jax.Array | None = None, stack: Callable | None = None,
+         lookup: Callable | None = None, layer_gather: Callable | None = None
+         ) -> tuple[jax.Array, jax.Array]:
+    """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
+    ``cast(logits)`` and the model's auxiliary loss (an MoE's load balancing; 0 without one).
+    ``loss_weights`` [b, s]: each token's cross-entropy is multiplied by its weight before the
+    mean (``shardax.models.loss.chunked_cross_entropy``).
+
+    Explicit FSDP's hooks: ``stack(layer_fn, x)`` runs the layers instead of the scan or loop
+    (``layer_fn(layer_state, h)``, ``layer_state`` one slice of ``nnx.state(model.layers)``
+    when stacked, one item when listed); ``lookup(table, tokens)`` looks up the token
+    embeddings; ``layer_gather(layer_state)`` on a 'pp' mesh turns the parameters of one layer
+    as the pipeline stage slices them into the state the layer merges; the pipeline then
+    returns its outputs and the head and cross-entropy run after it (a loss region over 'pp'
+    nested in explicit FSDP's does not lower under differentiation in JAX 0.10:
+    https://github.com/jax-ml/jax/pull/26588).
+
+    Example::
+
+        ce, aux = loss(model, Layout(), tokens[:, :-1], tokens[:, 1:])
+    """
+    run = _Run(model, layout, load_balanced, cast)
+    x, extras = model.embed_inputs(tokens, positions, segment_ids, lookup=lookup)
+    piped = axis_size(PIPELINE_AXIS) > 1
+    if stack is not None and piped:
+        raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
+                         "pipeline; pass layer_gather")
+    if not piped or layer_gather is not None:
+        if piped:
+            x, aux = run.pipeline(x, extras, layer_gather=layer_gather)
+        else:
+            x, aux = run.stack(x, extras, stack)
+        return run.cross_entropy(x, targets, *model.head_params(), weights=loss_weights), aux
+    labels = _labels(targets, loss_weights)
+
+    def ce(out, labels, *head):
+        targets, weights = _unlabel(labels)
+        return run.cross_entropy(out[0], targets, *head, gather=False, weights=weights)
+
+    head = dict(loss_batch_args=(labels,), loss_args=model.head_params())
+    if layout.pp_schedule == "1f1b":  # it differentiates one scalar per microbatch
+        if model.has_aux:
+            raise ValueError(
+                "under the 1f1b pipeline schedule the gradient is taken inside the pipeline, "
+                "of one scalar: use training_loss (cross-entropy + aux weight x aux) for a "
+                "model with an auxiliary loss (a mixture of experts)")
+        return run.pipeline(x, extras, loss_fn=ce, **head), jnp.zeros((), jnp.float32)
+
+    def stage_loss(out, labels, *head):
+        aux = run.aux(out) if model.has_aux else jnp.float32(0)
+        return jnp.stack([ce(out, labels, *head), aux])
+
+    both = run.pipeline(x, extras, loss_fn=stage_loss, **head)
+    return both[0], both[1]
+
+
+def training_loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.Array,
+                  positions: jax.Array | None = None, **kwargs: Any
+                  ) -> tuple[jax.Array, jax.Array]:
+    """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
+    ``model.aux_weight`` times the auxiliary loss (the cross-entropy alone without one), and
+    the cross-entropy, to report. Arguments as for `loss`.
+
+    Under the '1f1b' schedule a model with an auxiliary loss needs this form: the pipeline
+    takes the gradient of one scalar per microbatch (the objective) and reports the
+    cross-entropy beside it, without gradient.
+
+    Example::
+
+        objective, ce = training_loss(model, Layout(), tokens[:, :-1], tokens[:, 1:])
+    """
+    if not (model.has_aux and axis_size(PIPELINE_AXIS) > 1 and layout.pp_schedule == "1f1b"
+            and kwargs.get("layer_gather") is None):
+        ce, aux = loss(model, layout, tokens, targets, positions, **kwargs)
+        return (ce + model.aux_weight * aux if model.has_aux else ce), ce
+    run = _Run(model, layout, kwargs.get("load_balanced", False), kwargs.get("cast", _identity))
+
+    def objective(out, labels, *head):
+        targets, weights = _unlabel(labels)
+        ce = run.cross_entropy(out[0], targets, *head, gather=False, weights=weights)
+        return ce + model.aux_weight * run.aux(out), ce
+
+    x, extras = model.embed_inputs(tokens, positions, kwargs.get("segment_ids"),
+                                   lookup=kwargs.get("lookup"))
+    return run.pipeline(x, extras, loss_fn=objective,
+                        loss_batch_args=(_labels(targets, kwargs.get("loss_weights")),),
+                        loss_args=model.head_params(), loss_has_aux=True)
+
+
+class _Run:
+    """One forward's choices: the block (tensor-parallel or the model's), the attention
+    (ring over 'cp' or the model's) and the output cast."""
+
+    def __init__(self, model: LanguageModel, layout: Layout, load_balanced: bool,
+                 cast: Callable = _identity):
+        self.model, self.layout, self.cast = model, layout, cast
+        self.block = block_fn(model, layout)
+        self.attend = ring_attend(load_balanced) if axis_size(CONTEXT_AXIS) > 1 else attention
+
+    def cross_entropy(self, x, targets, *head, gather=True, weights=None):
+        """Mean token cross-entropy from the final hidden states (times ``weights``), in
+        sequence chunks (never the whole [b, s, vocab] logits; see ``shardax.models.loss``)."""
+        return chunked_cross_entropy(lambda h: self.cast(self.model.head(h, *head)), x,
+                                     targets, weights=weights, gather=gather)
+
+    def aux(self, out):
+        """The auxiliary loss from the pipeline's outputs (summed over layers per row)."""
+        return jnp.mean(out[2]) / self.model.config.n_layers
+
+    def stack(self, x, extras, stack=None):
+        """The layer stack without a pipeline (through ``stack`` when given): ``(x, aux)``."""
+        model, c = self.model, self.model.config
+        if stack is None:
+            return run_blocks(model, x, extras, self.block, self.attend)
+        if getattr(c, "mixed_layers", False):
+            raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
+                             "(no global_every)")
+        graphdef = nnx.graphdef(model.layers if c.scan_layers else model.layers[0])
+
+        def layer_fn(state, h):
+            return self.block(nnx.merge(graphdef, state), h, extras, self.attend)[0]
+
+        if not model.has_aux:
+            return stack(layer_fn, x), jnp.zeros((), jnp.float32)
+
+        def aux_layer_fn(state, h):  # h: (x, the auxiliary losses so far)
+            y, a = self.block(nnx.merge(graphdef, state), h[0], extras, self.attend)
+            return y, h[1] + a
+
+        x, aux = stack(aux_layer_fn, (x, jnp.zeros((), jnp.float32)))
+        return x, aux / c.n_layers
+
+    def pipeline(self, x, extras, loss_fn=None, loss_batch_args=(), loss_args=(),
+                 loss_has_aux=False, layer_gather=None):
+        """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
+        stage), or with ``loss_fn`` what ``pipeline(loss_fn=...)`` returns, computed on the
+        output stage alone. Without ``loss_fn`` (logits only) '1f1b' runs as 'gpipe', the same
+        forward pass. The parameters stay in the sequential layer order (portable
+        checkpoints); ``to_stage_layout`` reorders them per step, which is free for gpipe and
+        ``V = 1`` and moves part of the stack between stages for circular ``V > 1``.
+
+        The auxiliary loss travels through the pipeline as one value per row (every row of a
+        microbatch holds that microbatch's loss), so ``aux`` is the mean over microbatches:
+        equal to the unpipelined loss when ``pp_microbatches == 1``. ``layer_gather``: applied
+        to each layer's parameters inside the stage (see `loss`)."""
+        model, c, lay = self.model, self.model.config, self.layout
+        if not c.scan_layers:
+            raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
+        v = lay.virtual_stages
+        graphdef, state = nnx.split(model.layers)
+        state = to_stage_layout(state, axis_size(PIPELINE_AXIS), v)
+        schedule = lay.pp_schedule if loss_fn is not None else ("circular" if v > 1 else "gpipe")
+        # 1f1b carries floating-point activations only (ids < 2**24 are exact in float32).
+        ints = {k for k, a in extras.items() if schedule == "1f1b" and isinstance(a, jax.Array)
+                and jnp.issubdtype(a.dtype, jnp.integer)}
+
+        def layer_fn(params, h):
+            if layer_gather is not None:
+                params = layer_gather(params)
+            ex = {k: a.astype(jnp.int32) if k in ints else a for k, a in h[1].items()}
+            y, aux = self.block(nnx.merge(graphdef, params), h[0], ex, self.attend)
+            return (y, h[1], h[2] + aux)
+
+        carried = {k: a.astype(jnp.float32) if k in ints else a for k, a in extras.items()}
+        h = (x, carried, jnp.zeros(x.shape[:1], jnp.float32))
+        # Every schedule stores each layer's input and recomputes the layer in the backward
+        # pass (what remat='full' asks for). A policy that saves more (save_dots, offload)
+        # applies on top; under 1f1b it can only save within one layer's recomputation.
+        policy = remat_policy(c.remat)
+        if schedule == "1f1b" and c.remat in ("none", "full"):
+            policy = None
+        out = pipeline(layer_fn, state, h, num_microbatches=lay.pp_microbatches,
+                       schedule=schedule, virtual_stages=v, remat=True,
+                       remat_policy=policy, loss_fn=loss_fn,
+                       loss_batch_args=loss_batch_args, loss_args=loss_args,
+                       loss_has_aux=loss_has_aux)
+        if loss_fn is not None:
+            return out
+        aux = self.aux(out) if model.has_aux else jnp.zeros((), jnp.float32)
+        return out[0], aux
+
+
+def ring_attend(load_balanced: bool) -> Callable:
+    """The models' attention function (``shardax.models.attention.attention``'s arguments)
+    as ring attention over 'cp'; ``load_balanced``: the sequence is in ``load_balance`` order.
+
+    Example::
+
+        attend = ring_attend(True)
+        out = attend(q, k, v, window=8, segment_ids=segs)
+    """
+
+    def ring(q, k, v, *, implementation=None, kv_mask=None, **masks):
+        del implementation  # the ring steps run the blockwise kernel
+        if kv_mask is not None:
+            raise ValueError("a kv_mask (decode padding) cannot run as ring attention over "
+                             "'cp'; decode without a 'cp' axis")
+        return ring_attention(q, k, v, load_balanced=load_balanced, **masks)
+
+    return ring
+
+
+def _labels(targets: jax.Array, weights: jax.Array | None) -> Any:
+    """What a pipeline stage's loss takes per row: the targets, with the loss weights if
+    any."""
+    return targets if weights is None else (targets, weights)
+
+
+def _unlabel(labels: Any) -> tuple:
+    """``(targets, weights)`` of `_labels`' result (weights None without them)."""
+    return labels if isinstance(labels, tuple) else (labels, None)
+
+
+def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
+                        inputs: jax.Array, targets: jax.Array, kwargs: dict[str, Any], *,
+                        param_rules: Any, policy: Policy, grad_accum: int = 1
+                        ) -> tuple[jax.Array, Any]:
+    """``(training loss, grads)`` of the model ``nnx.merge(graphdef, params, rest)`` under
+    explicit ZeRO-3 FSDP over 'fsdp' (HSDP over 'dp'): the stacked layers are gathered one at
+    a time (in the compute dtype) and their gradients reduce-scattered in float32; the other
+    parameters (embedding, head, final norm) are gathered once. ``kwargs``: the rest of
+    `training_loss`'s arguments for ``inputs`` and ``targets`` (positions, segment ids, loss
+    weights, ``load_balanced``), computed on the whole sequence. With a 'cp' axis the region
+    is manual over it too: each device holds its load-balanced piece of the sequence and ring
+    attention runs its body directly. With an 'ep' axis it splits the rows (experts' tokens)
+    too. ``layout.fsdp_recompute``: each layer is recomputed in the backward pass (that is
+    what frees its gathered parameters); a remat policy that saves more applies within it.
+
+    Example::
+
+        loss, grads = fsdp_value_and_grad(graphdef, params, rest, Layout(fsdp_mode="explicit"),
+                                          inputs, targets, {}, param_rules=rules,
+                                          policy=Policy())
+    """
+    if param_rules is None:
+        raise ValueError("fsdp_mode='explicit' needs param_rules (the parameters' sharding)")
+    model = nnx.merge(graphdef, params, rest)
+    if not isinstance(model, LanguageModel):
+        raise ValueError("fsdp_mode='explicit' needs a shardax language model "
+                         "(shardax.models.protocol)")
+    c = model.config
+    # An untied embedding table stays sharded: each device looks up its own columns of the
+    # tokens of its FSDP group and the rows move (embedding.lookup_manual), not the table. A
+    # tied one is gathered for the head anyway.
+    table = model.lookup_table
+    local = ("layers", table) if table else ("layers",)
+    # On a 'pp' mesh the layers reach the pipeline as shards, each gathered inside its stage.
+    piped = axis_size(PIPELINE_AXIS) > 1
+    table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
+    kwargs = dict(kwargs)
+    load_balanced = kwargs.pop("load_balanced", False)
+    names = tuple(kwargs)
+    # A remat policy that saves more than the layer's input (dots) applies within it.
+    keep = dict(policy=remat_policy(c.remat) if c.remat not in ("none", "full") else None,
+                reshard_after_forward=layout.fsdp_recompute or c.remat != "none")
+
+    def lookup(table, tokens):
+        if policy.compute is not None:
+            table = table.astype(policy.compute)
+        return embedding.lookup_manual(table, tokens, FSDP_AXIS, table_dim)
+
+    def loss_fn(gather, params, inputs, targets, *extras):
+        top = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: (leaf if piped and _key(path) == "layers" else
+                                gather.local(leaf) if _key(path) in local else gather(leaf)),
+            params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
+        model = nnx.merge(graphdef, top, rest)
+        layers = params["layers"]
+
+        def stack(layer_fn, x):
+            if c.scan_layers:
+                return fsdp.scan_layers(gather, layer_fn, layers, x, **keep)
+            return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
+                                    x, **keep)
+
+        hooks = dict(layer_gather=gather) if piped else dict(stack=stack)
+        return training_loss(model, layout, inputs, targets, cast=policy.cast_to_output,
+                             lookup=lookup if table else None, load_balanced=load_balanced,
+                             **dict(zip(names, extras)), **hooks)[0]
+
+    return fsdp.value_and_grad(
+        loss_fn, params, param_rules.apply(params), inputs, targets, *kwargs.values(),
+        batch_axes=("ep", "dp"), seq_axes=(CONTEXT_AXIS,) if axis_size(CONTEXT_AXIS) > 1 else (),
+        grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
+
+
+def _key(path) -> str:
+    """The first key of a tree path, as a string."""
+    k = path[0]
+    return str(getattr(k, "key", getattr(k, "name", k)))

@@ -1,0 +1,125 @@
+"""The protocol every shardax language model implements, and its plain one-device forward.
+
+A family subclasses `LanguageModel` and defines five things; `shardax.layout.forward` runs
+any such model on any layout (scan or loop, pipeline schedules, explicit FSDP, tensor and
+context parallelism) through them alone, as torchtitan's ``parallelize_*`` applies
+parallelism from outside the model:
+
+* ``embed_inputs(tokens, positions=None, segment_ids=None, *, lookup=None) -> (h, extras)``: the
+  residual stream ``[b, s, dim]`` in the compute dtype, and ``extras``, a dict of arrays with
+  the batch as leading dim that every block reads (RoPE tables, segment ids). ``lookup(table,
+  tokens)`` replaces the token-embedding lookup (explicit FSDP looks up its table shard).
+* ``layers``: the layer stack (stacked on a leading 'layers' axis, or an ``nnx.List``).
+* ``block(layer, h, extras, attend=attention) -> (h, aux)``: one layer; ``aux`` its
+  auxiliary loss (a mixture of experts' load balancing; 0 otherwise); ``attend`` the attention
+  function (the layout passes ring attention on a 'cp' mesh).
+* ``head_params() -> tuple`` and ``head(h, *head_params) -> logits`` (float32): the final norm
+  and vocabulary projection, from explicit parameters (a pipeline's output stage receives them).
+* ``has_aux`` / ``aux_weight``: whether blocks return an auxiliary loss, and its weight in the
+  training objective.
+
+Example::
+
+    model = Llama(CONFIGS['llama-tiny'], nnx.Rngs(0))
+    objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.models._layers import run_layers
+from shardax.models.attention import attention
+from shardax.models.loss import chunked_cross_entropy
+
+__all__ = ["LanguageModel", "run_blocks"]
+
+
+class LanguageModel(nnx.Module):
+    """Base of the model families: the plain forward on the protocol (see the module)."""
+
+    config: Any
+    layers: Any
+    #: whether ``block`` returns an auxiliary loss to add to the objective
+    has_aux: bool = False
+    aux_weight: float = 0.0
+    #: the parameter ``embed_inputs`` alone reads the token embeddings from (None when the
+    #: head shares it): explicit FSDP looks tokens up in its shard instead of gathering it
+    lookup_table: str | None = None
+
+    def embed_inputs(self, tokens: jax.Array, positions: jax.Array | None = None,
+              segment_ids: jax.Array | None = None, *, lookup: Callable | None = None
+              ) -> tuple[jax.Array, dict[str, Any]]:
+        raise NotImplementedError
+
+    def block(self, layer: nnx.Module, h: jax.Array, extras: dict[str, Any],
+              attend: Callable = attention) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError
+
+    def head_params(self) -> tuple:
+        raise NotImplementedError
+
+    def head(self, h: jax.Array, *head_params: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                 segment_ids: jax.Array | None = None, return_aux: bool = False):
+        """Logits ``[b, s, vocab]`` (float32); with ``return_aux``, ``(logits, aux)``, ``aux``
+        the auxiliary loss averaged over layers (0 without one). ``segment_ids`` [b, s] (ints
+        >= 0): packed documents; a token attends only within its segment."""
+        x, aux = self.hidden(tokens, positions, segment_ids)
+        logits = self.head(x, *self.head_params())
+        return (logits, aux) if return_aux else logits
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(h, aux)``: the last layer's output (before the head) and the mean auxiliary
+        loss, through the scan or loop of ``config.scan_layers`` under ``config.remat``."""
+        x, extras = self.embed_inputs(tokens, positions, segment_ids)
+        return run_blocks(self, x, extras, self.block)
+
+    def training_loss(self, tokens: jax.Array, targets: jax.Array,
+                      positions: jax.Array | None = None, *,
+                      segment_ids: jax.Array | None = None,
+                      cast: Callable[[jax.Array], jax.Array] = lambda logits: logits,
+                      loss_weights: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``(objective, cross-entropy)`` on one device: the mean token cross-entropy of
+        ``targets`` under ``cast(logits)`` (each token times its ``loss_weights`` [b, s]) plus
+        ``aux_weight`` times the auxiliary loss, and the cross-entropy alone. On a mesh,
+        `shardax.layout.forward.training_loss` runs the same under a layout.
+
+        Example::
+
+            objective, ce = model.training_loss(tokens[:, :-1], tokens[:, 1:])
+        """
+        x, aux = self.hidden(tokens, positions, segment_ids)
+        head = self.head_params()
+        # In sequence chunks: the whole [b, s, vocab] logits never exist (models.loss).
+        ce = chunked_cross_entropy(lambda h: cast(self.head(h, *head)), x, targets,
+                                   weights=loss_weights)
+        return (ce + self.aux_weight * aux if self.has_aux else ce), ce
+
+
+def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block: Callable,
+               attend: Callable = attention) -> tuple[jax.Array, jax.Array]:
+    """``(h, aux)``: ``block(layer, h, extras, attend)`` through ``model.layers`` (scan or
+    loop, ``config.scan_layers``) under ``config.remat``; ``aux`` the auxiliary losses'
+    mean over layers (0 without them)."""
+    c = model.config
+    if not model.has_aux:
+        x = run_layers(model.layers, x, lambda layer, h: block(layer, h, extras, attend)[0],
+                       c.scan_layers, c.remat)
+        return x, jnp.zeros((), jnp.float32)
+
+    def call(layer, h):
+        y, a = block(layer, h[0], extras, attend)
+        return y, h[1] + a
+
+    x, aux = run_layers(model.layers, (x, jnp.zeros((), jnp.float32)), call,
+                        c.scan_layers, c.remat)
+    return x, aux / c.n_layers
