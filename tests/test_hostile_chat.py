@@ -15,16 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli_errors import DRIVER, _env
+from _cli import cli_env
+from test_cli_errors import DRIVER
 from test_hostile_input import FIXTURE, one_line_error
 
 pytest.importorskip("jinja2")  # chat templates: extra "hf"
 pytest.importorskip("tokenizers")
 
+from shardax.errors import UsageError  # noqa: E402
 from shardax.filecheck import parse_json  # noqa: E402
 from shardax.train import readers  # noqa: E402
 from shardax.train.chat import ChatTemplate, read_chats  # noqa: E402
-from shardax.train.config import UsageError  # noqa: E402
 from shardax.train.configfile import load_file  # noqa: E402
 from shardax.train.rundir import load_run_config  # noqa: E402
 from shardax.train.tokenizer import load_tokenizer  # noqa: E402
@@ -101,7 +102,7 @@ def cli(tmp_path_factory):
         ["generate", "--from", f"hf:{model}", "--prompt", "x"],
         [f"{model}/tokenizer_config.json: not valid JSON (nested too deeply)"])
     argvs = [[str(a) for a in argv] for argv, _ in cases.values()]
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=_env(),
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=cli_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]  # a traceback would end up here
     out = json.loads(proc.stdout.strip().splitlines()[-1])
