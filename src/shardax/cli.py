@@ -310,16 +310,17 @@ def _pipeline(command: _Command, name: str, argv: list[str]) -> int:
 
 
 def _resumed_run(args: list[str]) -> str | None:
-    """The run directory that ``--resume --out RUN`` among ``args`` continues, if it keeps a
+    """The run directory that ``--resume [--out RUN]`` among ``args`` continues, if it keeps a
     config.json (its settings are then the defaults that the flags override)."""
+    from shardax.train.config import TrainConfig
     from shardax.train.rundir import CONFIG_FILE
 
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--out", default=None)
+    pre.add_argument("--out", default=TrainConfig.out)
     pre.add_argument("--resume", action="store_true")
     pre.add_argument("--no-resume", dest="resume", action="store_false")
     known, _ = pre.parse_known_args(args)
-    if not known.resume or known.out is None:
+    if not known.resume:
         return None
     path = Path(known.out) / CONFIG_FILE
     return known.out if path.exists() or path.is_symlink() else None
