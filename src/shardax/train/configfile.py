@@ -17,7 +17,7 @@ from typing import Any
 
 from shardax.errors import UsageError
 from shardax.filecheck import parse_json, read_text
-from shardax.train.config import coerce, hints
+from shardax.train.config import TrainConfig, coerce, hints
 
 __all__ = ["SECTIONS", "from_dict", "load_file"]
 
@@ -112,8 +112,6 @@ def _flatten(values: dict[str, Any], where: str) -> dict[str, Any]:
     """The settings of a flat or sectioned file as one flat mapping: a mapping value is a
     section of `SECTIONS` whose keys are `TrainConfig` fields (``data`` is a section when it
     is a mapping, the field when it is a list)."""
-    from shardax.train.config import TrainConfig
-
     fields, flat = hints(TrainConfig), {}
     for name, value in values.items():
         if isinstance(value, dict):
