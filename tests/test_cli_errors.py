@@ -100,6 +100,16 @@ def _make_fixtures(root: Path) -> dict[str, str]:
     path("run.yaml").write_text("steps: 50\nbatch_size: 8\nmesh: dp=2,fsdp=-1\n"
                                 "data: [a.txt, b.txt]\nresume: false\n")
     path("run.toml").write_text('steps = 50\nbatch-size = 8\nlr = 0.01\n')
+    # The same settings as run.toml and run.yaml, in torchtitan-style sections.
+    path("sectioned.toml").write_text('[training]\nsteps = 50\nbatch-size = 8\n'
+                                      '[optimizer]\nlr = 0.01\n')
+    path("sectioned.yaml").write_text("training: {steps: 50, batch_size: 8}\n"
+                                      "parallelism:\n  mesh: dp=2,fsdp=-1\n"
+                                      "data: {data: [a.txt, b.txt]}\nresume: false\n")
+    path("bad_section.toml").write_text("[trainig]\nsteps = 10\n")
+    path("bad_section_key.toml").write_text("[training]\nsteps = 10\nwarmup = 3\n")
+    path("both_batches.toml").write_text("batch_size = 8\n[training]\n"
+                                         "per_device_batch_size = 1\n")
     path("bad.yaml").write_text("steps: [1, 2\n")
     path("unknown.toml").write_text("steps = 10\nwarmup = 3\n")
     path("typo.yaml").write_text("steps: ten\n")
@@ -204,6 +214,16 @@ CASES = [
     ("plan latency -1", ["plan", "--collective-latency-us", "-1"],
      ["--collective-latency-us -1"]),
     ("unknown command", ["trian"], ["trian", "train"]),
+    ("unknown config section", ["train", "--config", "{bad_section.toml}"],
+     ["{bad_section.toml}", "[trainig]", "training"]),
+    ("unknown key in a config section", ["train", "--config", "{bad_section_key.toml}"],
+     ["{bad_section_key.toml}", "'warmup'", "[training]"]),
+    ("both batch sizes", ["train", "--batch-size", "8", "--per-device-batch-size", "1"],
+     ["--per-device-batch-size", "--batch-size"]),
+    ("both batch sizes in a config", ["train", "--config", "{both_batches.toml}"],
+     ["{both_batches.toml}", "per_device_batch_size", "batch_size"]),
+    ("per-device batch 0", ["train", "--per-device-batch-size", "0"],
+     ["--per-device-batch-size 0", ">= 1"]),
 ]
 
 
@@ -211,6 +231,10 @@ CASES = [
 PRINT_CONFIG = [
     ["train", "--config", "{run.yaml}", "--steps", "70", "--print-config"],
     ["train", "--config", "{run.toml}", "--resume", "--print-config"],
+    ["train", "--config", "{run.toml}", "--print-config"],
+    ["train", "--config", "{sectioned.toml}", "--print-config"],
+    ["train", "--config", "{run.yaml}", "--print-config"],
+    ["train", "--config", "{sectioned.yaml}", "--print-config"],
 ]
 
 
@@ -265,7 +289,7 @@ def test_the_shardax_entry_point_prints_one_line(args, needle, tmp_path):
 
 
 def test_config_file_flags_override_and_print_config(results):
-    yaml_run, toml_run = results[4]
+    yaml_run, toml_run = results[4][:2]
     for r in (yaml_run, toml_run):
         assert r["code"] == 0 and not r["err"] and not r["backend"], r
     printed = json.loads(yaml_run["out"])
@@ -276,6 +300,23 @@ def test_config_file_flags_override_and_print_config(results):
     printed = json.loads(toml_run["out"])
     assert (printed["batch_size"], printed["lr"], printed["resume"]) == (8, 0.01, True)
     # --print-config trains nothing: test_bad_command_lines_touch_no_file
+
+
+def test_a_sectioned_config_file_equals_the_flat_one(results):
+    flat_toml, sectioned_toml, flat_yaml, sectioned_yaml = results[4][2:]
+    for r in results[4][2:]:
+        assert r["code"] == 0 and not r["err"], r
+    assert sectioned_toml["out"] == flat_toml["out"]
+    assert sectioned_yaml["out"] == flat_yaml["out"]
+    assert json.loads(sectioned_toml["out"])["lr"] == 0.01
+
+
+def test_every_setting_has_a_config_section():
+    from shardax.train.config import TrainConfig, hints
+    from shardax.train.configfile import SECTIONS
+
+    placed = [k for keys in SECTIONS.values() for k in keys]
+    assert sorted(placed) == sorted(hints(TrainConfig)), "each field in exactly one section"
 
 
 def test_help_and_launch_need_only_the_core_install(tmp_path):

@@ -8,7 +8,9 @@ runs are tiny (llama-tiny, 8 x 32 tokens). Signals go to real ``python -m sharda
 subprocesses, as a scheduler or a user would send them.
 """
 
+import dataclasses
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from _cli import cli_command, cli_env, committed_steps, read_metrics, wait_for_line
+from _cli import cli_command, cli_env, committed_steps, read_metrics, run_cli, wait_for_line
 from _reference import TINY_TRAIN
 
 from shardax.cli import main
@@ -133,6 +135,33 @@ def test_resume_step_picks_an_older_checkpoint(reference, tmp_path):
     assert sorted(p.name for p in (out / SET_ASIDE_DIR).iterdir()) == ["6"]  # kept, not lost
 
 
+def test_resume_takes_every_setting_from_the_run_and_flags_override_only_themselves(
+        reference, tmp_path, capsys):
+    # As users meet it: `--out RUN --resume` alone continues with the run's own batch size,
+    # sequence length, optimizer and lr (none of them TrainConfig's defaults).
+    out = _copy(reference, tmp_path / "run")
+    for step in ("4", "6"):
+        shutil.rmtree(out / "checkpoints" / step)
+    done = run_cli("train", "--out", out, "--resume", timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for key in ("loss", "grad_norm"):
+        assert _series(read_metrics(out), key) == _series(reference[1], key), key
+    # A flag given overrides that setting alone (in-process: the subprocess above showed the
+    # command line); the schedule change is said.
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--steps", "7", "--lr", "0.01",
+                 "--print-config"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert {k: config[k] for k in ("steps", "lr", "batch_size", "seq_len", "optimizer")} == {
+        "steps": 7, "lr": 0.01, "batch_size": 8, "seq_len": 32, "optimizer": "sgd"}
+    assert main(["train", "--out", str(out), "--resume", "--steps", "7", "--lr", "0.01"]) == 0
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    assert "--lr 0.01 (was 0.03)" in said and "changes the learning-rate schedule" in said, said
+    assert committed_steps(out)[-1] == 7
+    assert json.loads((out / "config.json").read_text())["batch_size"] == 8
+
+
 def test_a_single_step_run(tmp_path):
     # `--steps 1` used to fail building adamw's schedule (warm-up 1 + decay over 0 steps).
     tx = make_optimizer("adamw", 3e-3, steps=1, warmup=0)
@@ -143,6 +172,21 @@ def test_a_single_step_run(tmp_path):
     records = train(_config(out, steps=1, ckpt_every=100))
     assert [r["step"] for r in records] == [1] and "val_loss" in records[0]
     assert committed_steps(out) == [1]
+
+
+def test_per_device_batch_size_equals_the_matching_global_batch(reference, tmp_path, capsys):
+    # 1 sequence per data-parallel device on 8 devices: the reference's global batch of 8.
+    out = tmp_path / "run"
+    config = dataclasses.replace(_config(out, steps=2, ckpt_every=100),
+                                 batch_size=TrainConfig.batch_size, per_device_batch_size=1)
+    capsys.readouterr()
+    records = train(config)
+    said = capsys.readouterr().out
+    assert re.search(r"batch: --per-device-batch-size 1 x data-parallel 8 \(.*\) = global "
+                     r"batch 8", said), said
+    assert _series(records) == {k: v for k, v in _series(reference[1]).items() if k <= 2}
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["batch_size"], saved["per_device_batch_size"]) == (8, None)
 
 
 def test_unreadable_data_is_one_line(tmp_path, monkeypatch, capsys):

@@ -168,8 +168,9 @@ def _train_args():
 
         run: Annotated[TrainConfig, tyro.conf.arg(name="")]
         config: Path | None = None
-        """a .yaml, .toml or .json file of settings (keys as below: batch_size: 8); flags
-        override it"""
+        """a .yaml, .toml or .json file of settings (keys as below: batch_size: 8), flat or in
+        sections ([model], [training], [optimizer], [parallelism], [data], [checkpoint],
+        [metrics]); flags override it"""
         print_config: tyro.conf.FlagCreatePairsOff[bool] = False
         """print the effective config as JSON and exit"""
         devices: int = 8
@@ -308,15 +309,46 @@ def _pipeline(command: _Command, name: str, argv: list[str]) -> int:
     return command.run(args, run_dir)
 
 
+def _resumed_run(args: list[str]) -> str | None:
+    """The run directory that ``--resume [--out RUN]`` among ``args`` continues, if it keeps a
+    config.json (its settings are then the defaults that the flags override)."""
+    from shardax.train.config import TrainConfig
+    from shardax.train.rundir import CONFIG_FILE
+
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--out", default=TrainConfig.out)
+    pre.add_argument("--resume", action="store_true")
+    pre.add_argument("--no-resume", dest="resume", action="store_false")
+    known, _ = pre.parse_known_args(args)
+    if not known.resume:
+        return None
+    path = Path(known.out) / CONFIG_FILE
+    return known.out if path.exists() or path.is_symlink() else None
+
+
 def _train_defaults(argv: list[str]) -> Any:
-    """The flags of ``train`` and ``plan`` start from: the defaults, or the ``--config``
-    file's."""
+    """The flags of ``train`` and ``plan`` start from: the defaults, the ``--config`` file's,
+    or (``--resume --out RUN`` without ``--config``) the run's own ``config.json``: flags given
+    override only what they name, and `check_resume` checks them as for any resume."""
     from shardax.train.config import TrainConfig  # lazy: the train extra (see the docstring)
     from shardax.train.configfile import from_dict, load_file
+    from shardax.train.rundir import load_run_config
 
-    path = _config_file(argv)
-    run = TrainConfig() if path is None else from_dict(TrainConfig, load_file(path),
-                                                       where=f"--config {path}: ")
+    path, resumed = _config_file(argv), _resumed_run(argv)
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    if {"--batch-size", "--per-device-batch-size"} <= given:
+        raise _Usage("--per-device-batch-size and --batch-size: give one of them (the global "
+                     "batch is the per-device batch times the data-parallel size)")
+    if path is not None:
+        values = load_file(path)
+        if {"batch_size", "per_device_batch_size"} <= values.keys():
+            raise _Usage(f"--config {path}: per_device_batch_size and batch_size: give one of "
+                         "them")
+        run = from_dict(TrainConfig, values, where=f"--config {path}: ")
+    elif resumed is not None:  # a --resume-step of an earlier resume is not this one's
+        run = dataclasses.replace(load_run_config(resumed), resume_step=None)
+    else:
+        run = TrainConfig()
     return {"run": run}
 
 

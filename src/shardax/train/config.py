@@ -98,6 +98,10 @@ class TrainConfig:
     """train until this step (a resumed run may raise it)"""
     batch_size: int = 16
     """sequences per step (global, over all devices and processes)"""
+    per_device_batch_size: int | None = None
+    """sequences per step per data-parallel device, instead of --batch-size (MaxText's
+    per_device_batch_size): the global batch is this times the mesh's data-parallel size (the
+    product of the axes the batch is split over, e.g. dp x fsdp)"""
     seq_len: int = 128
     """tokens per sequence"""
     lr: float | None = None
@@ -168,7 +172,8 @@ class TrainConfig:
     newest checkpoint keeps finite weights), skip (that step's update is skipped and counted
     as skipped_steps), continue (train on; the last checkpoint with finite weights is kept)"""
     resume: bool = False
-    """continue from the newest good checkpoint in --out (any --mesh)"""
+    """continue from the newest good checkpoint in --out (any --mesh), with the run's own
+    settings (its config.json; flags given override only themselves)"""
     resume_step: int | None = None
     """with --resume: continue from this checkpoint step instead of the newest good one"""
     log_every: int = 10
@@ -416,6 +421,8 @@ def check(config: TrainConfig) -> TrainConfig:
     for name in _POSITIVE:
         value = getattr(config, name)
         _usage(value >= 1, f"{flag(name)} {value}: must be >= 1")
+    _usage(config.per_device_batch_size is None or config.per_device_batch_size >= 1,
+           f"--per-device-batch-size {config.per_device_batch_size}: must be >= 1")
     _usage(config.microbatches >= 0,
            f"--microbatches {config.microbatches}: must be >= 0 (0: the 'pp' size)")
     _usage(config.eval_every >= 0, f"--eval-every {config.eval_every}: must be >= 0 (0: never)")

@@ -71,6 +71,10 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
         config = check(config)
         run_dir = check_run_dir(config)
     run = resolve(config)
+    saved = run_dir.saved
+    if config.resume and saved is not None and run.config.batch_size != saved.batch_size:
+        raise UsageError(f"--resume: {run.batch_why} differs from the run being resumed "
+                         f"(--batch-size {saved.batch_size})")  # see check_resume
     return Prepared(run, run_dir, prepare_inputs(run, run_dir))
 
 
@@ -187,6 +191,8 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
           f"{run.mesh.shape}, rules {config.rules!r}, precision {run.policy}")
     if run.mesh_why:
         print(f"mesh: {run.mesh_why}")
+    if run.batch_why:
+        print(f"batch: {run.batch_why}")
     print(_tokenizer_summary(p))
     print(run.optimizer_summary())
     lora = run.model_config.lora

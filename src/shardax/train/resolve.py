@@ -380,6 +380,8 @@ class Resolved:
     fsdp_why: str = ""
     #: how ``--mesh ...fsdp=-1`` was fitted to the model, for the banner ("": as inferred)
     mesh_why: str = ""
+    #: how ``--per-device-batch-size`` gave the global batch, for the banner ("": not used)
+    batch_why: str = ""
 
     @property
     def fsdp_mode(self) -> str:
@@ -468,6 +470,40 @@ def _bubble(mesh_shape: dict[str, int], lay: Layout) -> float:
     return bubble_fraction(lay.pp_schedule, pp, lay.pp_microbatches, lay.virtual_stages)
 
 
+def _batch_axes(rules: LogicalAxisRules, mesh: MeshShardingHelper) -> tuple[str, ...]:
+    """The mesh axes the 'batch' rule splits the rows over."""
+    spec = rules.spec_for(("batch",), mesh.mesh)[0]
+    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+
+def global_batch(config: TrainConfig, mesh: MeshShardingHelper, model_config: Any
+                 ) -> tuple[TrainConfig, str]:
+    """``config`` with ``--per-device-batch-size N`` turned into the global ``--batch-size``:
+    N times the data-parallel size, the product of the mesh axes the 'batch' rule splits the
+    rows over (MaxText's ``per_device_batch_size``); and that sum in words, for the banner.
+    The config keeps the global batch only, so a resume on another mesh keeps the data.
+
+    >>> from shardax.train.config import check
+    >>> config = check(TrainConfig(per_device_batch_size=2, mesh="dp=2,fsdp=2,tp=2"))
+    >>> global_batch(config, make_mesh(config.mesh), models.get_config("llama-tiny"))[1]
+    '--per-device-batch-size 2 x data-parallel 4 (dp=2 x fsdp=2) = global batch 8'
+    """
+    n = config.per_device_batch_size
+    # The batch rule does not depend on the batch size: any size the mesh divides finds it.
+    probe = dataclasses.replace(config, batch_size=n * math.prod(mesh.shape.values())
+                                * config.grad_accum * max(config.microbatches, 1))
+    try:
+        _, _, rule_list = _layout(probe, mesh.shape, model_config)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    axes = _batch_axes(LogicalAxisRules(rule_list), mesh)
+    split = math.prod(mesh.shape[a] for a in axes)
+    parts = " x ".join(f"{a}={mesh.shape[a]}" for a in axes) or "no batch axis"
+    why = (f"--per-device-batch-size {n} x data-parallel {split} ({parts}) = global batch "
+           f"{n * split}")
+    return dataclasses.replace(config, batch_size=n * split, per_device_batch_size=None), why
+
+
 def resolve(config: TrainConfig, device_memory: float | None = None, *,
             weights: bool = True) -> Resolved:
     """The run a checked config asks for on this machine's devices: mesh, rules, model config,
@@ -484,6 +520,9 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     base = model_config(config, policy, init_dir, weights=weights)
     tx, schedule = optimizer(config)
     mesh, mesh_why = _fit_fsdp(config, mesh, base, tx)
+    batch_why = ""
+    if config.per_device_batch_size is not None:
+        config, batch_why = global_batch(config, mesh, base)
     try:
         model, lay, rule_list = _layout(config, mesh.shape, base)
     except ValueError as e:
@@ -493,8 +532,7 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
                                      lay)  # UsageError if it cannot run
     lay = dataclasses.replace(lay, fsdp_mode=mode, fsdp_recompute=recompute)
     rules = LogicalAxisRules(rule_list)
-    spec = rules.spec_for(("batch",), mesh.mesh)[0]
-    batch_axes = (spec,) if isinstance(spec, str) else tuple(spec or ())
+    batch_axes = _batch_axes(rules, mesh)
     batch_split = math.prod(mesh.shape[a] for a in batch_axes)
     micro = lay.pp_microbatches if mesh.shape.get("pp", 1) > 1 else 1
     if config.batch_size % (batch_split * config.grad_accum * micro):
@@ -509,4 +547,4 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
         config=config, mesh=mesh, rules=rules, model_config=model, layout=lay, policy=policy,
         tx=tx, schedule=schedule, batch_axes=batch_axes, batch_split=batch_split,
         microbatches=micro, bubble=_bubble(mesh.shape, lay), init_dir=init_dir, fsdp_why=why,
-        mesh_why=mesh_why)
+        mesh_why=mesh_why, batch_why=batch_why)

@@ -139,7 +139,10 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
         raise UsageError(
             f"--resume: the run was trained on mesh {saved.mesh!r}; a run with a 'pp' axis "
             "keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
-    changed = [k for k in FIXED_ON_RESUME if getattr(saved, k) != getattr(config, k)]
+    # --per-device-batch-size gives the global batch once the mesh is known: `resolve` then
+    # checks it against the run's (`check_batch`).
+    changed = [k for k in FIXED_ON_RESUME if getattr(saved, k) != getattr(config, k)
+               and not (k == "batch_size" and config.per_device_batch_size is not None)]
     if changed:
         raise UsageError("--resume: these settings differ from the run being resumed: " +
                          ", ".join(f"{flag(k)} {getattr(config, k)!r} (was {getattr(saved, k)!r})"
