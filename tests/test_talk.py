@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from types import SimpleNamespace
 
 import jax
@@ -16,7 +17,7 @@ from shardax.plan.search import _fold
 from shardax.train.build import abstract
 from shardax.train.config import TrainConfig
 from shardax.train.loop import axis_findings
-from shardax.train.report import fit
+from shardax.train.report import Progress, fit, phase
 from shardax.train.resolve import resolve
 
 FLAGS = ["--model", "llama-tiny", "--batch-size", "8", "--seq-len", "16"]
@@ -93,3 +94,17 @@ def test_variants_of_one_layout_fold_into_it():
     ranked = [est(), est(attention="xla"), est(remat="none"), est(scan_layers=True)]
     kept, variants = _fold(ranked)
     assert kept == [ranked[0], ranked[2]] and variants == [[ranked[1], ranked[3]], []]
+
+
+def test_a_slow_step_and_a_slow_phase_still_show_time_moving(capsys):
+    with Progress(3, 0, every=0.2) as progress:
+        time.sleep(0.5)  # the first step, slower than the heartbeat
+        progress.update(1)
+    with phase("loading", every=0.2):
+        time.sleep(0.5)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step 1/3 still running (the first one compiles the step): ")
+    start = lines.index("shardax train: loading ...")
+    assert all(line.startswith("step 1/3 still running") for line in lines[:start])
+    assert "shardax train: loading ... 0 s so far" in lines[start + 1:-1]
+    assert re.fullmatch(r"shardax train: loading \.\.\. 0\.\d s", lines[-1])
