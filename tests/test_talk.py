@@ -50,7 +50,7 @@ def _findings(**flags) -> list[str]:
 
 def test_the_findings_name_a_wasted_axis_and_none_for_a_well_ruled_mesh():
     assert len(jax.devices()) == 8
-    assert _findings(mesh="fsdp=4,tp=2") == []
+    assert _findings() == [] and _findings(mesh="fsdp=4,tp=2") == []
     idle = _findings(mesh="fsdp=4,tp=2", rules="fsdp")
     assert idle == ["mesh axis 'tp' (size 2) splits neither the batch, the sequence, the "
                     "layers nor the MLP under --rules 'fsdp': its devices repeat the same "
