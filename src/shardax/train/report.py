@@ -130,7 +130,8 @@ class Progress:
         self.bar = Progress(TextColumn("train"), BarColumn(bar_width=20), MofNCompleteColumn(),
                             TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                             console=self.console, disable=not self.console.is_terminal)
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.task = self.bar.add_task("train", total=total, completed=start,
+                                      info="first step (it compiles) ...")
         self.total, self.step, self.first = total, start, True
         self.beat: _Beat | None = None
         if not self.console.is_terminal and jax.process_index() == 0:
