@@ -25,7 +25,7 @@ from shardax.plan.estimate import (
     train_command,
     usable_bytes,
 )
-from shardax.plan.search import DEFAULT_CACHE, search
+from shardax.plan.search import DEFAULT_CACHE, layout_text, search
 from shardax.train.config import TrainConfig
 from shardax.train.resolve import resolve
 
@@ -121,7 +121,9 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
                         pipeline=args.pipeline)
         print(f"searched {result.enumerated} layouts on {jax.device_count()} devices in "
               f"{result.seconds:.0f} s: {result.pruned_memory} over {hbm / 2**30:.1f} GiB "
-              f"by formula, {result.compiled} compiled ({result.cached} from the cache), "
+              f"by formula ({result.pruned_memory - result.pruned_calibrated} before "
+              f"compiling, {result.pruned_calibrated} once compiled peaks corrected it), "
+              f"{result.compiled} compiled ({result.cached} from the cache), "
               f"{result.over_hbm} over by compiled memory, {len(result.failed)} refused, "
               f"{result.skipped_budget} left out of the time budget")
         for reason in result.failed:
@@ -132,9 +134,12 @@ def run_plan(config: TrainConfig, args: PlanConfig) -> int:
             for est in result.closest_over:
                 print(f"  closest: {est.compiled.peak_bytes / 2**30:.1f} GiB peak: "
                       f"{train_command(est.config)}")
-        for rank, est in enumerate(result.ranked, 1):
+        for rank, (est, variants) in enumerate(zip(result.ranked, result.variants), 1):
             print(f"\n#{rank}  estimated {seconds(est.step_s)} per step, peak "
                   f"{est.compiled.peak_bytes / 2**30:.2f} GiB per device\n{est.summary()}")
+            for other in variants:  # the same layout run another way: folded into it
+                print(f"  variant: {layout_text(other.config)}: {seconds(other.step_s)} per "
+                      f"step, peak {other.compiled.peak_bytes / 2**30:.2f} GiB")
         payload = result.to_dict()
     else:
         est = plan_config(config, device, hbm)

@@ -43,7 +43,7 @@ from shardax.utils import human_bytes as _human
 
 __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",
            "compile_config", "estimate", "hidden_seconds", "plan_config", "remat_factor",
-           "seconds", "train_command", "usable_bytes", "work_split"]
+           "seconds", "train_command", "usable_bytes", "work_axes", "work_split", "idle_axes"]
 
 # Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
 STEP_FIELDS = ("model", "init_from", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
@@ -259,16 +259,34 @@ def _names_factor(c: Any, policy: str, seq_len: int) -> float:
     return 1.0 + redone / total / 3.0  # forward is a third of forward + backward
 
 
-def work_split(run: Resolved) -> int:
-    """Over how many devices one step's FLOPs are divided: the axes that split the batch,
-    'cp' (the sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it.
-    Axes that split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
-    shape = run.mesh.shape
-    axes = set(run.batch_axes) | ({"cp", "pp"} & set(shape))
+def work_axes(run: Resolved) -> set[str]:
+    """The mesh axes that divide one step's FLOPs: those that split the batch, 'cp' (the
+    sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it. Axes that
+    split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
+    axes = set(run.batch_axes) | ({"cp", "pp"} & set(run.mesh.shape))
     mlp = run.rules.spec_for(("mlp",), run.mesh.mesh)[0]
     if mlp == "tp" or (isinstance(mlp, tuple) and "tp" in mlp):
         axes.add("tp")
-    return math.prod(shape[a] for a in axes)
+    return axes
+
+
+def work_split(run: Resolved) -> int:
+    """Over how many devices one step's FLOPs are divided (the sizes of `work_axes`)."""
+    return math.prod(run.mesh.shape[a] for a in work_axes(run))
+
+
+def idle_axes(run: Resolved) -> list[str]:
+    """One line per mesh axis of size > 1 that divides no work (`work_axes`): its devices
+    repeat the same compute.
+
+    >>> idle_axes(resolve(TrainConfig(mesh="fsdp=4,tp=2", rules="fsdp")))[0][:29]
+    "mesh axis 'tp' (size 2) split"
+    """
+    used = work_axes(run)
+    return [f"mesh axis {axis!r} (size {size}) splits neither the batch, the sequence, the "
+            f"layers nor the MLP under --rules {run.config.rules!r}: its devices repeat the "
+            "same compute" for axis, size in run.mesh.shape.items()
+            if size > 1 and axis not in used]
 
 
 def compile_config(run: Resolved) -> Compiled:

@@ -56,8 +56,9 @@ from shardax.plan.estimate import (
 from shardax.train.config import TrainConfig
 from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
+from shardax.utils import human_bytes as _human
 
-__all__ = ["SearchResult", "candidates", "search", "analytic"]
+__all__ = ["SearchResult", "analytic", "candidates", "layout_text", "search"]
 
 log = logging.getLogger("shardax.plan")
 AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
@@ -85,15 +86,58 @@ class SearchResult:
     over_hbm: int
     failed: list[str] = field(default_factory=list)
     skipped_budget: int = 0
+    #: the part of ``pruned_memory`` found only once compiled peaks corrected the formula
+    pruned_calibrated: int = 0
     seconds: float = 0.0
     closest_over: list[Estimate] = field(default_factory=list)  # smallest peaks over the limit
+    #: per entry of ``ranked``: the slower variants of its layout (`VARIANT_FIELDS` differ)
+    variants: list[list[Estimate]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"ranked": [e.to_dict() for e in self.ranked], "enumerated": self.enumerated,
                 "pruned_memory": self.pruned_memory, "compiled": self.compiled,
                 "cached": self.cached, "over_hbm": self.over_hbm, "failed": self.failed,
                 "skipped_budget": self.skipped_budget, "seconds": self.seconds,
-                "closest_over": [e.to_dict() for e in self.closest_over]}
+                "pruned_calibrated": self.pruned_calibrated,
+                "closest_over": [e.to_dict() for e in self.closest_over],
+                "variants": [[e.to_dict() for e in v] for v in self.variants]}
+
+
+# How one layout runs rather than what it is: candidates that differ only in these are
+# variants of one layout, listed folded into its best one.
+VARIANT_FIELDS = ("attention", "scan_layers")
+
+
+def layout_text(config: TrainConfig | dict[str, Any]) -> str:
+    """One candidate in a line: mesh, rules, remat, accumulation, schedule and the variant
+    fields.
+
+    >>> layout_text(TrainConfig(mesh="fsdp=8", rules="fsdp", remat="full"))
+    'fsdp=8 --rules fsdp --remat full --grad-accum 1 --attention auto --scan-layers False'
+    """
+    c = config if isinstance(config, dict) else dataclasses.asdict(config)
+    text = (f"{c['mesh']} --rules {c['rules']} --remat {c['remat']} --grad-accum "
+            f"{c['grad_accum']}")
+    if "pp=" in c["mesh"]:
+        text += f" --pp-schedule {c['pp_schedule']} --microbatches {c['microbatches']}"
+    return text + "".join(f" --{k.replace('_', '-')} {c[k]}" for k in VARIANT_FIELDS)
+
+
+def _fold(ranked: list[Estimate]) -> tuple[list[Estimate], list[list[Estimate]]]:
+    """``ranked`` with the variants of one layout folded into its first (fastest) entry."""
+    firsts: dict[tuple, int] = {}
+    out: list[Estimate] = []
+    variants: list[list[Estimate]] = []
+    for est in ranked:
+        key = tuple(sorted((k, str(v)) for k, v in est.config.items()
+                           if k not in VARIANT_FIELDS))
+        if key in firsts:
+            variants[firsts[key]].append(est)
+        else:
+            firsts[key] = len(out)
+            out.append(est)
+            variants.append([])
+    return out, variants
 
 
 def _factorizations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -377,7 +421,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     firsts = [i for i, (_, _, c) in enumerate(scored) if not (c.mesh in seen or seen.add(c.mesh))]
     order = [scored[i] for i in firsts + sorted(set(range(len(scored))) - set(firsts))]
     order.sort(key=lambda item: item[2] is not baseline)  # stable: the rest keep their order
-    log.info("search: %d layouts, %d over %.0f GiB by formula; compiling up to %d, "
+    log.info("search: %d layouts, %d over %.1f GiB by formula; compiling up to %d, "
              "analytically fastest first", len(every), pruned, hbm / 2**30, max_compiles)
     results: list[tuple[TrainConfig, Compiled]] = []
     failed: list[str] = []
@@ -386,9 +430,12 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     analytic_memory: dict[int, float] = {}
     resolved: dict[int, Resolved] = {}
 
-    def take(config: TrainConfig, compiled: Compiled) -> None:
+    def take(config: TrainConfig, compiled: Compiled, how: str = "compiled") -> None:
         nonlocal scale
         results.append((config, compiled))
+        log.info("  %s %d/%d: %s: peak %s per device (%s in %.1f s)", how, len(results),
+                 max_compiles, layout_text(config), _human(compiled.peak_bytes),
+                 "from the cache" if how == "cached" else "compiled", compiled.compile_s)
         scale = max(scale, compiled.peak_bytes / analytic_memory[id(config)])
 
     pending = iter(order)
@@ -417,7 +464,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
                 hit = _load(cache, _key(config, devices, resolved[id(config)]))
                 if hit is not None:
                     cached += 1
-                    take(config, hit)
+                    take(config, hit, "cached")
                 else:
                     workers.submit(config, usable)
             if not workers.running:
@@ -443,11 +490,13 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
         again.failed[:0] = failed
         again.seconds = time.perf_counter() - start
         return again
+    ranked, variants = _fold(fitting)
     return SearchResult(
-        ranked=fitting[:top] if top else fitting, enumerated=len(every),
+        ranked=ranked[:top] if top else ranked, enumerated=len(every),
         pruned_memory=pruned + calibrated, compiled=len(results) - cached, cached=cached,
         over_hbm=len(over), failed=failed, skipped_budget=skipped,
-        seconds=time.perf_counter() - start, closest_over=over[:3])
+        seconds=time.perf_counter() - start, closest_over=over[:3],
+        variants=variants[:top] if top else variants, pruned_calibrated=calibrated)
 
 
 def _baseline(configs: list[TrainConfig], devices: int) -> TrainConfig | None:
@@ -465,6 +514,7 @@ def _rank(est: Estimate) -> tuple[float, int, float]:
 def _collect(config: TrainConfig, fields: dict | None, error: str, take: Any,
              failed: list, cache: Path | None, key: str) -> None:
     if fields is None:
+        log.info("  could not compile %s: %s", layout_text(config), error)
         failed.append(f"{config.mesh} remat={config.remat} grad_accum={config.grad_accum}: "
                       f"{error}")
         return

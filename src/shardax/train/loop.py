@@ -34,6 +34,8 @@ from shardax.distributed import RESTART_ENV
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
+from shardax.plan.estimate import idle_axes
+from shardax.rulecheck import rule_findings
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
@@ -50,6 +52,7 @@ from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
 from shardax.train.stop import Stopped, StopRequests
 from shardax.train.tokenizer import BYTES
+from shardax.utils import tree_path_to_string
 
 __all__ = ["NonFinite", "Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
 
@@ -70,12 +73,14 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
     if run_dir is None:
         config = check(config)
         run_dir = check_run_dir(config)
-    run = resolve(config)
+    with report.phase("starting the backend and resolving the run"):
+        run = resolve(config)
     saved = run_dir.saved
     if config.resume and saved is not None and run.config.batch_size != saved.batch_size:
         raise UsageError(f"--resume: {run.batch_why} differs from the run being resumed "
                          f"(--batch-size {saved.batch_size})")  # see check_resume
-    return Prepared(run, run_dir, prepare_inputs(run, run_dir))
+    with report.phase("preparing the data and tokenizer"):
+        return Prepared(run, run_dir, prepare_inputs(run, run_dir))
 
 
 _note = partial(note, "train")  # also handed to the run lock, the NaN watch, the clean-up
@@ -210,6 +215,27 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
     print(f"model FLOPs per token {per_token:.3g} (6N + 12·L·d·T); peak "
           + (f"{peak / 1e12:.0f} TFLOP/s per device: MFU reported" if peak else
              "FLOP/s unknown: MFU n/a (pass --peak-tflops to report it)"))
+    for line in axis_findings(p.run, state_shape.params):
+        print(f"warning: {line}")
+
+
+def axis_findings(run: Resolved, params: Any) -> list[str]:
+    """The findings ``shardax plan`` / ``verify`` make about this run's mesh and rules, one line
+    each: mesh axes that divide no work (`shardax.plan.estimate.idle_axes`) and what the rules
+    leave replicated (`shardax.rulecheck.rule_findings`; one line per message, naming its
+    leaves)."""
+    leaves = {}
+    found = jax.tree_util.tree_flatten_with_path(params)[0]
+    for finding in rule_findings(run.rules, params, run.mesh.mesh):
+        if finding.absent_axes:  # presets name the axes of every mesh: not a finding here
+            continue
+        leaves.setdefault(finding.message, []).append(
+            "params/" + tree_path_to_string(found[finding.leaf][0], sep="/"))
+    lines = idle_axes(run)
+    for message, paths in leaves.items():
+        more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+        lines.append(f"{', '.join(paths[:3])}{more}: {message}")
+    return lines
 
 
 def _model_name(run: Resolved) -> str:
@@ -321,8 +347,10 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     is_main = jax.process_index() == 0
     graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     metrics_log = report.MetricsLog(run_dir.metrics)
-    start, state, skipped = _initial_state(
-        p, state_shape, run.shardings(state_shape))
+    with report.phase("restoring the checkpoint" if config.resume else
+                      f"loading {config.init_from}" if config.init_from is not None else
+                      "initialising the model"):
+        start, state, skipped = _initial_state(p, state_shape, run.shardings(state_shape))
     records = metrics_log.read(up_to=start, quiet=not is_main) if config.resume else []
     if state is None:
         _note(f"the run is already at step {start} = --steps; nothing to do (pass a larger "
@@ -339,7 +367,8 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
                                  layout=run.layout),
                          in_shardings=(run.state_rules, inputs.sharding.spec))
     first = inputs.batch(start)
-    plan = step_fn.plan(state, first)
+    with report.phase("compiling the train step"):
+        plan = step_fn.plan(state, first)
     per_token, peak = flops_per_token(run.model_config, config.seq_len), _peak_flops(config)
     if is_main:  # what the compiled step holds and moves per device (`shardax plan` predicts it)
         write_text(run_dir.plan, plan.to_json() + "\n")

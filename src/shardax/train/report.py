@@ -19,8 +19,12 @@ without it the run says so and skips it.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,42 +36,140 @@ from shardax.train.mfu import mfu
 from shardax.train.notes import note
 from shardax.train.trackers import make_trackers
 
-__all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "memory_in_use", "plot"]
+__all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "fit", "memory_in_use", "phase",
+           "plot"]
+
+HEARTBEAT_S = 30.0  # a phase or step still running says so this often
+
+
+def _say(line: str) -> None:
+    """One line of the run's report on stdout (process 0 only), where the banner and the
+    step lines go, so that they read in order."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
+
+
+class _Beat:
+    """Calls ``say(seconds since start)`` every ``every`` seconds from a daemon thread until
+    stopped; ``reset`` restarts the count (something was just said)."""
+
+    def __init__(self, say: Any, every: float):
+        self.say, self.every = say, every
+        self.start = self.last = time.perf_counter()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(max(self.last + self.every - time.perf_counter(), 0.05)):
+            now = time.perf_counter()
+            if now - self.last >= self.every:
+                self.last = now
+                self.say(now - self.start)
+
+    def reset(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def stop(self) -> float:
+        self.done.set()
+        return time.perf_counter() - self.start
+
+
+@contextmanager
+def phase(what: str, command: str = "train", every: float = HEARTBEAT_S) -> Iterator[None]:
+    """Says on stdout that ``what`` started, every ``every`` seconds that it still runs, and
+    how long it took (a phase that may take more than a few seconds: compiling, loading).
+
+    >>> with phase("compiling the train step"):  # doctest: +SKIP
+    ...     compiled = lowered.compile()
+    shardax train: compiling the train step ...
+    shardax train: compiling the train step ... 12.3 s
+    """
+    _say(f"shardax {command}: {what} ...")
+    beat = _Beat(lambda s: _say(f"shardax {command}: {what} ... {s:.0f} s so far"), every)
+    try:
+        yield
+    except BaseException:
+        beat.stop()  # the error says what went wrong
+        raise
+    _say(f"shardax {command}: {what} ... {beat.stop():.1f} s")
+
+
+def fit(parts: list[str], width: int, sep: str = " | ") -> list[str]:
+    """``parts`` joined by ``sep`` into lines of at most ``width`` characters, broken only
+    between parts (a part longer than ``width`` gets a line of its own).
+
+    >>> fit(["step 5  loss 2.1", "900 tok/s", "12 ms/step"], 30)
+    ['step 5  loss 2.1 | 900 tok/s', '  12 ms/step']
+    """
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part if not lines else "  " + part)
+    return lines
 
 
 class Progress:
-    """A rich progress bar with loss, tokens/s and step time; plain lines when not a TTY."""
+    """A rich progress bar with elapsed time, loss, tokens/s and step time; plain lines when
+    not a TTY. Lines fit the terminal's width (broken between fields, never mid-word); a step
+    that runs longer than ``every`` seconds says so (a heartbeat: the elapsed time moves)."""
 
-    def __init__(self, total: int, start: int):
+    def __init__(self, total: int, start: int, every: float = HEARTBEAT_S):
         from rich.console import Console  # optional: rich (extra "train")
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.console = Console(stderr=False)
-        self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), console=self.console,
-                            disable=not self.console.is_terminal)
-        self.task = self.bar.add_task("train", total=total, completed=start, info="")
+        self.bar = Progress(TextColumn("train"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                            console=self.console, disable=not self.console.is_terminal)
+        self.task = self.bar.add_task("train", total=total, completed=start,
+                                      info="first step (it compiles) ...")
+        self.total, self.step, self.first = total, start, True
+        self.beat: _Beat | None = None
+        if not self.console.is_terminal and jax.process_index() == 0:
+            self.beat = _Beat(self._still, every)
+
+    def _still(self, seconds: float) -> None:
+        first = " (the first one compiles the step)" if self.first else ""
+        _say(f"step {self.step + 1}/{self.total} still running{first}: {seconds:.0f} s so far")
 
     def __enter__(self) -> Progress:
         self.bar.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.beat is not None:
+            self.beat.stop()
         self.bar.__exit__(*exc)
 
     def update(self, step: int, record: dict | None = None) -> None:
         """Advances the bar; a metrics record also updates its text and prints a line."""
+        self.step, self.first = step, False
+        if self.beat is not None:
+            self.beat.reset()
         if not record:
             self.bar.update(self.task, completed=step)
             return
-        info = " ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)
+        parts = [" ".join(f"{k} {record[k]:.4f}" for k in ("loss", "val_loss") if k in record)]
         if "tokens_per_s" in record:
-            info += (f" | {record['tokens_per_s']:,.0f} tok/s"
-                     f" | {record['step_time_s'] * 1000:.0f} ms/step"
-                     f" | {record['tflops_per_device']:.3g} TFLOP/s/device | MFU "
-                     + ("n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"))
-        self.bar.update(self.task, completed=step, info=info)
-        self.console.print(f"step {step:5d}  {info}", highlight=False, soft_wrap=True)
+            parts += [f"{record['tokens_per_s']:,.0f} tok/s",
+                      f"{record['step_time_s'] * 1000:.0f} ms/step",
+                      f"{record['tflops_per_device']:.3g} TFLOP/s/device",
+                      "MFU " + ("n/a" if record["mfu"] is None else f"{record['mfu']:.1%}")]
+        width = shutil.get_terminal_size().columns
+        # the bar's own columns take about 45 characters; its text keeps the fields that fit
+        self.bar.update(self.task, completed=step, info=fit(parts, max(width - 45, 10))[0])
+        parts[0] = f"step {step:5d}  {parts[0]}"
+        for line in fit(parts, width) if self.console.is_terminal else [" | ".join(parts)]:
+            self.console.print(line, highlight=False, soft_wrap=True)
 
 
 class StepClock:
