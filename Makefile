@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Each `make run` trains into a fresh run directory (shardax never overwrites a run's
-# checkpoints); runs/latest points at the newest.
+# checkpoints); runs/latest points at the newest, linked before training starts so that an
+# interrupted run continues with `--out runs/latest --resume`.
 ifndef RUN
 RUN := runs/$(shell date +%Y%m%d-%H%M%S)
 endif
@@ -22,8 +23,9 @@ install: $(VENV)/.installed
 
 run: install
 	$(PY) examples/quickstart.py
-	$(VENV)/bin/shardax train --out $(RUN)
+	mkdir -p runs
 	ln -sfn $(notdir $(RUN)) runs/latest
+	$(VENV)/bin/shardax train --out $(RUN)
 
 # Two workers, each file on one worker (files share their expensive reference runs); the
 # docstring examples of src/shardax run too (--doctest-modules in pyproject.toml; the 8-device

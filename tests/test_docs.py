@@ -288,3 +288,40 @@ def test_doc_snippets_run(doc, tmp_path):
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (
             f"{doc}:{line}: {command}\n{result.stdout}\n{result.stderr}")
+
+
+# Hugging Face model_type (the importer's `HF_MODEL_TYPES`) -> its name in the README's list of
+# families; a type the importer learns must be named here, in the README and in the help.
+HF_FAMILIES = {"llama": "Llama 2/3", "mistral": "Mistral", "qwen2": "Qwen2/3", "qwen3": "Qwen2/3",
+               "gemma2": "Gemma 2/3", "gemma3_text": "Gemma 2/3", "mixtral": "Mixtral",
+               "qwen2_moe": "Qwen2/3-MoE", "qwen3_moe": "Qwen2/3-MoE", "gpt2": "GPT-2"}
+
+
+def test_hf_families_agree_in_help_readme_and_importer():
+    """The model types `--init-from`'s help names, the README's list of families and the
+    hugging_face.md table are the importer's own table, so none of them can drift."""
+    import typing
+
+    from shardax.hf.configs import HF_MODEL_TYPES
+    from shardax.train.config import TrainConfig
+
+    assert set(HF_FAMILIES) == set(HF_MODEL_TYPES)
+    marker = typing.get_type_hints(TrainConfig, include_extras=True)["init_from"].__metadata__[0]
+    help_types = re.search(r"model_type ([\w, ]+)\)", marker.help).group(1).split(", ")
+    assert sorted(help_types) == sorted(HF_MODEL_TYPES)
+    readme = re.search(r"Hugging Face models \(([^)]*)\)", (ROOT / "README.md").read_text())
+    assert set(re.split(r",\s+", readme.group(1))) == set(HF_FAMILIES.values())
+    table = (ROOT / "docs/hugging_face.md").read_text()
+    assert all(f"| `{t}`" in table or f", `{t}` |" in table for t in HF_MODEL_TYPES)
+
+
+def test_models_table_lists_every_config_with_its_size():
+    """docs/models.md's table of sizes has one row per `shardax.models.CONFIGS` entry, with the
+    parameter count `param_count` computes."""
+    from shardax.models import CONFIGS, param_count
+
+    text = (ROOT / "docs/models.md").read_text()
+    table = text[text.index("| name | vocab | dim |"):].split("\n\n")[0]
+    rows = {m.group(1): int(m.group(2).replace(",", "")) for m in
+            re.finditer(r"^\| `([\w.-]+)` \|.*\| ([\d,]+)(?: \(.*\))? \|$", table, re.MULTILINE)}
+    assert rows == {name: param_count(cfg) for name, cfg in CONFIGS.items()}

@@ -45,7 +45,7 @@ __all__ = ["main"]
 DEVICES_ENV = "SHARDAX_DEVICES_PER_PROCESS"
 
 COMMANDS = {
-    "train": "train a byte-level language model, sharded by rules, with checkpoints",
+    "train": "train or fine-tune a language model, sharded by rules, with checkpoints",
     "plan": "compile a train configuration abstractly: memory, collectives, step time; "
             "--search finds the fastest layout that fits",
     "generate": "sample text from a run's newest good checkpoint or a Hugging Face model",
@@ -161,9 +161,9 @@ def _train_args():
 
     @dataclass
     class TrainArgs:
-        """shardax train: train a byte-level language model, sharded by rules, with
-        checkpoints. SIGTERM or Ctrl-C saves the current step and exits with 128 + the signal
-        number; continue with --resume. Exit status 2: bad input; 3: the loss became
+        """shardax train: train a language model (or fine-tune one, --init-from), sharded by
+        rules, with checkpoints. SIGTERM or Ctrl-C saves the current step and exits with 128 +
+        the signal number; continue with --resume. Exit status 2: bad input; 3: the loss became
         non-finite (--on-nan stop); 4: a checkpoint could not be written (e.g. disk full)."""
 
         run: Annotated[TrainConfig, tyro.conf.arg(name="")]
@@ -176,8 +176,8 @@ def _train_args():
         devices: int = 8
         """emulated CPU devices when there is no accelerator"""
         no_compile_cache: tyro.conf.FlagCreatePairsOff[bool] = False
-        """compile everything afresh: no persistent compilation cache (default: on, in
-        $JAX_COMPILATION_CACHE_DIR or ~/.cache/shardax/jax-cache)"""
+        """compile everything afresh: no persistent compilation cache (without it the cache
+        is on, in $JAX_COMPILATION_CACHE_DIR or ~/.cache/shardax/jax-cache)"""
 
     return TrainArgs
 
@@ -202,8 +202,8 @@ def _plan_args():
         devices: int = 8
         """emulated CPU devices to plan for (up to hundreds)"""
         no_compile_cache: tyro.conf.FlagCreatePairsOff[bool] = False
-        """compile everything afresh: no persistent compilation cache (default: on, in
-        $JAX_COMPILATION_CACHE_DIR or ~/.cache/shardax/jax-cache)"""
+        """compile everything afresh: no persistent compilation cache (without it the cache
+        is on, in $JAX_COMPILATION_CACHE_DIR or ~/.cache/shardax/jax-cache)"""
 
     return PlanArgs
 

@@ -60,14 +60,20 @@ MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
 _MAX_SEED = 2**32 - 1  # jax.random.key and numpy's generators both take a uint32 seed here
 
 
-def _arg(name: str | None = None, help: str | None = None) -> Any:
-    """tyro's flag marker: its name (``--from`` for a field that cannot be called ``from``)
-    or a help text built at import time (the docstring below the field is then for readers)."""
+def _arg(name: str | None = None, help: str | None = None, hint: str | None = None) -> Any:
+    """tyro's flag marker: its name (``--from`` for a field that cannot be called ``from``),
+    a help text built at import time (the docstring below the field is then for readers) or
+    the hint after the help in place of tyro's ``(default: ...)``."""
     try:
         import tyro  # optional: tyro (extra "train"); config files and checks work without it
     except ImportError:
         return name
-    return tyro.conf.arg(name=name, help=help)
+    return tyro.conf.arg(name=name, help=help, help_behavior_hint=hint)
+
+
+# The marker of a field whose help says its default itself (one filled in later by
+# `with_defaults` or at run time): tyro's own "(default: None)" would repeat it, untruly.
+_SAYS_DEFAULT = _arg(hint="")
 
 
 # The Hugging Face model types the importer reads (`shardax.hf.configs`), for the help texts.
@@ -104,7 +110,7 @@ class TrainConfig:
     product of the axes the batch is split over, e.g. dp x fsdp)"""
     seq_len: int = 128
     """tokens per sequence"""
-    lr: float | None = None
+    lr: Annotated[float | None, _SAYS_DEFAULT] = None
     """peak learning rate (default: 3e-3 for a model trained from scratch, 2e-5 for a
     fine-tune of --init-from; sgd keeps it constant, the others warm up linearly over
     --warmup-steps and decay to --min-lr-ratio of it by a cosine)"""
@@ -133,14 +139,15 @@ class TrainConfig:
     optimizer: Literal["adamw", "sgd", "lion", "adafactor", "muon"] = "adamw"
     """adamw, lion, adafactor, muon (Muon on the attention and MLP weight matrices, AdamW on
     embeddings, head, norms) or sgd (plain, constant lr: the reference of equality tests)"""
-    warmup_steps: int | None = None
+    warmup_steps: Annotated[int | None, _SAYS_DEFAULT] = None
     """linear learning-rate warm-up, in steps (default: a twentieth of --steps); step 1
     already trains at lr / (warmup + 1)"""
-    min_lr_ratio: float | None = None
-    """the cosine decay ends at --lr times this at --steps (default 0.1)"""
-    weight_decay: float | None = None
+    min_lr_ratio: Annotated[float | None, _SAYS_DEFAULT] = None
+    """the cosine decay ends at --lr times this at --steps (default 0.1; 1 for sgd, whose
+    lr is constant)"""
+    weight_decay: Annotated[float | None, _SAYS_DEFAULT] = None
     """decoupled weight decay (default 0.01; 0 for sgd)"""
-    clip_grad_norm: float | None = None
+    clip_grad_norm: Annotated[float | None, _SAYS_DEFAULT] = None
     """clip the global gradient norm to this (default 1.0; off for sgd; 0: off)"""
     offload_optimizer: bool = False
     """keep the optimizer state in pinned host memory between steps (device memory drops by
@@ -180,12 +187,12 @@ class TrainConfig:
     """log the loss every this many steps"""
     eval_every: int = 100
     """compute the validation loss every this many steps (and at the last step); 0: never"""
-    data: list[str] = field(default_factory=list)
+    data: Annotated[list[str], _SAYS_DEFAULT] = field(default_factory=list)
     """text, .jsonl, .parquet or token files (.u8/.u16/.u32, .bin) and directories of them
     (default: the Python standard library); see docs/data.md"""
-    val_data: list[str] = field(default_factory=list)
+    val_data: Annotated[list[str], _SAYS_DEFAULT] = field(default_factory=list)
     """validation data, in the formats of --data (default: the last tenth of --data)"""
-    tokenizer: str | None = None
+    tokenizer: Annotated[str | None, _SAYS_DEFAULT] = None
     """bytes, or a Hugging Face model directory (or its tokenizer.json); the model's vocabulary
     must hold the tokenizer's (default: the tokenizer.json of --init-from hf:DIR if it has
     one, else bytes)"""
@@ -210,8 +217,8 @@ class TrainConfig:
     lora_alpha: float = 16.0
     """LoRA scale: the update is (alpha / rank) * A @ B"""
     lora_targets: str = DEFAULT_TARGETS
-    """LoRA: regular expression over parameter paths (default: the attention and MLP
-    projections)"""
+    """LoRA: regular expression over parameter paths; the default matches the attention and
+    MLP projections"""
 
     def to_json(self) -> dict[str, Any]:
         """The config as a JSON-ready dict (what ``config.json`` holds)."""
@@ -254,9 +261,10 @@ class GenerateConfig:
     """a system message put before each conversation (with --chat or --messages)"""
     show_special_tokens: bool = False
     """print special tokens (end of turn, end of text) instead of hiding them"""
-    step: int | None = None
+    step: Annotated[int | None, _SAYS_DEFAULT] = None
     """checkpoint step to sample from (default: the newest good one)"""
-    attention: Literal["auto", "cudnn", "xla", "blockwise", "einsum"] | None = None
+    attention: Annotated[Literal["auto", "cudnn", "xla", "blockwise", "einsum"] | None,
+                         _SAYS_DEFAULT] = None
     """attention implementation while sampling (default: the run's --attention; auto with
     --from)"""
 
@@ -269,7 +277,7 @@ class ExportConfig:
     """run directory of a shardax train run"""
     to: str
     """Hugging Face model directory to write (config.json + safetensors)"""
-    step: int | None = None
+    step: Annotated[int | None, _SAYS_DEFAULT] = None
     """checkpoint step to export (default: the newest good one)"""
     max_shard_mb: int = 2048
     """largest safetensors file in MiB (bigger models are split, with an index)"""
