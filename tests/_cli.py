@@ -79,10 +79,13 @@ def wait_for_line(stream, pattern: str, proc: subprocess.Popen, seconds: float) 
     raise AssertionError(f"no {pattern!r} within {seconds} s")
 
 
-def assert_one_line_error(proc: subprocess.CompletedProcess, command: str, needle: str) -> None:
+def assert_one_line_error(proc: subprocess.CompletedProcess, command: str, *needles: str) -> str:
     """The CLI's contract for bad input: exit status 2 and one line on stderr,
-    ``shardax COMMAND: error: ...``, naming ``needle``."""
-    assert proc.returncode == 2, proc.stderr
+    ``shardax COMMAND: error: ...``, naming each of ``needles``; returns the line."""
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"shardax {command}: error: "), proc.stderr
-    assert needle in lines[0], lines[0]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"shardax {command}: error: "), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import cli_command, cli_env, committed_steps, run_cli
+from _cli import assert_one_line_error, cli_command, cli_env, committed_steps, run_cli
 
 from shardax import hf
 from shardax.hf.files import tensor_index, write_safetensors
@@ -37,14 +37,7 @@ def shardax(*args, timeout=TIMEOUT_S) -> subprocess.CompletedProcess:
     return run_cli(*args, timeout=timeout)
 
 
-def one_line_error(proc: subprocess.CompletedProcess, command: str, *needles: str) -> str:
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr[-3000:]
-    assert lines[0].startswith(f"shardax {command}: error: "), lines[0]
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+one_line_error = assert_one_line_error  # the CLI's contract, tests/_cli.py
 
 
 # ----------------------------------------------------------------------------- damage

@@ -279,9 +279,7 @@ def _copy_into(source: Path, root: Path, name: str) -> None:
     """Copies ``source`` to ``root / name`` (``name`` may be in a folder of ``root``), replacing
     a symlink there (file or folder) instead of writing through it to outside ``root``."""
     target = root / name
-    if target.parent != root and target.parent.is_symlink():
-        target.parent.unlink()
-    target.parent.mkdir(exist_ok=True)
+    make_dir(target.parent)
     copy_file(source, target)
 
 
