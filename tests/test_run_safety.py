@@ -8,7 +8,6 @@ runs are tiny (llama-tiny, 8 x 32 tokens). Signals go to real ``python -m sharda
 subprocesses, as a scheduler or a user would send them.
 """
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -42,7 +41,8 @@ def _config(out, **overrides) -> TrainConfig:
 
 
 def _flags(**overrides) -> list[str]:
-    return [s for k, v in {**TINY, **overrides}.items()
+    """The flags of `_config` (a setting overridden with None is left out)."""
+    return [s for k, v in {**TINY, **overrides}.items() if v is not None
             for s in (f"--{k.replace('_', '-')}", str(v))]
 
 
@@ -136,7 +136,7 @@ def test_resume_step_picks_an_older_checkpoint(reference, tmp_path):
 
 
 def test_resume_takes_every_setting_from_the_run_and_flags_override_only_themselves(
-        reference, tmp_path, capsys):
+        reference, tmp_path):
     # As users meet it: `--out RUN --resume` alone continues with the run's own batch size,
     # sequence length, optimizer and lr (none of them TrainConfig's defaults).
     out = _copy(reference, tmp_path / "run")
@@ -146,20 +146,17 @@ def test_resume_takes_every_setting_from_the_run_and_flags_override_only_themsel
     assert done.returncode == 0, done.stderr[-3000:]
     for key in ("loss", "grad_norm"):
         assert _series(read_metrics(out), key) == _series(reference[1], key), key
-    # A flag given overrides that setting alone (in-process: the subprocess above showed the
-    # command line); the schedule change is said.
-    capsys.readouterr()
-    assert main(["train", "--out", str(out), "--resume", "--steps", "7", "--lr", "0.01",
-                 "--print-config"]) == 0
-    config = json.loads(capsys.readouterr().out)
+    # A flag given overrides that setting alone (the run's config.json is rewritten with the
+    # effective settings); the schedule change is said.
+    done = run_cli("train", "--out", out, "--resume", "--steps", 7, "--lr", 0.01,
+                   timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "--lr 0.01 (was 0.03)" in said and "changes the learning-rate schedule" in said, said
+    assert committed_steps(out)[-1] == 7 and read_metrics(out)[-1]["step"] == 7
+    config = json.loads((out / "config.json").read_text())
     assert {k: config[k] for k in ("steps", "lr", "batch_size", "seq_len", "optimizer")} == {
         "steps": 7, "lr": 0.01, "batch_size": 8, "seq_len": 32, "optimizer": "sgd"}
-    assert main(["train", "--out", str(out), "--resume", "--steps", "7", "--lr", "0.01"]) == 0
-    captured = capsys.readouterr()
-    said = captured.out + captured.err
-    assert "--lr 0.01 (was 0.03)" in said and "changes the learning-rate schedule" in said, said
-    assert committed_steps(out)[-1] == 7
-    assert json.loads((out / "config.json").read_text())["batch_size"] == 8
 
 
 def test_a_single_step_run(tmp_path):
@@ -174,17 +171,16 @@ def test_a_single_step_run(tmp_path):
     assert committed_steps(out) == [1]
 
 
-def test_per_device_batch_size_equals_the_matching_global_batch(reference, tmp_path, capsys):
+def test_per_device_batch_size_equals_the_matching_global_batch(reference, tmp_path):
     # 1 sequence per data-parallel device on 8 devices: the reference's global batch of 8.
     out = tmp_path / "run"
-    config = dataclasses.replace(_config(out, steps=2, ckpt_every=100),
-                                 batch_size=TrainConfig.batch_size, per_device_batch_size=1)
-    capsys.readouterr()
-    records = train(config)
-    said = capsys.readouterr().out
+    done = run_cli("train", *_flags(batch_size=None, steps=2, ckpt_every=100),
+                   "--per-device-batch-size", 1, "--out", out, timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"batch: --per-device-batch-size 1 x data-parallel 8 \(.*\) = global "
-                     r"batch 8", said), said
-    assert _series(records) == {k: v for k, v in _series(reference[1]).items() if k <= 2}
+                     r"batch 8", done.stdout), done.stdout
+    assert _series(read_metrics(out)) == {
+        k: v for k, v in _series(reference[1]).items() if k <= 2}
     saved = json.loads((out / "config.json").read_text())
     assert (saved["batch_size"], saved["per_device_batch_size"]) == (8, None)
 
