@@ -1,17 +1,21 @@
 """Chat generation and models by Hub name (issue 34), as users meet them: ``shardax generate
 --chat`` renders the prompt with the tokenizer's chat template and stops at its end-of-turn
 token, from a model named ``hf:ORG/NAME`` in a pre-filled Hugging Face cache
-(``HF_HUB_OFFLINE=1``); an unknown name is one line; top-k 1 is greedy; top-p keeps what a
-hand computation keeps; sampling with top-k/top-p is the same on a mesh as on one device.
-Together about 25 s of CPU (two subprocesses, two compiled samplers)."""
+(``HF_HUB_OFFLINE=1``); ``--interactive`` keeps the conversation across lines of stdin; an
+unknown name is one line; top-k 1 is greedy; top-p keeps what a hand computation keeps;
+sampling with top-k/top-p is the same on a mesh as on one device. Together about 35 s of CPU
+(three subprocesses, two compiled samplers)."""
 
 import json
 import os
+import re
 import shutil
+import subprocess
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _cli import cli_command, cli_env
 from flax import nnx
 from test_hf import FIXTURES, reference
 from test_hf_cli import ok, one_line_error, shardax
@@ -39,7 +43,7 @@ def hub(tmp_path_factory):
     tok = tokenizers.Tokenizer.from_file(str(LLAMA3 / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     config = models.get_config("llama-tiny", vocab_size=vocab, dim=128, n_layers=1,
-                               max_seq_len=64)
+                               max_seq_len=128)  # a two-turn chat fits whole
     model = models.create(config, nnx.Rngs(0))
     ids = tok.token_to_id
     chain = ["\n", *REPLY, "<|eot_id|>", "▁o", "ne"]  # each token -> the next
@@ -91,6 +95,34 @@ def test_chat_generate_from_a_hub_name_stops_at_end_of_turn(hub):
     assert "generated 8 tokens for 2 prompt(s)" in proc.stderr, proc.stderr
 
 
+def test_interactive_chat_replies_to_each_line_with_the_whole_conversation(hub):
+    """Lines piped to ``--interactive``: each gets a reply ending at <|eot_id|>, and the second
+    turn's prompt is the template's rendering of the whole conversation (system message, first
+    exchange, second message: 71 tokens, where the second message alone would give 45);
+    ``/reset`` starts again from the system message; the empty line ends the chat (the line
+    after it is never read)."""
+    from shardax.train.chat import ChatTemplate
+
+    home, tok = hub
+    proc = ok(subprocess.run(
+        cli_command("generate", "--from", f"hf:org/chat@{COMMIT}", "--interactive", "--system",
+                    "be brief", "--top-k", 1, "--temperature", 2, "--max-tokens", 12),
+        input="count\nagain\n/reset\nagain\n\nnever read\n", capture_output=True, text=True,
+        timeout=300, env=cli_env(HF_HOME=str(home), HF_HUB_OFFLINE="1")))
+    reply = tok.decode([tok.token_to_id(t) for t in REPLY])
+    assert proc.stdout == f"{reply}\n" * 3, proc.stdout
+    system = {"role": "system", "content": "be brief"}
+    first = [system, {"role": "user", "content": "count"}]
+    second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+    template = ChatTemplate(LLAMA3)
+    turns = re.findall(r"^turn (\d): (\d+) prompt tokens, stopped at end of turn '<\|eot_id\|>' "
+                       r"after 4 tokens", proc.stderr, re.M)
+    assert turns == [("1", str(len(template.prompt(first)))),
+                     ("2", str(len(template.prompt(second)))),
+                     ("1", str(len(template.prompt([system, second[-1]]))))], proc.stderr
+    assert "you>" not in proc.stderr  # stdin is no terminal: no prompt
+
+
 def test_unknown_hub_names_are_one_line_and_chat_flags_are_checked(hub, tmp_path):
     home, _ = hub
     one_line_error(cached("train", "--init-from", "hf:org/missing", "--out", tmp_path / "r",
@@ -101,7 +133,9 @@ def test_unknown_hub_names_are_one_line_and_chat_flags_are_checked(hub, tmp_path
     for flags, needle in [(dict(system="x"), "--system needs --chat"),
                           (dict(top_p=0.0), "--top-p 0.0"), (dict(top_k=-1), "--top-k -1"),
                           (dict(messages="m.txt"), "expected a .json or .jsonl"),
-                          (dict(messages="m.json", prompt="x"), "--messages replaces")]:
+                          (dict(messages="m.json", prompt="x"), "--messages replaces"),
+                          (dict(interactive=True, prompts=["x"]), "--interactive reads the "
+                           "messages from stdin: leave out --prompt")]:
         with pytest.raises(UsageError, match=needle):
             check_generate(GenerateConfig(out=run, **flags))
 

@@ -503,6 +503,8 @@ def _generate_run(args: Any, run_dir: Any) -> int:
     from shardax.train.generate import sample
 
     config = args.sample
+    if config.interactive:
+        return _chat(config, run_dir)
     stats: dict = {}
     texts = sample(config, run_dir, stats=stats)
     print("\n\n".join(texts) if len(texts) > 1 else texts[0])
@@ -514,6 +516,35 @@ def _generate_run(args: Any, run_dir: Any) -> int:
           f"{stats['seconds']:.2f} s: {stats['tokens_per_s']:.1f} tokens/s (KV cache, "
           "compile included)", file=sys.stderr)
     return 0
+
+
+def _chat(config: Any, run_dir: Any) -> int:
+    """``generate --interactive``: each line of stdin is a user message; each reply goes to
+    stdout, then a statistics line to stderr. An empty line or end of input ends; ``/reset``
+    forgets the conversation; on a terminal a ``you>`` prompt (stderr) asks for each line."""
+    from shardax.train.generate import Chat
+
+    chat = Chat(config, run_dir)
+    tty = sys.stdin.isatty()
+    if tty:
+        print("chat: an empty line or Ctrl-D ends, /reset forgets the conversation",
+              file=sys.stderr)
+    while True:
+        if tty:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        text = sys.stdin.readline().rstrip("\r\n")
+        if not text.strip():
+            return 0
+        if text.strip() == "/reset":
+            chat.reset()
+            print("chat: conversation forgotten", file=sys.stderr, flush=True)
+            continue
+        stats: dict = {}
+        print(chat.say(text, stats), flush=True)
+        end = stats["ends"][0] or "--max-tokens"
+        print(f"turn {chat.turns}: {stats['prompt_tokens'][0]} prompt tokens, stopped at {end} "
+              f"after {stats['tokens']} tokens, {stats['tokens_per_s']:.1f} tokens/s",
+              file=sys.stderr, flush=True)
 
 
 def _export_check(args: Any) -> Any:

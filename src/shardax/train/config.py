@@ -257,8 +257,13 @@ class GenerateConfig:
     messages: str | None = None
     """a .json file with a 'messages' list (one conversation) or a .jsonl file of them (one
     per line, sampled as a batch) to reply to with the chat template (implies --chat)"""
+    interactive: bool = False
+    """chat on stdin (implies --chat): each line is a user message, each reply is printed and
+    kept, so the next turn sees the whole conversation; an empty line or end of input ends,
+    /reset forgets the conversation"""
     system: str | None = None
-    """a system message put before each conversation (with --chat or --messages)"""
+    """a system message put before each conversation (with --chat, --messages or
+    --interactive)"""
     show_special_tokens: bool = False
     """print special tokens (end of turn, end of text) instead of hiding them"""
     step: Annotated[int | None, _SAYS_DEFAULT] = None
@@ -548,6 +553,11 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
     _usage(config.top_k >= 0, f"--top-k {config.top_k}: must be >= 0 (0: no limit)")
     _usage(math.isfinite(config.top_p) and 0 < config.top_p <= 1,
            f"--top-p {config.top_p}: must be in (0, 1] (1: no limit)")
+    if config.interactive:
+        config = dataclasses.replace(config, chat=True)
+        _usage(not (config.prompt or config.prompts or config.messages is not None),
+               "--interactive reads the messages from stdin: leave out --prompt, --prompts "
+               "and --messages")
     if config.messages is not None:
         config = dataclasses.replace(config, chat=True)
         _usage(not (config.prompt or config.prompts),
@@ -555,7 +565,8 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
         _usage(Path(config.messages).suffix in (".json", ".jsonl"),
                f"--messages {config.messages}: expected a .json or .jsonl file")
     _usage(config.system is None or config.chat,
-           "--system needs --chat or --messages (it is a chat template's system message)")
+           "--system needs --chat, --messages or --interactive (it is a chat template's "
+           "system message)")
     _check_seed(config.seed)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     return config

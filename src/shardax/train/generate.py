@@ -44,7 +44,7 @@ from shardax.train.tokenizer import (
     run_tokenizer,
 )
 
-__all__ = ["generate", "restore_model", "sample"]
+__all__ = ["Chat", "Sampler", "generate", "load_sampler", "restore_model", "sample"]
 
 
 _note = partial(note, "generate")
@@ -86,16 +86,24 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     return model, nnx.merge(graphdef, state.params, state.rest), mesh
 
 
-def sample(config: GenerateConfig, run_dir: RunDir | None = None,
-           stats: dict | None = None) -> list[str]:
-    """``shardax generate`` for a checked config: each prompt (``--prompt``, then
-    ``--prompts``) followed by up to ``--max-tokens`` sampled tokens, or with ``--chat`` /
-    ``--messages`` the reply to each conversation. A text ends early at the model's eos ids
-    (``generation_config.json``'s ``eos_token_id``, the tokenizer's ``eos_token``) and, in
-    chat, at the template's end-of-turn tokens. ``run_dir``: what `check_run` returned for
-    ``--out`` (read here if not given). ``stats``, if given, receives ``tokens``, ``seconds``,
-    ``tokens_per_s``, and per prompt ``counts`` (new tokens) and ``ends`` (the stop token's
-    text, or None)."""
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """What sampling needs, loaded once: the model, its tokenizer, the token ids that end a
+    text (id -> what it is: ``'eos'``, ``'end of turn'``, ...) and, with ``--chat``, the chat
+    template."""
+
+    model: nnx.Module
+    tokenizer: Tokenizer
+    stops: dict[int, str]
+    template: ChatTemplate | None
+
+
+def load_sampler(config: GenerateConfig, run_dir: RunDir | None = None) -> Sampler:
+    """The `Sampler` of a checked config: the model of ``--from`` or of ``--out``'s newest good
+    checkpoint (``--step``), its tokenizer, and its stop ids: the model's eos ids
+    (``generation_config.json``'s ``eos_token_id``, the tokenizer's ``eos_token``) and, with
+    ``--chat``, the template's end-of-turn tokens. ``run_dir``: what `check_run` returned for
+    ``--out`` (read here if not given)."""
     if config.source is not None:
         directory = hf_dir(config.source, "--from")
         flag = f"--from {config.source}"
@@ -122,13 +130,65 @@ def sample(config: GenerateConfig, run_dir: RunDir | None = None,
         _, model, _ = restore_model(run_dir, config.step, attention=config.attention)
         merge_lora(model)  # LoRA adapters folded in once, not per token
     stops = {tokenizer.eos_id: "end of text", **dict.fromkeys(_eos_ids(directory), "eos")}
+    template = None
     if config.chat:
         template = _chat_template(tokenizer)
-        ids = [template.prompt(m) for m in _conversations(config)]
         stops.update(dict.fromkeys(template.end_of_turn(), "end of turn"))
+    return Sampler(model, tokenizer, stops, template)
+
+
+def sample(config: GenerateConfig, run_dir: RunDir | None = None,
+           stats: dict | None = None) -> list[str]:
+    """``shardax generate`` for a checked config: each prompt (``--prompt``, then
+    ``--prompts``) followed by up to ``--max-tokens`` sampled tokens, or with ``--chat`` /
+    ``--messages`` the reply to each conversation. A text ends early at a stop id of
+    `load_sampler`. ``stats``, if given, receives ``tokens``, ``seconds``, ``tokens_per_s``,
+    and per prompt ``prompt_tokens``, ``counts`` (new tokens) and ``ends`` (the stop token's
+    text, or None)."""
+    sampler = load_sampler(config, run_dir)
+    if sampler.template is not None:
+        ids = [sampler.template.prompt(m) for m in _conversations(config)]
     else:
-        ids = [tokenizer.encode(text) for text in [config.prompt, *config.prompts]]
-    return _sample(model, tokenizer, ids, config, stops, stats)
+        ids = [sampler.tokenizer.encode(text) for text in [config.prompt, *config.prompts]]
+    skip = not config.show_special_tokens
+    return [sampler.tokenizer.decode(row, skip_special_tokens=skip)
+            for row in _sample(sampler, ids, config, stats)]
+
+
+class Chat:
+    """``shardax generate --interactive``: a conversation with a model loaded once
+    (`load_sampler`). Each `say` renders the whole conversation so far (``--system`` first)
+    plus the new user message with the chat template, samples the reply (ending at
+    end-of-turn or eos, as ``--chat``) and keeps it as the assistant turn.
+
+    >>> chat = Chat(check_generate(GenerateConfig(source="hf:llama", interactive=True)))
+    ... # doctest: +SKIP
+    >>> chat.say("Count to three."), chat.say("And back?")  # doctest: +SKIP
+    """
+
+    def __init__(self, config: GenerateConfig, run_dir: RunDir | None = None):
+        self.config = dataclasses.replace(config, chat=True)
+        self.sampler = load_sampler(self.config, run_dir)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets the conversation (the system message stays)."""
+        system = self.config.system
+        self.messages = [] if system is None else [{"role": "system", "content": system}]
+        self.turns = 0
+
+    def say(self, text: str, stats: dict | None = None) -> str:
+        """The reply to user message ``text`` after the conversation so far (printable:
+        special tokens as ``--show-special-tokens`` says); ``stats`` as `sample`'s."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        # each turn its own seed: the same seed would draw the same random numbers each turn
+        config = dataclasses.replace(self.config, seed=(self.config.seed + self.turns) % 2**32)
+        [new] = _sample(self.sampler, [self.sampler.template.prompt(messages)], config, stats)
+        decode = self.sampler.tokenizer.decode
+        self.messages = [*messages, {"role": "assistant",
+                                     "content": decode(new, skip_special_tokens=True)}]
+        self.turns += 1
+        return decode(new, skip_special_tokens=not config.show_special_tokens)
 
 
 def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int = 200,
@@ -155,11 +215,12 @@ def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int 
         attention=attention, top_k=top_k, top_p=top_p, chat=chat))
     texts = sample(config, stats=stats)
     return texts[0] if isinstance(prompt, str) else texts
-def _sample(model: nnx.Module, tokenizer: Tokenizer, ids: list[list[int]],
-            config: GenerateConfig, stops: dict[int, str], stats: dict | None) -> list[str]:
-    """Sampling with the KV cache (``shardax.models.decode``): each prompt followed by its new
-    tokens (with ``--chat``, the new tokens only). An empty prompt conditions on a newline
-    that is not part of the output."""
+def _sample(sampler: Sampler, ids: list[list[int]], config: GenerateConfig,
+            stats: dict | None) -> list[list[int]]:
+    """Sampling with the KV cache (``shardax.models.decode``): the token ids of each prompt
+    followed by its new tokens (with ``--chat``, the new tokens only). An empty prompt
+    conditions on a newline that is not part of the output."""
+    model, tokenizer, stops = sampler.model, sampler.tokenizer, sampler.stops
     skips = []
     for r, row in enumerate(ids):
         skips.append(len(row) if config.chat else 0)
@@ -175,12 +236,11 @@ def _sample(model: nnx.Module, tokenizer: Tokenizer, ids: list[list[int]],
                           stop_ids=[i for i in stops if i < vocab])
     if stats is not None:
         stats.update(tokens=sum(map(len, out.tokens)), seconds=out.prefill_s + out.decode_s,
-                     tokens_per_s=out.tokens_per_s, counts=[len(t) for t in out.tokens],
+                     tokens_per_s=out.tokens_per_s, prompt_tokens=list(map(len, ids)),
+                     counts=[len(t) for t in out.tokens],
                      ends=[_stop_name(tokenizer, new[-1], stops) if stopped else None
                            for new, stopped in zip(out.tokens, out.stopped)])
-    skip = not config.show_special_tokens
-    return [tokenizer.decode([*row_ids, *new][cut:], skip_special_tokens=skip)
-            for row_ids, new, cut in zip(ids, out.tokens, skips)]
+    return [[*row_ids, *new][cut:] for row_ids, new, cut in zip(ids, out.tokens, skips)]
 
 
 def _stop_name(tokenizer: Tokenizer, token: int, stops: dict[int, str]) -> str:
