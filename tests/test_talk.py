@@ -33,6 +33,11 @@ def test_train_says_compiling_with_seconds_before_the_first_step_and_the_wasted_
     def first(pattern: str) -> int:
         return next(i for i, line in enumerate(lines) if re.search(pattern, line))
 
+    # the first line is said before the train stack loads; the backend starts after it
+    assert lines[0] == "shardax train: loading the train stack and checking the flags ..."
+    loaded = first(r"^shardax train: loading the train stack and checking the flags \.\.\. "
+                   r"\d+\.\d s$")
+    assert loaded < first(r"^shardax train: starting the backend and resolving the run \.\.\.$")
     compiled = first(r"^shardax train: compiling the train step \.\.\. \d+\.\d s$")
     assert first(r"^shardax train: compiling the train step \.\.\.$") < compiled
     assert (first(r"initialising the model \.\.\. \d+\.\d s") < compiled

@@ -24,6 +24,7 @@ after ``--devices`` and ``JAX_PLATFORMS`` are set, because JAX reads them from t
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from shardax.errors import CheckpointWriteError, DataError, UsageError
+from shardax.phase import phase
 
 __all__ = ["main"]
 
@@ -292,21 +294,37 @@ class _Command:
     """the command itself, given the flags and the run directory; returns the exit status"""
     defaults: Callable[[list[str]], Any] = lambda argv: None
     """the instance the flags start from (None: the dataclass's defaults)"""
+    starting: str | None = None
+    """the phase said while its modules load and its flags, run directory and backend are set
+    up, the command's first line (None: silent, its output is data)"""
 
 
 def _pipeline(command: _Command, name: str, argv: list[str]) -> int:
     """Runs ``shardax NAME ARGV...``: everything the user can get wrong is checked before a
     JAX backend starts (``--devices`` must be set before that)."""
-    flags, default = command.flags(), command.defaults(argv)
-    args = _parse(flags, argv, None if default is None else flags(**default), f"shardax {name}")
-    args = command.check(args)
-    _check_devices(args.devices)
-    if getattr(args, "print_config", False):
-        print(json.dumps(args.run.to_json(), indent=2))
-        return 0
-    run_dir = command.run_dir(args)
-    command.backend(args, argv)
+    quiet = command.starting is None or {"-h", "--help", "--print-config"} & set(argv)
+    with contextlib.nullcontext() if quiet else phase(command.starting, name,
+                                                      main=_first_process()):
+        flags, default = command.flags(), command.defaults(argv)
+        args = _parse(flags, argv, None if default is None else flags(**default),
+                      f"shardax {name}")
+        args = command.check(args)
+        _check_devices(args.devices)
+        if getattr(args, "print_config", False):
+            print(json.dumps(args.run.to_json(), indent=2))
+            return 0
+        run_dir = command.run_dir(args)
+        command.backend(args, argv)
     return command.run(args, run_dir)
+
+
+def _first_process() -> bool:
+    """Whether this process speaks before JAX's backend starts (JAX cannot say yet): outside a
+    multi-process job, or as its process 0 (``SHARDAX_PROCESS_ID``, set by ``shardax
+    launch``)."""
+    from shardax import distributed
+
+    return not distributed.requested() or os.environ.get(distributed.PROCESS_ID_ENV) == "0"
 
 
 def _resumed_run(args: list[str]) -> str | None:
@@ -575,7 +593,7 @@ def _backend(args: Any, argv: list[str]) -> None:
 
 _COMMANDS = {
     "train": _Command(_train_args, _train_check, _train_run_dir, _train_backend, _train_run,
-                      _train_defaults),
+                      _train_defaults, "loading the train stack and checking the flags"),
     "plan": _Command(_plan_args, _plan_check, lambda args: None, _plan_backend, _plan_run,
                      _plan_defaults),
     "generate": _Command(_generate_args, _generate_check, _generate_run_dir, _backend,

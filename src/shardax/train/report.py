@@ -21,10 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,68 +29,13 @@ import jax
 
 from shardax.errors import MissingExtra, UsageError
 from shardax.filewrite import append_text, replacing, write_text
+from shardax.phase import HEARTBEAT_S, Beat, phase, say
 from shardax.train.mfu import mfu
 from shardax.train.notes import note
 from shardax.train.trackers import make_trackers
 
 __all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "fit", "memory_in_use", "phase",
            "plot"]
-
-HEARTBEAT_S = 30.0  # a phase or step still running says so this often
-
-
-def _say(line: str) -> None:
-    """One line of the run's report on stdout (process 0 only), where the banner and the
-    step lines go, so that they read in order."""
-    if jax.process_index() == 0:
-        print(line, flush=True)
-
-
-class _Beat:
-    """Calls ``say(seconds since start)`` every ``every`` seconds from a daemon thread until
-    stopped; ``reset`` restarts the count (something was just said)."""
-
-    def __init__(self, say: Any, every: float):
-        self.say, self.every = say, every
-        self.start = self.last = time.perf_counter()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.done.wait(max(self.last + self.every - time.perf_counter(), 0.05)):
-            now = time.perf_counter()
-            if now - self.last >= self.every:
-                self.last = now
-                self.say(now - self.start)
-
-    def reset(self) -> None:
-        self.start = self.last = time.perf_counter()
-
-    def stop(self) -> float:
-        self.done.set()
-        return time.perf_counter() - self.start
-
-
-@contextmanager
-def phase(what: str, command: str = "train", every: float = HEARTBEAT_S) -> Iterator[None]:
-    """Says on stdout that ``what`` started, every ``every`` seconds that it still runs, and
-    how long it took (a phase that may take more than a few seconds: compiling, loading).
-
-    >>> with phase("compiling the train step"):  # doctest: +SKIP
-    ...     compiled = lowered.compile()
-    shardax train: compiling the train step ...
-    shardax train: compiling the train step ... 12.3 s
-    """
-    _say(f"shardax {command}: {what} ...")
-    beat = _Beat(lambda s: _say(f"shardax {command}: {what} ... {s:.0f} s so far"), every)
-    try:
-        yield
-    except BaseException:
-        beat.stop()  # the error says what went wrong
-        raise
-    _say(f"shardax {command}: {what} ... {beat.stop():.1f} s")
-
 
 def fit(parts: list[str], width: int, sep: str = " | ") -> list[str]:
     """``parts`` joined by ``sep`` into lines of at most ``width`` characters, broken only
@@ -133,13 +75,13 @@ class Progress:
         self.task = self.bar.add_task("train", total=total, completed=start,
                                       info="first step (it compiles) ...")
         self.total, self.step, self.first = total, start, True
-        self.beat: _Beat | None = None
+        self.beat: Beat | None = None
         if not self.console.is_terminal and jax.process_index() == 0:
-            self.beat = _Beat(self._still, every)
+            self.beat = Beat(self._still, every)
 
     def _still(self, seconds: float) -> None:
         first = " (the first one compiles the step)" if self.first else ""
-        _say(f"step {self.step + 1}/{self.total} still running{first}: {seconds:.0f} s so far")
+        say(f"step {self.step + 1}/{self.total} still running{first}: {seconds:.0f} s so far")
 
     def __enter__(self) -> Progress:
         self.bar.__enter__()
