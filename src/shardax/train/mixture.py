@@ -110,6 +110,8 @@ class Mixture:
 
     def __init__(self, weights: Sequence[float], seed: int = 0, shuffle: bool = True):
         weights = _check_weights(weights)
+        if seed < 0:
+            raise UsageError(f"seed must be >= 0, got {seed}")
         self.seed, self.shuffle = int(seed), shuffle
         # (first stream row, each source's count before it, proportions), by first row.
         self._segments: list[tuple[int, np.ndarray, tuple[int, ...]]] = [
@@ -291,13 +293,13 @@ def parse_weighted(data: str | Sequence[str]) -> list[tuple[str, float]]:
         path, colon, tail = entry.rpartition(":")
         if not entry or (colon and not path):
             raise UsageError(f"--data entry {entry!r}: expected PATH or PATH:WEIGHT")
-        if not colon or not _NUMBERISH.fullmatch(tail):
+        try:
+            weight = float(tail) if colon else None
+        except ValueError:
+            weight = math.nan if _NUMBERISH.fullmatch(tail) else None
+        if weight is None:
             out.append((entry, None))  # no weight; a colon in a path (hf:DIR) stays
             continue
-        try:
-            weight = float(tail)
-        except ValueError:
-            weight = math.nan
         if not (math.isfinite(weight) and weight > 0):
             raise UsageError(f"--data entry {entry!r}: the weight must be a positive number")
         out.append((path, weight))
