@@ -245,7 +245,8 @@ def grpo_loss(logps: jax.Array, old_logps: jax.Array | None, ref_logps: jax.Arra
       mask: ``[batch, seq]``, 1 for completion tokens.
       epsilon: ε, the lower clip (and the upper one unless ``epsilon_high``).
       epsilon_high: the upper clip (DAPO's clip-higher), ``None`` for ``epsilon``.
-      beta: β, the KL weight (0 skips the reference).
+      beta: β, the KL weight (0 skips the reference). 0.04 is DeepSeekMath's value and TRL's
+        earlier default; current TRL's ``GRPOConfig.beta`` defaults to 0.0.
       num_tokens: the DAPO normaliser, see above.
 
     Returns:
