@@ -104,7 +104,7 @@ def test_all_none_is_zero_with_a_warning(reward_file):
     ("short", RewardError, "returned 1 values for 4 completions"),
     ("word", RewardError, "value 'high' at index 1 is not a finite number or None"),
     ("missing", UsageError, "has no 'missing'"),
-    ("NOT_CALLABLE", UsageError, "NOT_CALLABLE is a int, not a function"),
+    ("NOT_CALLABLE", UsageError, "NOT_CALLABLE is not callable (a int)"),
 ])
 def test_bad_reward_functions_are_one_line_naming_the_spec(reward_file, name, error, expected):
     spec = f"{reward_file}:{name}"

@@ -120,7 +120,7 @@ def load_reward(spec: str) -> Callable:
             raise UsageError(f"--reward {spec}: {where} has no {attr!r}")
         target = getattr(target, part)
     if not callable(target):
-        raise UsageError(f"--reward {spec}: {attr} is a {type(target).__name__}, not a function")
+        raise UsageError(f"--reward {spec}: {attr} is not callable (a {type(target).__name__})")
     return target
 
 
