@@ -1,4 +1,5 @@
-"""The ``shardax`` command: ``train``, ``plan``, ``generate``, ``export`` and ``launch``.
+"""The ``shardax`` command: ``train``, ``plan``, ``generate``, ``eval``, ``export`` and
+``launch``.
 
     shardax train --mesh dp=2,fsdp=2,tp=2 --steps 200 --out runs/a
     shardax train --config run.yaml --steps 400          # flags override the file
@@ -6,6 +7,7 @@
     shardax generate --out runs/a --prompt "def "
     shardax train --init-from hf:models/llama --mesh fsdp=4,tp=2 --out runs/ft
     shardax export --out runs/ft --to export/llama
+    shardax eval --out runs/ft --data held_out.txt --mesh fsdp=4,tp=2 --devices 8
     shardax generate --from hf:export/llama --prompt "def " --prompts "class " "import "
     shardax launch --nproc 2 --devices-per-proc 4 -- shardax train --out runs/b
     shardax launch --nproc 4 --elastic -- shardax train --out runs/c   # survives a lost worker
@@ -51,6 +53,8 @@ COMMANDS = {
     "plan": "compile a train configuration abstractly: memory, collectives, step time; "
             "--search finds the fastest layout that fits",
     "generate": "sample text from a run's newest good checkpoint or a Hugging Face model",
+    "eval": "loss, perplexity and bits per byte of files under a run's checkpoint or a "
+            "Hugging Face model",
     "export": "write a run's checkpoint as a Hugging Face model directory",
     "launch": "run N local processes of a command as one multi-process JAX job",
     "verify": "run your step on one device and on each layout: same losses, gradients and "
@@ -225,6 +229,24 @@ def _generate_args():
         """emulated CPU devices when there is no accelerator"""
 
     return GenerateArgs
+
+
+def _eval_args():
+    import tyro
+
+    from shardax.train.config import EvalConfig
+
+    @dataclass
+    class EvalArgs:
+        """shardax eval: loss, perplexity and bits per byte of each --data file under a
+        run's newest good checkpoint (the run directory is only read) or a Hugging Face
+        model."""
+
+        eval: Annotated[EvalConfig, tyro.conf.arg(name="")]
+        devices: int = 1
+        """emulated CPU devices when there is no accelerator"""
+
+    return EvalArgs
 
 
 def _export_args():
@@ -565,6 +587,29 @@ def _chat(config: Any, run_dir: Any) -> int:
               file=sys.stderr, flush=True)
 
 
+def _eval_check(args: Any) -> Any:
+    from shardax.train.config import check_eval
+
+    return dataclasses.replace(args, eval=check_eval(args.eval))
+
+
+def _eval_run_dir(args: Any) -> Any:
+    from shardax.train.rundir import check_run
+
+    config = args.eval
+    return check_run(config.out, config.step) if config.out is not None else None
+
+
+def _eval_run(args: Any, run_dir: Any) -> int:
+    from shardax.train.evaluate import evaluate_files
+
+    for r in evaluate_files(args.eval, run_dir):
+        bpb = "n/a (token file)" if r["bits_per_byte"] is None else f"{r['bits_per_byte']:.4f}"
+        print(f"{r['data']}: {r['tokens']} tokens, loss {r['loss']:.4f}, perplexity "
+              f"{r['perplexity']:.4f}, bits per byte {bpb}")
+    return 0
+
+
 def _export_check(args: Any) -> Any:
     from shardax.train.config import check_export
 
@@ -599,6 +644,7 @@ _COMMANDS = {
     "generate": _Command(_generate_args, _generate_check, _generate_run_dir, _backend,
                          _generate_run),
     "export": _Command(_export_args, _export_check, _export_run_dir, _backend, _export_run),
+    "eval": _Command(_eval_args, _eval_check, _eval_run_dir, _backend, _eval_run),
 }
 
 

@@ -41,12 +41,14 @@ from shardax.train.tokenizer import has_tokenizer
 from shardax.train.trackers import check_installed, parse_log_to
 
 __all__ = [
+    "EvalConfig",
     "ExportConfig",
     "GenerateConfig",
     "TrainConfig",
     "UsageError",
     "check",
     "check_export",
+    "check_eval",
     "check_generate",
     "coerce",
     "coerce_fields",
@@ -272,6 +274,33 @@ class GenerateConfig:
                          _SAYS_DEFAULT] = None
     """attention implementation while sampling (default: the run's --attention; auto with
     --from)"""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Everything ``shardax eval`` takes; field names are the CLI flags."""
+
+    data: list[str] = field(default_factory=list)
+    """files or directories to score, each on its own line of output (any format --data of
+    train takes: text, .jsonl, Parquet, token files)"""
+    out: str | None = None
+    """run directory of a shardax train run (may have been moved or copied)"""
+    source: Annotated[str | None, _arg("from", help=(
+        "hf:DIR or hf:ORG/NAME[@REVISION]: score with a Hugging Face model instead of a run "
+        "(--out)"))] = None
+    """hf:DIR or hf:ORG/NAME[@REVISION]: score with a Hugging Face model instead of a run"""
+    seq_len: int = 128
+    """tokens the model sees at once; each file is scored in windows of this many"""
+    batch_size: int = 8
+    """windows per forward pass"""
+    mesh: Annotated[str | None, _SAYS_DEFAULT] = None
+    """device mesh to evaluate on, e.g. fsdp=4,tp=2 (default: dp=<all devices>)"""
+    step: Annotated[int | None, _SAYS_DEFAULT] = None
+    """checkpoint step to evaluate (default: the newest good one)"""
+    text_field: str = "text"
+    """field (jsonl) or column (Parquet) holding the text"""
+    token_dtype: Literal["uint16", "uint32"] | None = None
+    """dtype of .bin token files"""
 
 
 @dataclass(frozen=True)
@@ -568,5 +597,25 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
            "--system needs --chat, --messages or --interactive (it is a chat template's "
            "system message)")
     _check_seed(config.seed)
+    _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
+    return config
+
+
+def check_eval(config: EvalConfig) -> EvalConfig:
+    """`check` for `EvalConfig`."""
+    config = coerce_fields(config)
+    _usage((config.out is None) != (config.source is None),
+           "give exactly one of --out RUN and --from hf:DIR (or hf:ORG/NAME)")
+    if config.source is not None:
+        hf_dir(config.source, "--from")
+        _usage(config.step is None, "--step needs --out (a run's checkpoints)")
+    _usage(bool(config.data), "--data: give the files to evaluate on")
+    for path in config.data:
+        _usage(Path(path).exists(), f"--data {path}: no such file or directory")
+    _usage(config.seq_len >= 2, f"--seq-len {config.seq_len}: must be >= 2")
+    _usage(config.batch_size >= 1, f"--batch-size {config.batch_size}: must be >= 1")
+    _usage(bool(config.text_field), "--text-field: give the name of the text field")
+    if config.mesh is not None:
+        parse_mesh(config.mesh)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     return config

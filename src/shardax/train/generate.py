@@ -44,7 +44,7 @@ from shardax.train.tokenizer import (
     run_tokenizer,
 )
 
-__all__ = ["Chat", "Sampler", "generate", "load_sampler", "restore_model", "sample"]
+__all__ = ["Chat", "Sampler", "generate", "load_hf", "load_sampler", "restore_model", "sample"]
 
 
 _note = partial(note, "generate")
@@ -86,6 +86,25 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     return model, nnx.merge(graphdef, state.params, state.rest), mesh
 
 
+def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = None,
+            attention: str | None = None) -> tuple[nnx.Module, Tokenizer]:
+    """``(model, tokenizer)`` of ``--from hf:DIR`` (or ``hf:ORG/NAME``), sharded on ``mesh``
+    (default ``dp=<all devices>``) by ``rules`` (a preset list; default: replicated); the
+    tokenizer is bytes when the directory has no ``tokenizer.json`` (with a note)."""
+    directory = hf_dir(source, "--from")
+    mesh = mesh or MeshShardingHelper.from_string(f"dp={jax.device_count()}")
+    try:  # the model first: a damaged directory is one error line, no note before it
+        rules = LogicalAxisRules(rules or layout.PRESETS["dp"])
+        model = hf.load_model(directory, mesh, rules=rules, attention=attention or "auto")
+        found = has_tokenizer(directory)
+        if not found:
+            _note(f"note: {directory} has no tokenizer.json: prompts and output are raw "
+                  "UTF-8 bytes (token id = byte value)")
+        return model, load_tokenizer(directory if found else BYTES)
+    except ValueError as e:
+        raise UsageError(f"--from {source}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
     """What sampling needs, loaded once: the model, its tokenizer, the token ids that end a
@@ -106,18 +125,7 @@ def load_sampler(config: GenerateConfig, run_dir: RunDir | None = None) -> Sampl
     ``--out`` (read here if not given)."""
     if config.source is not None:
         directory = hf_dir(config.source, "--from")
-        flag = f"--from {config.source}"
-        mesh = MeshShardingHelper.from_string(f"dp={jax.device_count()}")
-        try:  # the model first: a damaged directory is one error line, no note before it
-            model = hf.load_model(directory, mesh, rules=LogicalAxisRules(layout.PRESETS["dp"]),
-                                  attention=config.attention or "auto")
-            found = has_tokenizer(directory)
-            if not found:
-                _note(f"note: {directory} has no tokenizer.json: prompts and output are raw "
-                      "UTF-8 bytes (token id = byte value)")
-            tokenizer = load_tokenizer(directory if found else BYTES)
-        except ValueError as e:
-            raise UsageError(f"{flag}: {e}") from None
+        model, tokenizer = load_hf(config.source, attention=config.attention)
     else:
         run_dir = run_dir or check_run(config.out, config.step)
         flag = f"--out {config.out}"
