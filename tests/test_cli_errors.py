@@ -192,6 +192,13 @@ CASES = [
      ["--step 2", "[3]"]),
     ("generate missing run", ["generate", "--out", "{missing}"], ["--out", "missing-run"]),
     ("generate not a run", ["generate", "--out", "{tmp_only}"], ["no checkpoint"]),
+    ("eval without --out or --from", ["eval", "--data", "{step3_run}"], ["--out", "--from"]),
+    ("eval with --out and --from", ["eval", "--out", "{step3_run}", "--from", "hf:{missing}",
+                                    "--data", "{step3_run}"], ["--out", "--from"]),
+    ("eval missing data", ["eval", "--out", "{step3_run}", "--data", "{missing}"],
+     ["--data", "missing-run"]),
+    ("eval seq-len 1", ["eval", "--out", "{step3_run}", "--data", "{step3_run}", "--seq-len",
+                        "1"], ["--seq-len 1"]),
     ("config file garbage", ["train", "--config", "{bad.yaml}"], ["--config", "bad.yaml"]),
     ("config file unknown key", ["train", "--config", "{unknown.toml}"],
      ["--config", "warmup"]),
@@ -262,7 +269,7 @@ def test_bad_command_line(name, argv, needles, results):
     lines = r["err"].strip().splitlines()
     assert r["code"] == 2, r
     assert len(lines) == 1, r["err"]
-    command = argv[0] if argv[0] in ("train", "plan", "generate", "launch") else None
+    command = argv[0] if argv[0] in ("train", "plan", "generate", "eval", "launch") else None
     assert lines[0].startswith(f"shardax {command}: error: " if command else "shardax: error: ")
     assert "Traceback" not in r["err"]
     for needle in needles:
