@@ -69,6 +69,8 @@ def test_windows_score_every_token_but_the_first_once():
     rows, mask = windows(np.arange(1, 9), 3)
     assert rows.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7], [7, 8, 0, 0]]
     assert mask.sum() == 7 and rows[:, 1:][mask > 0].tolist() == list(range(2, 9))
+    rows, mask = windows(np.arange(1, 9), 3, first=2, count=2)  # one batch, padded
+    assert rows.tolist() == [[7, 8, 0, 0], [0, 0, 0, 0]] and mask.tolist() == [[1, 0, 0], [0] * 3]
 
 
 def test_eval_command_prints_loss_perplexity_bits_per_byte(observed_run, held_out, reference):

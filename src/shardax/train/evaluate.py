@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from shardax import layout
+from shardax.errors import UsageError
 from shardax.rules import LogicalAxisRules
 from shardax.train.config import EvalConfig, check_eval
 from shardax.train.data import TokenStream, open_data
@@ -40,10 +41,12 @@ from shardax.train.tokenizer import run_tokenizer
 __all__ = ["evaluate", "evaluate_files", "windows"]
 
 
-def windows(tokens: TokenStream | np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(rows, mask)``: int32 ``[n, seq_len + 1]`` windows of ``tokens`` starting ``seq_len``
-    apart (the last one zero-padded) and the float32 ``[n, seq_len]`` mask of the targets
-    ``rows[:, 1:]`` that are real tokens: together every token but the first, once.
+def windows(tokens: TokenStream | np.ndarray, seq_len: int, first: int = 0,
+            count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(rows, mask)``: int32 ``[count, seq_len + 1]`` windows ``first`` onwards of
+    ``tokens``, window ``i`` starting at token ``i * seq_len`` (zero-padded past the end), and
+    the float32 ``[count, seq_len]`` mask of the targets ``rows[:, 1:]`` that are real tokens.
+    All the windows (``count`` None) hold every token but the first once as a target.
 
     >>> rows, mask = windows(np.arange(6), 3)
     >>> rows.tolist(), mask.tolist()
@@ -51,11 +54,12 @@ def windows(tokens: TokenStream | np.ndarray, seq_len: int) -> tuple[np.ndarray,
     """
     stream = tokens if isinstance(tokens, TokenStream) else TokenStream([np.asarray(tokens)])
     n = len(stream)
-    count = max(math.ceil((n - 1) / seq_len), 0)
+    total = max(math.ceil((n - 1) / seq_len), 0)
+    count = total - first if count is None else count
     rows = np.zeros((count, seq_len + 1), np.int32)
     mask = np.zeros((count, seq_len), np.float32)
-    for i in range(count):
-        start = i * seq_len
+    for i in range(min(count, total - first)):
+        start = (first + i) * seq_len
         length = min(seq_len + 1, n - start)
         rows[i, :length] = stream.rows(np.array([start]), length)[0]
         mask[i, :length - 1] = 1.0
@@ -95,6 +99,7 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
         run_dir = run_dir or check_run(config.out, config.step)
         tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
         _, model, _ = restore_model(run_dir, config.step, config.mesh, rules)
+    vocab = model.config.vocab_size
     graphdef, state = nnx.split(model)
     batch_spec = LogicalAxisRules(rules).spec_for(("batch", "length"), mesh.mesh)
     rows_sharding = jax.sharding.NamedSharding(mesh.mesh, batch_spec)
@@ -104,16 +109,18 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
     results = []
     for path in config.data:
         stream = open_data([path], tokenizer, config.text_field, config.token_dtype)
-        rows, mask = windows(stream, config.seq_len)
-        nll, tokens = 0.0, 0
-        for start in range(0, len(rows), batch):
-            r = np.zeros((batch, config.seq_len + 1), np.int32)
-            m = np.zeros((batch, config.seq_len), np.float32)
-            r[:len(rows) - start] = rows[start:start + batch]
-            m[:len(rows) - start] = mask[start:start + batch]
-            total, count = step(state, jax.device_put(r, rows_sharding),
-                                jax.device_put(m, rows_sharding))
-            nll, tokens = nll + float(total), tokens + int(count)
+        sums = []
+        # batches read one at a time: host memory stays flat in the file's size
+        for first in range(0, max(math.ceil((len(stream) - 1) / config.seq_len), 0), batch):
+            rows, mask = windows(stream, config.seq_len, first, batch)
+            if rows.max() >= vocab:
+                raise UsageError(f"--data {path}: token id {rows.max()} is outside the model's "
+                                 f"vocabulary of {vocab}; this model needs its own tokenizer")
+            sums.append(step(state, jax.device_put(rows, rows_sharding),
+                             jax.device_put(mask, rows_sharding)))
+        # added up in float64 on the host, after the last batch is dispatched
+        nll = float(np.sum([float(t) for t, _ in sums], dtype=np.float64))
+        tokens = sum(int(c) for _, c in sums)
         size = _text_bytes(path, config.text_field, config.token_dtype)
         loss = nll / tokens if tokens else float("nan")
         results.append({"data": path, "tokens": tokens, "nll": nll, "loss": loss,
