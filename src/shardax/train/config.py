@@ -281,8 +281,7 @@ class EvalConfig:
     """Everything ``shardax eval`` takes; field names are the CLI flags."""
 
     data: list[str] = field(default_factory=list)
-    """files or directories to score, each on its own line of output (any format --data of
-    train takes: text, .jsonl, Parquet, token files)"""
+    """files or directories to score (any format train's --data takes), one line each"""
     out: str | None = None
     """run directory of a shardax train run (may have been moved or copied)"""
     source: Annotated[str | None, _arg("from", help=(
