@@ -532,11 +532,16 @@ def _generate_check(args: Any) -> Any:
     return dataclasses.replace(args, sample=check_generate(args.sample))
 
 
-def _generate_run_dir(args: Any) -> Any:
+def _model_run_dir(config: Any) -> Any:
+    """The checked run directory of ``--out`` for a command that reads a model (None with
+    ``--from``)."""
     from shardax.train.rundir import check_run
 
-    config = args.sample
     return check_run(config.out, config.step) if config.out is not None else None
+
+
+def _generate_run_dir(args: Any) -> Any:
+    return _model_run_dir(args.sample)
 
 
 def _generate_run(args: Any, run_dir: Any) -> int:
@@ -594,10 +599,7 @@ def _eval_check(args: Any) -> Any:
 
 
 def _eval_run_dir(args: Any) -> Any:
-    from shardax.train.rundir import check_run
-
-    config = args.eval
-    return check_run(config.out, config.step) if config.out is not None else None
+    return _model_run_dir(args.eval)
 
 
 def _eval_run(args: Any, run_dir: Any) -> int:

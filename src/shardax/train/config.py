@@ -567,14 +567,20 @@ def check_export(config: ExportConfig) -> ExportConfig:
     return config
 
 
-def check_generate(config: GenerateConfig) -> GenerateConfig:
-    """`check` for `GenerateConfig`."""
-    config = coerce_fields(config)
+def _check_model_source(config: GenerateConfig | EvalConfig) -> None:
+    """The model a read-only command uses: exactly one of ``--out RUN`` and ``--from hf:...``
+    (``--step`` only with a run)."""
     _usage((config.out is None) != (config.source is None),
            "give exactly one of --out RUN and --from hf:DIR (or hf:ORG/NAME)")
     if config.source is not None:
         hf_dir(config.source, "--from")
         _usage(config.step is None, "--step needs --out (a run's checkpoints)")
+
+
+def check_generate(config: GenerateConfig) -> GenerateConfig:
+    """`check` for `GenerateConfig`."""
+    config = coerce_fields(config)
+    _check_model_source(config)
     _usage(config.max_tokens >= 0, f"--max-tokens {config.max_tokens}: must be >= 0")
     _usage(math.isfinite(config.temperature) and config.temperature >= 0,
            f"--temperature {config.temperature}: must be a finite number >= 0")
@@ -603,11 +609,7 @@ def check_generate(config: GenerateConfig) -> GenerateConfig:
 def check_eval(config: EvalConfig) -> EvalConfig:
     """`check` for `EvalConfig`."""
     config = coerce_fields(config)
-    _usage((config.out is None) != (config.source is None),
-           "give exactly one of --out RUN and --from hf:DIR (or hf:ORG/NAME)")
-    if config.source is not None:
-        hf_dir(config.source, "--from")
-        _usage(config.step is None, "--step needs --out (a run's checkpoints)")
+    _check_model_source(config)
     _usage(bool(config.data), "--data: give the files to evaluate on")
     for path in config.data:
         _usage(Path(path).exists(), f"--data {path}: no such file or directory")
