@@ -54,7 +54,7 @@ def windows(tokens: TokenStream | np.ndarray, seq_len: int, first: int = 0,
     """
     stream = tokens if isinstance(tokens, TokenStream) else TokenStream([np.asarray(tokens)])
     n = len(stream)
-    total = max(math.ceil((n - 1) / seq_len), 0)
+    total = _window_count(n, seq_len)
     count = total - first if count is None else count
     rows = np.zeros((count, seq_len + 1), np.int32)
     mask = np.zeros((count, seq_len), np.float32)
@@ -64,6 +64,12 @@ def windows(tokens: TokenStream | np.ndarray, seq_len: int, first: int = 0,
         rows[i, :length] = stream.rows(np.array([start]), length)[0]
         mask[i, :length - 1] = 1.0
     return rows, mask
+
+
+def _window_count(tokens: int, seq_len: int) -> int:
+    """How many windows of `windows` cover ``tokens`` tokens (each token but the first a
+    target once)."""
+    return max(math.ceil((tokens - 1) / seq_len), 0)
 
 
 def _text_bytes(path: str, text_field: str, token_dtype: str | None) -> int | None:
@@ -94,7 +100,7 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
     mesh = make_mesh(config.mesh or f"dp={jax.device_count()}")
     rules = layout.presets.resolve(layout.PRESETS["fsdp_tp"], dict(mesh.mesh.shape))
     if config.source is not None:
-        model, tokenizer = load_hf(config.source, mesh, rules)
+        model, tokenizer, _ = load_hf(config.source, mesh, rules)
     else:
         run_dir = run_dir or check_run(config.out, config.step)
         tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
@@ -111,7 +117,7 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
         stream = open_data([path], tokenizer, config.text_field, config.token_dtype)
         sums = []
         # batches read one at a time: host memory stays flat in the file's size
-        for first in range(0, max(math.ceil((len(stream) - 1) / config.seq_len), 0), batch):
+        for first in range(0, _window_count(len(stream), config.seq_len), batch):
             rows, mask = windows(stream, config.seq_len, first, batch)
             if rows.max() >= vocab:
                 raise UsageError(f"--data {path}: token id {rows.max()} is outside the model's "

@@ -87,10 +87,11 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
 
 
 def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = None,
-            attention: str | None = None) -> tuple[nnx.Module, Tokenizer]:
-    """``(model, tokenizer)`` of ``--from hf:DIR`` (or ``hf:ORG/NAME``), sharded on ``mesh``
-    (default ``dp=<all devices>``) by ``rules`` (a preset list; default: replicated); the
-    tokenizer is bytes when the directory has no ``tokenizer.json`` (with a note)."""
+            attention: str | None = None) -> tuple[nnx.Module, Tokenizer, Path]:
+    """``(model, tokenizer, directory)`` of ``--from hf:DIR`` (or ``hf:ORG/NAME``, resolved
+    once), sharded on ``mesh`` (default ``dp=<all devices>``) by ``rules`` (a preset list;
+    default: replicated); the tokenizer is bytes when the directory has no ``tokenizer.json``
+    (with a note)."""
     directory = hf_dir(source, "--from")
     mesh = mesh or MeshShardingHelper.from_string(f"dp={jax.device_count()}")
     try:  # the model first: a damaged directory is one error line, no note before it
@@ -100,7 +101,7 @@ def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = No
         if not found:
             _note(f"note: {directory} has no tokenizer.json: prompts and output are raw "
                   "UTF-8 bytes (token id = byte value)")
-        return model, load_tokenizer(directory if found else BYTES)
+        return model, load_tokenizer(directory if found else BYTES), directory
     except ValueError as e:
         raise UsageError(f"--from {source}: {e}") from None
 
@@ -124,8 +125,7 @@ def load_sampler(config: GenerateConfig, run_dir: RunDir | None = None) -> Sampl
     ``--chat``, the template's end-of-turn tokens. ``run_dir``: what `check_run` returned for
     ``--out`` (read here if not given)."""
     if config.source is not None:
-        directory = hf_dir(config.source, "--from")
-        model, tokenizer = load_hf(config.source, attention=config.attention)
+        model, tokenizer, directory = load_hf(config.source, attention=config.attention)
     else:
         run_dir = run_dir or check_run(config.out, config.step)
         flag = f"--out {config.out}"
@@ -223,6 +223,8 @@ def generate(out: str | None, prompt: str | Sequence[str] = "", max_tokens: int 
         attention=attention, top_k=top_k, top_p=top_p, chat=chat))
     texts = sample(config, stats=stats)
     return texts[0] if isinstance(prompt, str) else texts
+
+
 def _sample(sampler: Sampler, ids: list[list[int]], config: GenerateConfig,
             stats: dict | None) -> list[list[int]]:
     """Sampling with the KV cache (``shardax.models.decode``): the token ids of each prompt
