@@ -3,9 +3,10 @@ moves over 'fsdp' alone (the compiled program's all-gathers and permute rings re
 `shardax.hlo`), and 5 SGD steps on HSDP x TP (dp=2, fsdp=2, tp=2) with gradient accumulation
 on HSDP x CP (dp=2, fsdp=2, cp=2: the region manual over 'cp' too, ring attention inside) and
 on HSDP x EP with the MoE llama (dp=2, fsdp=2, ep=2: manual over 'ep' too, each device gathering
-its own experts over 'fsdp', the all-to-alls inside) and on FSDP x PP (pp=2, fsdp=4: each
-circular pipeline stage gathers its layer over 'fsdp'; gpipe runs through the CLI in
-`test_parallel_train`) equal one device.
+its own experts over 'fsdp', the all-to-alls inside) and on FSDP x PP (pp=2, fsdp=4, circular:
+each device gathers its stage's layers over 'fsdp' once per step, before the pipeline; gpipe
+runs through the CLI in `test_parallel_train`) equal one device. On FSDP x PP the stage's layers
+move once: an all-gather ring and a reduce-scatter ring over 'fsdp', no more.
 Without remat the gathered layers are kept from forward to backward (no second gather), equal
 to one device too, and the banner says so and why.
 
@@ -107,6 +108,21 @@ def test_hsdp_composed_equals_one_device(references, mesh_spec, config, grad_acc
                          optimizer="sgd")
 
 
+def test_explicit_fsdp_with_pp_moves_each_stage_once():
+    """Each device gathers its stage's layers once per step and reduce-scatters their gradient
+    once: the bytes moved over 'fsdp' are those two passes over the stage and the rest of the
+    model, not one per pipeline step (which cost 1.76x ZeRO-3's bytes at fsdp=4,pp=2)."""
+    step, state, mesh = _step("pp=2,fsdp=4", PIPED, lay=CIRCULAR)
+    hlo = step.lower(state, _batches()[0]).compile().as_text()
+    fsdp_groups = _groups_along(mesh, "fsdp")
+    over_fsdp = sum(c.bytes for c in hlo_collectives(hlo)
+                    if c.kind in ("all-gather", "reduce-scatter", "collective-permute")
+                    and {tuple(sorted(g)) for g in c.groups} <= fsdp_groups)
+    layers = models.param_count(PIPED) - PIPED.vocab_size * PIPED.dim  # tied embeddings
+    stage = (layers - PIPED.dim) / 2 + PIPED.vocab_size * PIPED.dim + PIPED.dim  # f32 values
+    assert over_fsdp <= 2 * 4 * stage, (over_fsdp, 2 * 4 * stage)
+
+
 def _gathered_bytes(step, state):
     hlo = step.lower(state, _batches()[0]).compile().as_text()
     return sum(c.bytes for c in hlo_collectives(hlo) if c.kind == "all-gather")
@@ -162,9 +178,22 @@ def test_recompute_choice_and_banner():
                                      fsdp_mode="explicit"))).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, line
     assert "why: --fsdp-mode explicit; no --remat" in line, line
-    line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8))).fsdp_summary()
-    assert line.startswith("fsdp: xla") and "auto: xla is faster with a 'pp' axis" in line, line
+    # a 'pp' axis: explicit gathers each stage's layers once per step and holds less, except
+    # with --grad-accum (it gathers per microbatch) or where the stage would not fit
+    for remat in ("none", "full"):
+        line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8,
+                                         remat=remat))).fsdp_summary()
+        assert line.startswith("fsdp: explicit (each stage's layers gathered once per step"), line
+        assert "auto: explicit holds less than the partitioner's FSDP on a 'pp' axis" in line, \
+            line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=16,
+                                     grad_accum=2))).fsdp_summary()
+    assert line.startswith("fsdp: xla") and "auto: with --grad-accum on a 'pp' axis" in line, \
+        line
+    line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8)),
+                   device_memory=full).fsdp_summary()  # the stage's half of it: > 25%
+    assert line.startswith("fsdp: xla") and "the stage's gathered layers" in line, line
     line = resolve(check(TrainConfig(mesh="fsdp=4,pp=2", batch_size=8,
                                      fsdp_mode="explicit"))).fsdp_summary()
-    assert line.startswith("fsdp: explicit") and "forward recomputed" in line, line
-    assert "a 'pp' axis (the pipeline keeps each layer's input" in line, line
+    assert line.startswith("fsdp: explicit (each stage's layers gathered once") and \
+        "why: --fsdp-mode explicit; the stage's gathered layers" in line, line

@@ -72,7 +72,7 @@ def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.A
          positions: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
          load_balanced: bool = False, cast: Callable[[jax.Array], jax.Array] = _identity,
          loss_weights: jax.Array | None = None, stack: Callable | None = None,
-         lookup: Callable | None = None, layer_gather: Callable | None = None
+         lookup: Callable | None = None, head_after_pipeline: bool = False
          ) -> tuple[jax.Array, jax.Array]:
     """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
     ``cast(logits)`` and the model's auxiliary loss (an MoE's load balancing; 0 without one).
@@ -82,10 +82,9 @@ def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.A
     Explicit FSDP's hooks: ``stack(layer_fn, x)`` runs the layers instead of the scan or loop
     (``layer_fn(layer_state, h)``, ``layer_state`` one slice of ``nnx.state(model.layers)``
     when stacked, one item when listed); ``lookup(table, tokens)`` looks up the token
-    embeddings; ``layer_gather(layer_state)`` on a 'pp' mesh turns the parameters of one layer
-    as the pipeline stage slices them into the state the layer merges; the pipeline then
-    returns its outputs and the head and cross-entropy run after it (a loss region over 'pp'
-    nested in explicit FSDP's does not lower under differentiation in JAX 0.10:
+    embeddings; ``head_after_pipeline``: on a 'pp' mesh the pipeline returns its outputs and
+    the head and cross-entropy run after it (explicit FSDP: a loss region over 'pp' nested in
+    FSDP's does not lower under differentiation in JAX 0.10:
     https://github.com/jax-ml/jax/pull/26588).
 
     Example::
@@ -97,10 +96,10 @@ def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.A
     piped = axis_size(PIPELINE_AXIS) > 1
     if stack is not None and piped:
         raise ValueError("a custom layer stack (explicit FSDP) cannot run as a 'pp' "
-                         "pipeline; pass layer_gather")
-    if not piped or layer_gather is not None:
+                         "pipeline")
+    if not piped or head_after_pipeline:
         if piped:
-            x, aux = run.pipeline(x, extras, layer_gather=layer_gather)
+            x, aux = run.pipeline(x, extras)
         else:
             x, aux = run.stack(x, extras, stack)
         return run.cross_entropy(x, targets, *model.head_params(), weights=loss_weights), aux
@@ -143,7 +142,7 @@ def training_loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targe
         objective, ce = training_loss(model, Layout(), tokens[:, :-1], tokens[:, 1:])
     """
     if not (model.has_aux and axis_size(PIPELINE_AXIS) > 1 and layout.pp_schedule == "1f1b"
-            and kwargs.get("layer_gather") is None):
+            and not kwargs.get("head_after_pipeline")):
         ce, aux = loss(model, layout, tokens, targets, positions, **kwargs)
         return (ce + model.aux_weight * aux if model.has_aux else ce), ce
     run = _Run(model, layout, kwargs.get("load_balanced", False), kwargs.get("cast", _identity))
@@ -204,7 +203,7 @@ class _Run:
         return x, aux / c.n_layers
 
     def pipeline(self, x, extras, loss_fn=None, loss_batch_args=(), loss_args=(),
-                 loss_has_aux=False, layer_gather=None):
+                 loss_has_aux=False):
         """The layer stack as a pipeline over 'pp'. Returns ``(x, aux)`` (outputs on every
         stage), or with ``loss_fn`` what ``pipeline(loss_fn=...)`` returns, computed on the
         output stage alone. Without ``loss_fn`` (logits only) '1f1b' runs as 'gpipe', the same
@@ -214,8 +213,7 @@ class _Run:
 
         The auxiliary loss travels through the pipeline as one value per row (every row of a
         microbatch holds that microbatch's loss), so ``aux`` is the mean over microbatches:
-        equal to the unpipelined loss when ``pp_microbatches == 1``. ``layer_gather``: applied
-        to each layer's parameters inside the stage (see `loss`)."""
+        equal to the unpipelined loss when ``pp_microbatches == 1``."""
         model, c, lay = self.model, self.model.config, self.layout
         if not c.scan_layers:
             raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
@@ -228,8 +226,6 @@ class _Run:
                 and jnp.issubdtype(a.dtype, jnp.integer)}
 
         def layer_fn(params, h):
-            if layer_gather is not None:
-                params = layer_gather(params)
             ex = {k: a.astype(jnp.int32) if k in ints else a for k, a in h[1].items()}
             y, aux = self.block(nnx.merge(graphdef, params), h[0], ex, self.attend)
             return (y, h[1], h[2] + aux)
@@ -317,7 +313,11 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
     # tied one is gathered for the head anyway.
     table = model.lookup_table
     local = ("layers", table) if table else ("layers",)
-    # On a 'pp' mesh the layers reach the pipeline as shards, each gathered inside its stage.
+    # On a 'pp' mesh each device gathers its stage's layers once, before the pipeline, and
+    # keeps them for the step (torchtitan's reshard_after_forward=False under pipelining): a
+    # gather inside the pipeline would repeat at every pipeline step, and inside the stages'
+    # vmap the partitioner keeps the stage dim whole around it (every device gathering every
+    # stage's layers).
     piped = axis_size(PIPELINE_AXIS) > 1
     table_dim = fsdp.fsdp_dim(param_rules.spec_for(("vocab", "embed")))
     kwargs = dict(kwargs)
@@ -334,8 +334,8 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
 
     def loss_fn(gather, params, inputs, targets, *extras):
         top = jax.tree_util.tree_map_with_path(
-            lambda path, leaf: (leaf if piped and _key(path) == "layers" else
-                                gather.local(leaf) if _key(path) in local else gather(leaf)),
+            lambda path, leaf: (gather.local(leaf) if _key(path) in local and not
+                                (piped and _key(path) == "layers") else gather(leaf)),
             params, is_leaf=lambda x: not isinstance(x, (dict, nnx.State)))
         model = nnx.merge(graphdef, top, rest)
         layers = params["layers"]
@@ -346,7 +346,7 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
                                     x, **keep)
 
-        hooks = dict(layer_gather=gather) if piped else dict(stack=stack)
+        hooks = dict(head_after_pipeline=True) if piped else dict(stack=stack)
         return training_loss(model, layout, inputs, targets, cast=policy.cast_to_output,
                              lookup=lookup if table else None, load_balanced=load_balanced,
                              **dict(zip(names, extras)), **hooks)[0]

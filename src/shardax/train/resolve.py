@@ -173,7 +173,12 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     8 CPU devices, ``benchmarks/cli_step.py``): xla. Where explicit re-gathers (``--remat``, or
     the gathered layers would not fit) or reduce-scatters microbatch gradients into a sharded
     accumulator, it holds less (113.9 against 203.0 MiB with ``--remat full``; 242.4 against
-    302.2 with ``--grad-accum 2``): explicit.
+    302.2 with ``--grad-accum 2``): explicit. On a 'pp' axis explicit gathers each stage's layers
+    once per step and keeps them through the pipeline: it holds less than the partitioner's FSDP
+    there (llama-small, fsdp=4,pp=2: 262.2 against 306.3 MiB, with or without ``--remat``) and
+    moves a third of its bytes (its step took 1.3x the partitioner's on 8 emulated CPU
+    devices, whose permute rings are slow), so auto picks it where the stage fits, except with
+    ``--grad-accum`` (explicit gathers per microbatch: 261.3 against 220.8 MiB).
 
     >>> fsdp_mode(TrainConfig(mesh="fsdp=8", remat="full"), {"fsdp": 8},
     ...           models.CONFIGS["llama-tiny"], Policy(), None)[:2]
@@ -193,6 +198,15 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     recompute, keep_why = fsdp_recompute(config, mesh_shape, model_config, policy, memory_bytes)
     if config.fsdp_mode == "explicit":
         return "explicit", recompute, f"--fsdp-mode explicit; {keep_why}"
+    if mesh_shape.get("pp", 1) > 1:
+        if config.grad_accum > 1:
+            return "xla", True, ("auto: with --grad-accum on a 'pp' axis explicit gathers each "
+                                 "stage's layers per microbatch and holds more than the "
+                                 "partitioner's FSDP")
+        if recompute:  # the stage's layers would not fit
+            return "xla", True, f"auto: {keep_why}"
+        return "explicit", False, ("auto: explicit holds less than the partitioner's FSDP on a "
+                                   f"'pp' axis and moves a third of its bytes; {keep_why}")
     if not recompute and config.grad_accum == 1:
         return "xla", True, (f"auto: xla holds what explicit would here ({keep_why}; the "
                              "partitioner keeps them too) and its step is faster")
@@ -207,15 +221,10 @@ def _auto_prefers_xla(mesh_shape: dict[str, int]) -> str | None:
     decides, `fsdp_mode`).
     With a 'tp' axis explicit FSDP moves the TP-split parameters over 'fsdp' in rings of
     collective-permutes (XLA would gather them over 'tp' too); measured on 8 emulated CPU
-    devices at fsdp=4,tp=2 at 0.48-0.58x the tokens/s of the partitioner's FSDP. With a 'pp'
-    axis each stage's gather runs inside the pipeline's vmap over stages, where the stage dim
-    stays whole: 1.76x the ZeRO-3 bytes at fsdp=4,pp=2 (benchmarks, section 7)."""
+    devices at fsdp=4,tp=2 at 0.48-0.58x the tokens/s of the partitioner's FSDP."""
     if mesh_shape.get("tp", 1) > 1:
         return ("a 'tp' axis (explicit FSDP moves TP-split parameters in permute rings, "
                 "slower than the partitioner's FSDP; --fsdp-mode explicit forces it)")
-    if mesh_shape.get("pp", 1) > 1:
-        return ("a 'pp' axis (explicit FSDP gathers the stages' layers inside the pipeline's "
-                "vmap over stages: about 1.8x ZeRO-3's bytes; --fsdp-mode explicit forces it)")
     return None
 
 
@@ -267,13 +276,19 @@ def fsdp_recompute(config: TrainConfig, mesh_shape: dict[str, int], model_config
     >>> fsdp_recompute(TrainConfig(remat="full"), {}, None, Policy(), None)
     (True, '--remat full')
     """
-    if config.remat != "none":
+    pp = mesh_shape.get("pp", 1)
+    if config.remat != "none" and pp == 1:
         return True, f"{flag('remat')} {config.remat}"
-    if mesh_shape.get("pp", 1) > 1:
-        return True, "a 'pp' axis (the pipeline keeps each layer's input and recomputes it)"
     tp = mesh_shape.get("tp", 1)  # tensor-parallel shards stay shards once gathered
-    gathered = models.param_count(model_config) * policy.compute.itemsize / tp
-    size = f"the gathered layers ({gathered / 2**30:.2f} GiB per device)"
+    gathered = models.param_count(model_config) * policy.compute.itemsize / (tp * pp)
+    size = (f"the stage's gathered layers ({gathered / 2**30:.2f} GiB per device; the pipeline "
+            "recomputes each layer from its input)" if pp > 1 else
+            f"the gathered layers ({gathered / 2**30:.2f} GiB per device)")
+    if pp > 1:  # the stage's layers are gathered once per step, whatever --remat says
+        if memory_bytes is None or gathered <= KEEP_GATHERED_SHARE * memory_bytes:
+            return False, f"{size} kept for the step"
+        return True, (f"{size} exceed {KEEP_GATHERED_SHARE:.0%} of device memory "
+                      f"({memory_bytes / 2**30:.1f} GiB)")
     if memory_bytes is None:
         return False, f"no --remat; {size} kept: device memory has no stated limit"
     budget = KEEP_GATHERED_SHARE * memory_bytes
@@ -403,6 +418,10 @@ class Resolved:
 
     def fsdp_summary(self) -> str:
         """One line for the train plan: which FSDP mode is active."""
+        if self.fsdp_mode == "explicit" and self.mesh.shape.get("pp", 1) > 1:
+            return ("fsdp: explicit (each stage's layers gathered once per step in the compute "
+                    "dtype and kept through the pipeline, their gradients reduce-scattered in "
+                    f"float32); why: {self.fsdp_why}")
         if self.fsdp_mode == "explicit":
             kept = ("forward recomputed in the backward pass (each layer re-gathered)"
                     if self.fsdp_recompute else
