@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as PS
 
 from shardax import models
-from shardax.hf import config_from_hf, config_to_hf
+from shardax.hf import config_from_hf, config_to_hf, load_config
 from shardax.layout import PRESETS, Layout, forward
 from shardax.logical import use_logical_rules
 from shardax.models import attention as attn
@@ -440,8 +440,10 @@ def test_remat_policy_errors():
     assert remat_policy("none") is None
     # remat and attention are how a model runs, not what it is: the error names Layout
     for runtime in (dict(remat="full"), dict(attention="xla")):
-        with pytest.raises(TypeError, match=r"not part of the model architecture.*Layout\("):
+        with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
             models.get_config("llama-tiny", **runtime)
+        with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
+            load_config("no-such-dir", **runtime)  # before any file is read
 
 
 # ------------------------------------------------------------------ packed documents

@@ -21,7 +21,7 @@ from flax import nnx
 from shardax.models import gpt2, llama
 from shardax.models._annotate import constrain, current_logical_rules, use_logical_rules
 from shardax.models._layers import cross_entropy, stack_states
-from shardax.models.configs import CONFIGS, GPT2Config, LlamaConfig, RopeScaling
+from shardax.models.configs import CONFIGS, GPT2Config, LlamaConfig, RopeScaling, check_overrides
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
 from shardax.models.lora import add_lora
@@ -31,13 +31,9 @@ from shardax.models.remat import REMAT_POLICIES
 
 __all__ = [
     "CONFIGS", "GPT2", "GPT2Config", "LanguageModel", "Llama", "LlamaConfig", "MLP",
-    "REMAT_POLICIES", "RopeScaling", "constrain", "create", "cross_entropy",
+    "REMAT_POLICIES", "RopeScaling", "check_overrides", "constrain", "create", "cross_entropy",
     "current_logical_rules", "get_config", "param_count", "stack_states", "use_logical_rules",
 ]
-
-# How a model runs, not what it is: moved to shardax.layout.Layout (a clear error, not
-# dataclasses' "unexpected keyword argument").
-_LAYOUT_FIELDS = frozenset({"remat", "attention"})
 
 
 def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
@@ -52,11 +48,7 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
     """
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
-    runtime = sorted(set(overrides) & _LAYOUT_FIELDS)
-    if runtime:
-        raise TypeError(f"get_config({name!r}): {', '.join(runtime)} is not part of the model "
-                        f"architecture; pass it to shardax.layout.Layout({runtime[0]}=...) "
-                        "(the forward, train_step) instead")
+    check_overrides(f"get_config({name!r})", overrides)
     return dataclasses.replace(CONFIGS[name], **overrides)
 
 

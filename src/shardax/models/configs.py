@@ -9,14 +9,17 @@ The translation to and from Hugging Face ``config.json`` dicts is `shardax.hf.co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
 from shardax.models.ops import RopeScaling
 
-__all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling"]
+__all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrides"]
 
+# How a model runs, not what it is: fields of shardax.layout.Layout (once config fields).
+LAYOUT_FIELDS = ("remat", "attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_IMPLS = ("capacity", "dropless")
 
@@ -240,3 +243,20 @@ GPT2_CONFIGS: dict[str, GPT2Config] = {
 
 
 CONFIGS: dict[str, LlamaConfig | GPT2Config] = {**LLAMA_CONFIGS, **GPT2_CONFIGS}
+
+
+def check_overrides(where: str, overrides: Mapping[str, Any]) -> None:
+    """Raises ``TypeError`` naming `shardax.layout.Layout` when ``overrides`` of a model config
+    hold a setting of how the model runs (``remat``, ``attention``) rather than of what it is.
+
+    >>> check_overrides("get_config('llama-tiny')", {"remat": "full"})
+    Traceback (most recent call last):
+    ...
+    TypeError: get_config('llama-tiny'): remat is how the model runs, not its architecture: \
+pass it as shardax.layout.Layout(remat=...) (to layout.forward or train_step)
+    """
+    runtime = [k for k in LAYOUT_FIELDS if k in overrides]
+    if runtime:
+        raise TypeError(f"{where}: {', '.join(runtime)} is how the model runs, not its "
+                        f"architecture: pass it as shardax.layout.Layout({runtime[0]}=...) "
+                        "(to layout.forward or train_step)")
