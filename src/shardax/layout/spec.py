@@ -15,11 +15,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from shardax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
+from shardax.models.attention import IMPLEMENTATIONS
 from shardax.models.remat import check_remat
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "FSDP_MODES", "PP_SCHEDULES", "TP_MODES", "Layout",
-           "check_mesh"]
+__all__ = ["FSDP_MODES", "PP_SCHEDULES", "TP_MODES", "Layout", "check_mesh"]
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -30,7 +29,8 @@ FSDP_MODES = ("xla", "explicit")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a model runs (no effect without the matching mesh axis).
+    """How a model runs: the parallel settings (no effect without the matching mesh axis),
+    remat and the attention implementation.
 
     ``tp_mode`` 'none' leaves tensor parallelism to XLA and the rules; 'sync'/'async'/
     'async_bidi' run attention and the MLP as ``shardax.parallel``'s column/row-parallel
@@ -77,8 +77,8 @@ class Layout:
         if self.fsdp_mode not in FSDP_MODES:
             raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {self.fsdp_mode!r}")
         check_remat(self.remat)
-        if self.attention not in ATTENTION_IMPLEMENTATIONS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got "
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got "
                              f"{self.attention!r}")
 
     @property
