@@ -130,6 +130,13 @@ def test_auto_and_errors():
         attn.attention(q, k[:, :5], v[:, :5])
     with pytest.raises(ValueError, match="attention must be one of"):
         Layout(attention="flash")
+    # The layout's (and the decoder's) implementation is the one that runs.
+    model = _model(_tiny())
+    with pytest.raises(ValueError, match="'cudnn' cannot run"):
+        jax.eval_shape(lambda t: forward.logits(model, Layout(attention="cudnn"), t),
+                       jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="'cudnn' cannot run"):
+        generate(model, [[1, 2]], 1, attention="cudnn")
 
 
 # ------------------------------------------------------------------ meshes (sjit, ring)
