@@ -28,24 +28,27 @@ from pathlib import Path
 
 from _common import emit, goal_row, interleaved, jax, jnp, machine, median, models, nnx, np
 
+from shardax.layout import Layout, forward
+
 IMPLS = ("einsum", "xla", "blockwise", "auto")
 MEMORY_SEQS = (1024, 8192)
 TIME_SEQS = (1024, 2048)
 
 
-def _loss_grad(cfg, seq):
+def _loss_grad(cfg, seq, impl):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
                                  nnx.Param)
 
     def loss(p, t):
-        return nnx.merge(graphdef, p).training_loss(t[:, :-1], t[:, 1:])[0]
+        return forward.training_loss(nnx.merge(graphdef, p), Layout(attention=impl),
+                                     t[:, :-1], t[:, 1:])[0]
 
     return jax.jit(jax.grad(loss)), params, jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
 
 
 def temp_bytes(impl: str, seq: int, n_layers: int = 8) -> int:
-    cfg = models.get_config("llama-small", max_seq_len=seq, attention=impl, n_layers=n_layers)
-    fn, params, tokens = _loss_grad(cfg, seq)
+    cfg = models.get_config("llama-small", max_seq_len=seq, n_layers=n_layers)
+    fn, params, tokens = _loss_grad(cfg, seq, impl)
     return fn.lower(params, tokens).compile().memory_analysis().temp_size_in_bytes
 
 
@@ -54,11 +57,12 @@ def step_times(seq: int, rounds: int) -> dict[str, float]:
     fns = {}
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 32000, (1, seq + 1)), jnp.int32)
     for impl in IMPLS:
-        cfg = models.get_config("llama-small", max_seq_len=seq, attention=impl, n_layers=2)
+        cfg = models.get_config("llama-small", max_seq_len=seq, n_layers=2)
         graphdef, params = nnx.split(models.create(cfg, nnx.Rngs(0)), nnx.Param)
 
-        def loss(p, t, g=graphdef):
-            return nnx.merge(g, p).training_loss(t[:, :-1], t[:, 1:])[0]
+        def loss(p, t, g=graphdef, i=impl):
+            return forward.training_loss(nnx.merge(g, p), Layout(attention=i), t[:, :-1],
+                                         t[:, 1:])[0]
 
         fn = jax.jit(jax.grad(loss))
         fns[impl] = functools.partial(fn, params, tokens)

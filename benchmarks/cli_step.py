@@ -30,6 +30,7 @@ from _common import emit, goal_row, interleaved, jax, median, paired_ratio, real
 from jax.sharding import NamedSharding
 
 from shardax.hlo import memory_bytes, peak_bytes
+from shardax.layout import Layout
 from shardax.logical import use_logical_rules
 from shardax.train import build
 from shardax.train.config import TrainConfig, check
@@ -54,8 +55,10 @@ def _steps(model: str, mesh_text: str, remat: str, fsdp_mode: str = "auto"
     mesh, rules = run.mesh, run.rules
     state_shardings = mesh.match_sharding_rule(rules, state_shape)
     batch_sharding = NamedSharding(mesh.mesh, rules.spec_for(("batch", "length"), mesh.mesh))
+    # the plain one-device step: only the run's remat and attention implementation
+    lay = Layout(remat=run.layout.remat, attention=run.layout.attention)
     jitted = jax.jit(partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
-                             param_rules=rules, fsdp_mode="xla"),
+                             param_rules=rules, fsdp_mode="xla", layout=lay),
                      in_shardings=(state_shardings, (batch_sharding, batch_sharding)),
                      out_shardings=(state_shardings, None), donate_argnums=0)
 

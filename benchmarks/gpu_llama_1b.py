@@ -73,7 +73,7 @@ def main() -> None:
     if args.precision in ("bf16", "bfloat16"):
         policy = Policy(params=jnp.dtype("bfloat16"), compute=jnp.dtype("bfloat16"))
     config = models.get_config(
-        args.model, dtype=policy.compute, param_dtype=policy.params, remat=args.remat,
+        args.model, dtype=policy.compute, param_dtype=policy.params,
         scan_layers=not args.no_scan,
         max_seq_len=max(args.seq_len, models.CONFIGS[args.model].max_seq_len))
     mesh = MeshShardingHelper.from_string(args.mesh)
@@ -94,7 +94,8 @@ def main() -> None:
     with mesh.get_context():
         jax.eval_shape(state_only)
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
-    step = mesh.sjit(partial(train_step, graphdef=graphdefs[0], tx=tx, policy=policy),
+    step = mesh.sjit(partial(train_step, graphdef=graphdefs[0], tx=tx, policy=policy,
+                             layout=layout.Layout(remat=args.remat)),
                      in_shardings=(rules, batch_spec), out_shardings=(rules, None),
                      donate_argnums=0)
 

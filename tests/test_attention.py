@@ -15,8 +15,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as PS
 
 from shardax import models
-from shardax.hf import config_from_hf, config_to_hf
-from shardax.layout import PRESETS
+from shardax.hf import config_from_hf, config_to_hf, load_config
+from shardax.layout import PRESETS, Layout, forward
 from shardax.logical import use_logical_rules
 from shardax.models import attention as attn
 from shardax.models import loss as loss_mod
@@ -129,7 +129,14 @@ def test_auto_and_errors():
     with pytest.raises(ValueError, match="needs q_positions and kv_positions"):
         attn.attention(q, k[:, :5], v[:, :5])
     with pytest.raises(ValueError, match="attention must be one of"):
-        models.get_config("llama-tiny", attention="flash")
+        Layout(attention="flash")
+    # The layout's (and the decoder's) implementation is the one that runs.
+    model = _model(_tiny())
+    with pytest.raises(ValueError, match="'cudnn' cannot run"):
+        jax.eval_shape(lambda t: forward.logits(model, Layout(attention="cudnn"), t),
+                       jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match="'cudnn' cannot run"):
+        generate(model, [[1, 2]], 1, attention="cudnn")
 
 
 # ------------------------------------------------------------------ meshes (sjit, ring)
@@ -199,23 +206,23 @@ def _model(cfg):
 @pytest.mark.parametrize("impl", ["einsum", "xla", "blockwise"])
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 def test_decode_with_cache_equals_recompute(name, impl):
-    cfg = _tiny(name, attention=impl)
+    cfg = _tiny(name)
     if name == "llama-tiny":
         cfg = dataclasses.replace(cfg, sliding_window=6)  # Mistral-style window, in decode too
     model = _model(cfg)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]
-    cached = generate(model, prompts, 6, use_cache=True)
-    again = generate(model, prompts, 6, use_cache=False)
+    cached = generate(model, prompts, 6, use_cache=True, attention=impl)
+    again = generate(model, prompts, 6, use_cache=False, attention=impl)
     assert cached.tokens == again.tokens
 
 
-def _loss_and_grads(graphdefs, tokens, params):
-    def loss(g, p):
-        m = nnx.merge(g, p)
-        return cross_entropy(m(tokens[:, :-1]), tokens[:, 1:])
+def _loss_and_grads(graphdef, impls, tokens, params):
+    def loss(impl, p):
+        m = nnx.merge(graphdef, p)
+        return cross_entropy(forward.logits(m, Layout(attention=impl), tokens[:, :-1]),
+                             tokens[:, 1:])
 
-    return {i: jax.value_and_grad(functools.partial(loss, g))(params)
-            for i, g in graphdefs.items()}
+    return {i: jax.value_and_grad(functools.partial(loss, i))(params) for i in impls}
 
 
 def test_models_match_across_implementations():
@@ -223,10 +230,9 @@ def test_models_match_across_implementations():
     the einsum."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 17)), jnp.int32)
     for name, extra in (("llama-tiny", dict(sliding_window=5)), ("gpt2-tiny", {})):
-        cfgs = {i: _tiny(name, attention=i, **extra) for i in ("einsum", *CPU_IMPLS)}
-        params = nnx.state(_model(cfgs["einsum"]), nnx.Param)
-        graphdefs = {i: nnx.graphdef(_model(c)) for i, c in cfgs.items()}
-        out = jax.jit(functools.partial(_loss_and_grads, graphdefs, tokens))(params)
+        graphdef, params = nnx.split(_model(_tiny(name, **extra)), nnx.Param)
+        out = jax.jit(functools.partial(_loss_and_grads, graphdef, ("einsum", *CPU_IMPLS),
+                                        tokens))(params)
         for i in CPU_IMPLS:
             np.testing.assert_allclose(out[i][0], out["einsum"][0], rtol=RTOL)
             jax.tree.map(lambda a, b: np.testing.assert_allclose(
@@ -319,15 +325,18 @@ def test_llama_blockwise_temporaries_grow_linearly(stack):
     8x; the einsum's scores alone would be 64x). Scanned layers too: there JAX's partial
     evaluation would hoist every block's mask out of the layer loop (40x) without the
     kernel's optimization barrier."""
+    stack = dict(stack)
+    remat = stack.pop("remat", "none")
+
     def temp(s, impl):
-        cfg = models.get_config("llama-small", n_layers=2, max_seq_len=s, attention=impl,
-                                **stack)
+        cfg = models.get_config("llama-small", n_layers=2, max_seq_len=s, **stack)
         graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
                                      nnx.Param)
         tokens = jax.ShapeDtypeStruct((1, s + 1), jnp.int32)
+        lay = Layout(attention=impl, remat=remat)
 
         def loss(p, t):
-            return nnx.merge(graphdef, p).training_loss(t[:, :-1], t[:, 1:])[0]
+            return forward.training_loss(nnx.merge(graphdef, p), lay, t[:, :-1], t[:, 1:])[0]
 
         c = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
         return c.memory_analysis().temp_size_in_bytes
@@ -342,14 +351,14 @@ def test_remat_by_name_matches_no_remat(policy, scan):
     base = _tiny(scan_layers=scan)
     params = nnx.state(_model(base), nnx.Param)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 17)), jnp.int32)
-    graphdefs = {r: nnx.graphdef(nnx.eval_shape(lambda r=r: models.create(
-        dataclasses.replace(base, remat=r), nnx.Rngs(0)))) for r in ("none", policy)}
+    graphdef = nnx.graphdef(_model(base))
 
-    def loss(g, p):
-        return nnx.merge(g, p).training_loss(tokens[:, :-1], tokens[:, 1:])[0]
+    def loss(r, p):
+        return forward.training_loss(nnx.merge(graphdef, p), Layout(remat=r), tokens[:, :-1],
+                                     tokens[:, 1:])[0]
 
-    out = jax.jit(lambda p: {r: jax.value_and_grad(functools.partial(loss, g))(p)
-                             for r, g in graphdefs.items()})(params)
+    out = jax.jit(lambda p: {r: jax.value_and_grad(functools.partial(loss, r))(p)
+                             for r in ("none", policy)})(params)
     np.testing.assert_allclose(out[policy][0], out["none"][0], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  out[policy][1], out["none"][1])
@@ -364,13 +373,14 @@ def test_list_layer_remat_holds_only_layer_inputs():
     seq, dim = 512, models.get_config("llama-small").dim
 
     def temp(n_layers, remat):
-        cfg = models.get_config("llama-small", n_layers=n_layers, max_seq_len=seq, remat=remat)
+        cfg = models.get_config("llama-small", n_layers=n_layers, max_seq_len=seq)
         graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
                                      nnx.Param)
         tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
 
         def loss(p, t):
-            return nnx.merge(graphdef, p).training_loss(t[:, :-1], t[:, 1:])[0]
+            return forward.training_loss(nnx.merge(graphdef, p), Layout(remat=remat),
+                                         t[:, :-1], t[:, 1:])[0]
 
         c = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
         return c.memory_analysis().temp_size_in_bytes
@@ -433,8 +443,14 @@ def test_remat_policy_errors():
         with pytest.raises(ValueError, match="remat"):
             check_remat(bad)
     with pytest.raises(ValueError, match="remat"):
-        models.get_config("llama-tiny", remat="names:nope")
+        Layout(remat="names:nope")
     assert remat_policy("none") is None
+    # remat and attention are how a model runs, not what it is: the error names Layout
+    for runtime in (dict(remat="full"), dict(attention="xla")):
+        with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
+            models.get_config("llama-tiny", **runtime)
+        with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
+            load_config("no-such-dir", **runtime)  # before any file is read
 
 
 # ------------------------------------------------------------------ packed documents
@@ -458,13 +474,14 @@ def test_packed_documents_equal_unpacked(name):
     """A packed row's logits are each document's logits computed alone (no attention across
     documents, positions restarting per document)."""
     tokens, positions, segs, docs = _packed()
-    model = _model(_tiny(name, attention="blockwise"))
-    packed = np.asarray(jax.jit(lambda t, p, s: model(t, p, segment_ids=s))(
+    model, lay = _model(_tiny(name)), Layout(attention="blockwise")
+    packed = np.asarray(jax.jit(lambda t, p, s: forward.logits(model, lay, t, p,
+                                                               segment_ids=s))(
         tokens, positions, segs))
     for r, row in enumerate(docs):
         start = 0
         for doc in row:
-            alone = np.asarray(jax.jit(lambda t: model(t))(doc[None]))[0]
+            alone = np.asarray(jax.jit(lambda t: forward.logits(model, lay, t))(doc[None]))[0]
             np.testing.assert_allclose(packed[r, start:start + len(doc)], alone,
                                        rtol=0, atol=1e-5 * float(np.max(np.abs(alone))))
             start += len(doc)
@@ -474,17 +491,17 @@ def test_packed_documents_equal_unpacked(name):
 def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
     """Packed llama training_loss (segment ids) on a pipeline / context-parallel mesh: loss
     and gradients as on one device."""
-    from shardax.layout import Layout, forward
     from shardax.parallel import load_balance
 
     tokens, positions, segs, _ = _packed()
-    cfg = _tiny(scan_layers=True, attention="blockwise")
+    cfg = _tiny(scan_layers=True)
     model = _model(cfg)
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(p, t, pos, s, balanced=False):
         m = nnx.merge(graphdef, p)
-        return forward.training_loss(m, Layout(), t[:, :-1], t[:, 1:], pos[:, :-1],
+        return forward.training_loss(m, Layout(attention="blockwise"), t[:, :-1], t[:, 1:],
+                                     pos[:, :-1],
                                      segment_ids=s[:, :-1], load_balanced=balanced)[0]
 
     ref = jax.jit(jax.value_and_grad(loss))(params, tokens, positions, segs)

@@ -119,16 +119,17 @@ def test_prefetched_loop_with_hsdp_and_tp_equals_one_device(one_device):
 
 
 def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():
-    config = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, remat="full")
+    config = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2)
+    full = layout.Layout(remat="full")
     tokens = jax.random.randint(jax.random.key(3), (5, 16, 17), 0, config.vocab_size)
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
     tx = optax.sgd(0.1)
-    want = train_one_device(config, tx, batches)
+    want = train_one_device(config, tx, batches, layout=full)
     mesh = MeshShardingHelper.from_string("fsdp=8")
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
-                             fsdp_mode="explicit"),
+                             fsdp_mode="explicit", layout=full),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     losses = []
     for batch in batches:

@@ -23,9 +23,11 @@ from flax import nnx
 from shardax import layout, models
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
+from shardax.train.config import check
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, train
 from shardax.train.packing import documents, loss_weights
+from shardax.train.resolve import resolve
 from shardax.train.rundir import load_run_config
 from shardax.train.step import eval_loss, train_step
 
@@ -188,6 +190,17 @@ def test_a_run_from_before_pack_loads_as_concat(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(old))
     saved = load_run_config(tmp_path)
     assert (saved.pack, saved.attention, saved.remat) == ("concat", "auto", "save_dots")
+
+
+def test_a_run_from_before_the_layout_held_remat_and_attention_resolves(tmp_path):
+    """A run's config.json from when ``--remat`` / ``--attention`` went into the model config
+    still loads and resolves: its flags now go to the `Layout`, and the model config holds
+    the architecture alone (the checkpointed parameters are the same)."""
+    old = TrainConfig(remat="save_dots", attention="blockwise").to_json()
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    run = resolve(check(load_run_config(tmp_path)))
+    assert (run.layout.remat, run.layout.attention) == ("save_dots", "blockwise")
+    assert not {"remat", "attention"} & {f.name for f in dataclasses.fields(run.model_config)}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

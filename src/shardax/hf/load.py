@@ -29,7 +29,7 @@ from shardax.hf.checks import check_tensors, read_config_json
 from shardax.hf.configs import config_from_hf
 from shardax.hf.files import ReadLog, SafetensorsFile, tensor_index
 from shardax.hf.mapping import TensorMap, iter_maps, param_maps, read_block, stack_depth
-from shardax.models.configs import GPT2Config, LlamaConfig
+from shardax.models.configs import GPT2Config, LlamaConfig, check_overrides
 from shardax.rules import LogicalAxisRules, match_specs
 from shardax.utils import tree_path_to_string
 
@@ -46,6 +46,7 @@ def load_config(directory: str | os.PathLike, *, weights: bool = True,
 
         cfg = load_config('Llama-3.2-1B', scan_layers=True)
     """
+    check_overrides("load_config", overrides)
     hf = read_config_json(directory)  # sizes, types and the file itself checked
     try:
         config = config_from_hf(hf, **overrides)

@@ -1,6 +1,7 @@
-"""How a model runs: a frozen `Layout` (tensor, sequence and pipeline parallelism, FSDP mode),
-the rule presets and mesh-axis names, and one forward (`shardax.layout.forward`) that runs any
-model of `shardax.models` on any layout with ``shardax.parallel``.
+"""How a model runs: a frozen `Layout` (tensor, sequence and pipeline parallelism, FSDP mode,
+remat, attention implementation), the rule presets and mesh-axis names, and one forward
+(`shardax.layout.forward`) that runs any model of `shardax.models` on any layout with
+``shardax.parallel``.
 
 Example::
 

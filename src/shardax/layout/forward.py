@@ -3,9 +3,10 @@
 It reads the mesh and the `Layout` and picks, from ``shardax.parallel``: the layer stack as a
 scan or loop (``config.scan_layers``), a pipeline over 'pp' (gpipe, circular, 1f1b), or
 explicit FSDP's gathered stack (`fsdp_value_and_grad`); tensor-parallel blocks over 'tp' and
-the mixture of experts over 'ep' (`shardax.layout.blocks`); ring attention over 'cp'. The
-model itself stays the one-device architecture, as torchtitan's ``parallelize_*`` applies
-parallelism from outside the model.
+the mixture of experts over 'ep' (`shardax.layout.blocks`); ring attention over 'cp' (else
+``layout.attention``'s implementation); each layer under ``layout.remat``. The model itself
+stays the one-device architecture, as torchtitan's ``parallelize_*`` applies parallelism from
+outside the model.
 
 On a 'pp' mesh the final norm, head and cross-entropy run on the pipeline's output stage only
 (``pipeline(loss_fn=...)``): the outputs never leave it and just the two scalars are reduced
@@ -20,6 +21,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -161,13 +163,14 @@ def training_loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targe
 
 class _Run:
     """One forward's choices: the block (tensor-parallel or the model's), the attention
-    (ring over 'cp' or the model's) and the output cast."""
+    (ring over 'cp', or the layout's implementation) and the output cast."""
 
     def __init__(self, model: LanguageModel, layout: Layout, load_balanced: bool,
                  cast: Callable = _identity):
         self.model, self.layout, self.cast = model, layout, cast
         self.block = block_fn(model, layout)
-        self.attend = ring_attend(load_balanced) if axis_size(CONTEXT_AXIS) > 1 else attention
+        self.attend = (ring_attend(load_balanced) if axis_size(CONTEXT_AXIS) > 1
+                       else partial(attention, implementation=layout.attention))
 
     def cross_entropy(self, x, targets, *head, gather=True, weights=None):
         """Mean token cross-entropy from the final hidden states (times ``weights``), in
@@ -183,7 +186,7 @@ class _Run:
         """The layer stack without a pipeline (through ``stack`` when given): ``(x, aux)``."""
         model, c = self.model, self.model.config
         if stack is None:
-            return run_blocks(model, x, extras, self.block, self.attend)
+            return run_blocks(model, x, extras, self.block, self.attend, self.layout.remat)
         if getattr(c, "mixed_layers", False):
             raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
                              "(no global_every)")
@@ -235,8 +238,8 @@ class _Run:
         # Every schedule stores each layer's input and recomputes the layer in the backward
         # pass (what remat='full' asks for). A policy that saves more (save_dots, offload)
         # applies on top; under 1f1b it can only save within one layer's recomputation.
-        policy = remat_policy(c.remat)
-        if schedule == "1f1b" and c.remat in ("none", "full"):
+        policy = remat_policy(lay.remat)
+        if schedule == "1f1b" and lay.remat in ("none", "full"):
             policy = None
         out = pipeline(layer_fn, state, h, num_microbatches=lay.pp_microbatches,
                        schedule=schedule, virtual_stages=v, remat=True,
@@ -324,8 +327,9 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
     load_balanced = kwargs.pop("load_balanced", False)
     names = tuple(kwargs)
     # A remat policy that saves more than the layer's input (dots) applies within it.
-    keep = dict(policy=remat_policy(c.remat) if c.remat not in ("none", "full") else None,
-                reshard_after_forward=layout.fsdp_recompute or c.remat != "none")
+    remat = layout.remat
+    keep = dict(policy=remat_policy(remat) if remat not in ("none", "full") else None,
+                reshard_after_forward=layout.fsdp_recompute or remat != "none")
 
     def lookup(table, tokens):
         if policy.compute is not None:

@@ -1,5 +1,5 @@
-"""`Layout`: how a model runs on a mesh (tensor, sequence and pipeline parallelism, FSDP mode),
-apart from what the model is (its architecture config).
+"""`Layout`: how a model runs on a mesh (tensor, sequence and pipeline parallelism, FSDP mode,
+remat, attention implementation), apart from what the model is (its architecture config).
 
 A `Layout` is frozen and resolved once (``shardax.train.resolve``); `shardax.layout.forward`
 reads it to run any model family on any mesh. The same parameters serve every layout, so
@@ -15,6 +15,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from shardax.models.attention import IMPLEMENTATIONS
+from shardax.models.remat import check_remat
+
 __all__ = ["FSDP_MODES", "PP_SCHEDULES", "TP_MODES", "Layout", "check_mesh"]
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
@@ -26,7 +29,8 @@ FSDP_MODES = ("xla", "explicit")
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How a model runs (no effect without the matching mesh axis).
+    """How a model runs: the parallel settings (no effect without the matching mesh axis),
+    remat and the attention implementation.
 
     ``tp_mode`` 'none' leaves tensor parallelism to XLA and the rules; 'sync'/'async'/
     'async_bidi' run attention and the MLP as ``shardax.parallel``'s column/row-parallel
@@ -34,6 +38,10 @@ class Layout:
     ``pp_*``: pipeline schedule, microbatches and virtual stages over 'pp' (needs stacked
     layers). ``fsdp_mode`` 'explicit' runs ZeRO-3 written out (`shardax.parallel.fsdp`);
     ``fsdp_recompute`` there re-gathers each layer and recomputes it in the backward pass.
+    ``remat``: each layer's ``jax.checkpoint`` policy ('none', 'full', 'dots', 'save_dots',
+    'offload', 'names:q,k,v', 'offload:q,k'; ``shardax.models.remat``). ``attention``: the
+    attention implementation ('auto', 'cudnn', 'xla', 'blockwise', 'einsum';
+    ``shardax.models.attention``). Both apply on one device too (``Layout(remat='full')``).
 
     Example::
 
@@ -47,6 +55,8 @@ class Layout:
     pp_virtual_stages: int = 1
     fsdp_mode: str = "xla"
     fsdp_recompute: bool = True
+    remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.tp_mode not in TP_MODES:
@@ -66,6 +76,10 @@ class Layout:
                              "device)")
         if self.fsdp_mode not in FSDP_MODES:
             raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {self.fsdp_mode!r}")
+        check_remat(self.remat)
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got "
+                             f"{self.attention!r}")
 
     @property
     def sp(self) -> bool:

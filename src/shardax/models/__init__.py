@@ -21,22 +21,17 @@ from flax import nnx
 from shardax.models import gpt2, llama
 from shardax.models._annotate import constrain, current_logical_rules, use_logical_rules
 from shardax.models._layers import cross_entropy, stack_states
-from shardax.models.configs import (
-    CONFIGS,
-    REMAT_POLICIES,
-    GPT2Config,
-    LlamaConfig,
-    RopeScaling,
-)
+from shardax.models.configs import CONFIGS, GPT2Config, LlamaConfig, RopeScaling, check_overrides
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
 from shardax.models.lora import add_lora
 from shardax.models.mlp import MLP
 from shardax.models.protocol import LanguageModel
+from shardax.models.remat import REMAT_POLICIES
 
 __all__ = [
     "CONFIGS", "GPT2", "GPT2Config", "LanguageModel", "Llama", "LlamaConfig", "MLP",
-    "REMAT_POLICIES", "RopeScaling", "constrain", "create", "cross_entropy",
+    "REMAT_POLICIES", "RopeScaling", "check_overrides", "constrain", "create", "cross_entropy",
     "current_logical_rules", "get_config", "param_count", "stack_states", "use_logical_rules",
 ]
 
@@ -46,10 +41,14 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
 
     Example::
 
-        cfg = get_config('llama-125m', scan_layers=True, remat='full', dtype=jnp.bfloat16)
+        cfg = get_config('llama-125m', scan_layers=True, dtype=jnp.bfloat16)
+
+    How the model runs (``remat``, ``attention``, tensor/pipeline modes) is not an override:
+    it is a ``shardax.layout.Layout``.
     """
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
+    check_overrides(f"get_config({name!r})", overrides)
     return dataclasses.replace(CONFIGS[name], **overrides)
 
 

@@ -9,17 +9,17 @@ The translation to and from Hugging Face ``config.json`` dicts is `shardax.hf.co
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 
-from shardax.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 from shardax.models.ops import RopeScaling
-from shardax.models.remat import REMAT_POLICIES, check_remat
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "CONFIGS", "REMAT_POLICIES", "GPT2Config", "LlamaConfig",
-           "RopeScaling"]
+__all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrides"]
 
+# How a model runs, not what it is: fields of shardax.layout.Layout (once config fields).
+LAYOUT_FIELDS = ("remat", "attention")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_IMPLS = ("capacity", "dropless")
 
@@ -28,13 +28,12 @@ MOE_IMPLS = ("capacity", "dropless")
 class LlamaConfig:
     """Llama hyper-parameters. ``dtype`` is the compute dtype, ``param_dtype`` the storage one.
 
-    ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``;
-    ``remat`` is one of 'none', 'full', 'save_dots', 'offload' (a ``jax.checkpoint`` policy).
+    ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``.
 
-    How the model runs on a mesh (tensor, pipeline, context parallelism, explicit FSDP) is
-    not here: it is a `shardax.layout.Layout`. ``n_experts > 0`` makes every MLP a
-    top-``top_k`` mixture of experts with ``mlp_dim`` hidden units per expert;
-    ``moe_aux_weight`` weighs its load-balancing loss.
+    How the model runs (tensor, pipeline, context parallelism, explicit FSDP, remat, the
+    attention implementation) is not here: it is a `shardax.layout.Layout`.
+    ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with ``mlp_dim``
+    hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
 
     ``rope_scaling`` is Llama-3's frequency scaling, ``qkv_bias`` adds q/k/v biases (Qwen2),
     ``sliding_window`` limits attention to that many positions back (Mistral).
@@ -54,9 +53,6 @@ class LlamaConfig:
     overflowing tokens dropped) or 'dropless' (``moe.DroplessMoE``: sorted tokens and grouped
     matmuls, Mixtral / Qwen-MoE); ``moe_norm_topk`` renormalises the top-k router weights
     (dropless); ``shared_expert_dim > 0`` adds Qwen2-MoE's gated shared expert.
-    ``attention`` picks the implementation (``shardax.models.attention``: 'auto', 'cudnn',
-    'xla', 'blockwise', 'einsum'); ``remat`` also takes 'dots', 'names:q,k,v' and
-    'offload:q,k' (``shardax.models.remat``).
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
     Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
     """
@@ -74,11 +70,9 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     qkv_bias: bool = False
     sliding_window: int | None = None
-    attention: str = "auto"
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
     scan_layers: bool = False
-    remat: str = "none"
     n_experts: int = 0
     top_k: int = 2
     capacity_factor: float = 1.25
@@ -123,8 +117,6 @@ class LlamaConfig:
                 f"scan_layers=True needs identical layers, but global_every={self.global_every} "
                 "mixes sliding-window and global attention layers; use scan_layers=False "
                 "(no 'pp' axis)")
-        check_remat(self.remat)
-        _check_attention(self.attention)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
@@ -183,11 +175,6 @@ class LlamaConfig:
         return "mistral" if self.sliding_window is not None else "llama"
 
 
-def _check_attention(name: str) -> None:
-    if name not in ATTENTION_IMPLEMENTATIONS:
-        raise ValueError(f"attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {name!r}")
-
-
 LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     # Byte-level; trains visibly in a minute on 2 CPU cores.
     "llama-tiny": LlamaConfig(),
@@ -234,15 +221,11 @@ class GPT2Config:
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
     scan_layers: bool = False
-    remat: str = "none"
-    attention: str = "auto"
     lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        check_remat(self.remat)
-        _check_attention(self.attention)
 
     @property
     def head_dim(self) -> int:
@@ -260,3 +243,20 @@ GPT2_CONFIGS: dict[str, GPT2Config] = {
 
 
 CONFIGS: dict[str, LlamaConfig | GPT2Config] = {**LLAMA_CONFIGS, **GPT2_CONFIGS}
+
+
+def check_overrides(where: str, overrides: Mapping[str, Any]) -> None:
+    """Raises ``TypeError`` naming `shardax.layout.Layout` when ``overrides`` of a model config
+    hold a setting of how the model runs (``remat``, ``attention``) rather than of what it is.
+
+    >>> check_overrides("get_config('llama-tiny')", {"remat": "full"})
+    Traceback (most recent call last):
+    ...
+    TypeError: get_config('llama-tiny'): remat is how the model runs, not its architecture: \
+pass it as shardax.layout.Layout(remat=...) (to layout.forward or train_step)
+    """
+    runtime = [k for k in LAYOUT_FIELDS if k in overrides]
+    if runtime:
+        raise TypeError(f"{where}: {', '.join(runtime)} is how the model runs, not its "
+                        f"architecture: pass it as shardax.layout.Layout({runtime[0]}=...) "
+                        "(to layout.forward or train_step)")

@@ -23,6 +23,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +33,7 @@ from flax import nnx
 
 from shardax.logical import use_logical_rules
 from shardax.models._annotate import constrain
+from shardax.models.attention import attention as attend
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
 
@@ -71,10 +73,12 @@ def _layers(model: Llama | GPT2) -> list[nnx.Module]:
 
 
 def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-            index: jax.Array, start: jax.Array) -> tuple[jax.Array, KVCache]:
+            index: jax.Array, start: jax.Array, attention: str = "auto"
+            ) -> tuple[jax.Array, KVCache]:
     """Logits ``[b, s, vocab]`` for ``tokens`` [b, s] written at cache slots ``index ..
     index + s - 1``, attending to cache slots ``start[row] ..`` up to their own slot;
-    ``positions`` [b, s] are the tokens' positions in their sequence. Returns the updated cache.
+    ``positions`` [b, s] are the tokens' positions in their sequence; ``attention`` the
+    implementation (``shardax.models.attention``). Returns the updated cache.
 
     Example::
 
@@ -94,6 +98,7 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
     keys = jnp.arange(length)
     masks = dict(q_positions=slots, kv_positions=keys, kv_mask=keys[None, :] >= start[:, None])
     llama = isinstance(model, Llama)
+    fn = partial(attend, implementation=attention)
     x, extras = model.embed_inputs(tokens, positions)
     ks, vs = [], []
     for i, layer in enumerate(_layers(model)):
@@ -105,7 +110,7 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
         vc = jax.lax.dynamic_update_slice(cache.v[i], v.astype(cache.v.dtype), (0, index, 0, 0))
         ks.append(kc)
         vs.append(vc)
-        out = constrain(layer.attn.attend(q, kc, vc, **masks),
+        out = constrain(layer.attn.attend(q, kc, vc, fn, **masks),
                         ("batch", "length", "heads", "head_dim"))
         if llama:
             x = layer.mlp_residual(layer.attn_residual(x, layer.attn.out(out)))[0]
@@ -169,33 +174,37 @@ def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int,
     return jax.random.categorical(key, logits).astype(jnp.int32)
 
 
-_SAMPLING = ("temperature", "top_k", "top_p")
+_STATIC = ("temperature", "top_k", "top_p", "attention")
 
 
-@jax.jit(static_argnames=_SAMPLING)
-def _prefill(model, tokens, positions, cache, start, key, temperature, top_k, top_p):
-    logits, cache = forward(model, tokens, positions, cache, jnp.int32(0), start)
+@jax.jit(static_argnames=_STATIC)
+def _prefill(model, tokens, positions, cache, start, key, temperature, top_k, top_p, attention):
+    logits, cache = forward(model, tokens, positions, cache, jnp.int32(0), start, attention)
     return _pick(logits[:, -1], key, temperature, top_k, top_p), cache
 
 
-@jax.jit(static_argnames=_SAMPLING, donate_argnames=("cache",))
-def _step(model, token, position, cache, index, start, key, temperature, top_k, top_p):
-    logits, cache = forward(model, token[:, None], position[:, None], cache, index, start)
+@jax.jit(static_argnames=_STATIC, donate_argnames=("cache",))
+def _step(model, token, position, cache, index, start, key, temperature, top_k, top_p,
+          attention):
+    logits, cache = forward(model, token[:, None], position[:, None], cache, index, start,
+                            attention)
     return _pick(logits[:, 0], key, temperature, top_k, top_p), cache
 
 
-@jax.jit(static_argnames=_SAMPLING)
-def _recompute(model, window, positions, cache, start, last, key, temperature, top_k, top_p):
-    logits, _ = forward(model, window, positions, cache, jnp.int32(0), start)
+@jax.jit(static_argnames=_STATIC)
+def _recompute(model, window, positions, cache, start, last, key, temperature, top_k, top_p,
+               attention):
+    logits, _ = forward(model, window, positions, cache, jnp.int32(0), start, attention)
     return _pick(logits[:, last], key, temperature, top_k, top_p)
 
 
 def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              stop_ids: Sequence[int] = (), use_cache: bool = True, mesh: Any = None,
-             rules: Any = None) -> Generated:
+             rules: Any = None, attention: str = "auto") -> Generated:
     """``max_new_tokens`` new tokens after each prompt (greedy when ``temperature <= 0``,
-    else sampled from the ``top_k`` likeliest tokens (0: all) within probability ``top_p``).
+    else sampled from the ``top_k`` likeliest tokens (0: all) within probability ``top_p``),
+    attending with the implementation ``attention`` (``shardax.models.attention``).
 
     A row ends at the first of ``stop_ids`` it emits (kept as its last token; ``stopped``
     says so), and decoding ends once every row has. With ``mesh`` and ``rules``
@@ -226,7 +235,8 @@ def generate(model: Llama | GPT2, prompts: Sequence[Sequence[int]], max_new_toke
     stopped = [False] * len(prompts) + [True] * (rows - len(prompts))
     out = Generated(new, 0.0, 0.0, stopped)
     stop = np.asarray(sorted(set(stop_ids)), np.int32)
-    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    sampling = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                    attention=attention)
     remaining, round_ = max_new_tokens, 0
     while remaining > 0 and not all(stopped):
         if max(map(len, seqs)) + remaining > length:

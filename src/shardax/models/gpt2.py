@@ -76,7 +76,6 @@ class Attention(nnx.Module):
         self.wo = param(rngs.params(), _normal(out_std), (c.n_heads, c.head_dim, c.dim),
                         ("heads", "head_dim", "embed"), pd)
         self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
-        self.implementation = c.attention
 
     def __call__(self, x: jax.Array, segment_ids: jax.Array | None = None,
                  attend: Callable = attention) -> jax.Array:
@@ -87,11 +86,10 @@ class Attention(nnx.Module):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, fn: Callable = attention,
                **masks: Any) -> jax.Array:
-        """Attention under the config's implementation through ``fn``
-        (``shardax.models.attention.attention``, or the layout's ring attention); ``masks``:
-        more keyword arguments of it."""
+        """Attention through ``fn`` (``shardax.models.attention.attention``, or the layout's:
+        its implementation, ring attention); ``masks``: more keyword arguments of it."""
         q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        out = fn(q, k, v, implementation=self.implementation, **masks)
+        out = fn(q, k, v, **masks)
         return checkpoint_name(out, "attn_out")
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

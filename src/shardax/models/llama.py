@@ -132,13 +132,13 @@ class Attention(nnx.Module):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, fn: Callable = attention,
                **masks: Any) -> jax.Array:
-        """Attention of roped q, k and v under the config (implementation, sliding window)
-        through ``fn`` (``shardax.models.attention.attention``, or the layout's ring
-        attention); ``masks``: more keyword arguments of it."""
+        """Attention of roped q, k and v under the config (sliding window, soft-cap, scale)
+        through ``fn`` (``shardax.models.attention.attention``, or the layout's: its
+        implementation, ring attention); ``masks``: more keyword arguments of it."""
         c = self.config
         q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         out = fn(q, k, v, window=self.window, softcap=c.attn_softcap, scale=c.attn_scale,
-                 implementation=c.attention, **masks)
+                 **masks)
         return checkpoint_name(out, "attn_out")
 
     def rope(self, q: jax.Array, k: jax.Array, cos: Any, sin: Any

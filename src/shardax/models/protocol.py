@@ -79,7 +79,8 @@ class LanguageModel(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(h, aux)``: the last layer's output (before the head) and the mean auxiliary
-        loss, through the scan or loop of ``config.scan_layers`` under ``config.remat``."""
+        loss, through the scan or loop of ``config.scan_layers`` (no remat: that is the
+        layout's, `shardax.layout.forward`)."""
         x, extras = self.embed_inputs(tokens, positions, segment_ids)
         return run_blocks(self, x, extras, self.block)
 
@@ -106,14 +107,16 @@ class LanguageModel(nnx.Module):
 
 
 def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block: Callable,
-               attend: Callable = attention) -> tuple[jax.Array, jax.Array]:
+               attend: Callable = attention, remat: str = "none"
+               ) -> tuple[jax.Array, jax.Array]:
     """``(h, aux)``: ``block(layer, h, extras, attend)`` through ``model.layers`` (scan or
-    loop, ``config.scan_layers``) under ``config.remat``; ``aux`` the auxiliary losses'
-    mean over layers (0 without them)."""
+    loop, ``config.scan_layers``) under the remat policy ``remat``
+    (``shardax.models.remat``); ``aux`` the auxiliary losses' mean over layers (0 without
+    them)."""
     c = model.config
     if not model.has_aux:
         x = run_layers(model.layers, x, lambda layer, h: block(layer, h, extras, attend)[0],
-                       c.scan_layers, c.remat)
+                       c.scan_layers, remat)
         return x, jnp.zeros((), jnp.float32)
 
     def call(layer, h):
@@ -121,5 +124,5 @@ def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block
         return y, h[1] + a
 
     x, aux = run_layers(model.layers, (x, jnp.zeros((), jnp.float32)), call,
-                        c.scan_layers, c.remat)
+                        c.scan_layers, remat)
     return x, aux / c.n_layers

@@ -1,5 +1,5 @@
 """Rematerialisation by name: the activation names the models mark, and the policy string
-(``LlamaConfig.remat``) turned into a ``jax.checkpoint`` policy.
+(``shardax.layout.Layout.remat``) turned into a ``jax.checkpoint`` policy.
 
 Policies: ``'none'`` (no remat), ``'full'`` (save nothing, recompute each layer),
 ``'dots'`` (alias ``'save_dots'``: save matmul outputs without batch dims), ``'offload'``

@@ -101,9 +101,10 @@ def read_run(run_dir: Path, device: DeviceSpec) -> RunFit:
                          "first logged step (train longer, or log more often)")
     mesh = {k: int(v) for k, v in plan["mesh"].items()}
     compiled = Compiled(plan["memory"], plan["collectives"], math.prod(mesh.values()), mesh, 0.0)
-    c = dataclasses.replace(models.get_config(config.model), remat=config.remat)
+    c = models.get_config(config.model)
     tokens = config.batch_size * config.seq_len
-    flops = flops_per_token(c, config.seq_len) * tokens * remat_factor(c, config.seq_len)
+    flops = (flops_per_token(c, config.seq_len) * tokens
+             * remat_factor(c, config.seq_len, config.remat))
     flops /= _work_split(mesh, config.rules)
     pp = mesh.get("pp", 1)
     bubble = bubble_fraction(config.pp_schedule, pp, config.microbatches or pp,

@@ -232,10 +232,9 @@ def train_command(config: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def remat_factor(model_config: Any, seq_len: int) -> float:
-    """Executed FLOPs / model FLOPs under the model's remat policy (layers only: the output
-    head is not rematerialised)."""
-    policy = model_config.remat
+def remat_factor(model_config: Any, seq_len: int, policy: str) -> float:
+    """Executed FLOPs / model FLOPs under the remat ``policy`` (``Layout.remat``; layers
+    only: the output head is not rematerialised)."""
     factor = _REMAT_FACTOR.get(policy) or (
         _names_factor(model_config, policy, seq_len) if policy.startswith(("names:", "offload:"))
         else _REMAT_FACTOR["full"])
@@ -314,7 +313,7 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
     config = run.config
     tokens = config.batch_size * config.seq_len
     flops = flops_per_token(run.model_config, config.seq_len) * tokens
-    flops *= remat_factor(run.model_config, config.seq_len) / work_split(run)
+    flops *= remat_factor(run.model_config, config.seq_len, run.layout.remat) / work_split(run)
     bubble = run.bubble
     compute_s = flops / (device.peak_flops * device.flops_fraction) / (1.0 - bubble)
     comm_s, across_s = comm_seconds(compiled, device)

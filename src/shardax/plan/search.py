@@ -233,9 +233,8 @@ def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[flo
     batch_split = sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     state += _activation_bytes(config, c, sizes, batch_split)
     work = batch_split * sizes["cp"] * sizes["pp"] * sizes["tp"]
-    c_remat = dataclasses.replace(c, remat=config.remat)
     flops = flops_per_token(c, config.seq_len) * config.batch_size * config.seq_len
-    flops *= remat_factor(c_remat, config.seq_len) / work
+    flops *= remat_factor(c, config.seq_len, config.remat) / work
     pp_micro = config.microbatches or sizes["pp"]
     bubble = (sizes["pp"] - 1) / (pp_micro + sizes["pp"] - 1)
     shard_bytes = n * param_bytes / (sizes["tp"] * sizes["pp"])

@@ -84,10 +84,11 @@ def _text_bytes(path: str, text_field: str, token_dtype: str | None) -> int | No
     return total
 
 
-def _nll(graphdef, state, rows, mask):
-    """Summed next-token NLL and token count of a batch of windows."""
+def _nll(graphdef, lay, state, rows, mask):
+    """Summed next-token NLL and token count of a batch of windows, the model run under
+    the `Layout` ``lay`` (its attention implementation)."""
     model = nnx.merge(graphdef, state)
-    logits = model(rows[:, :-1])
+    logits = layout.forward.logits(model, lay, rows[:, :-1])
     logps, counts = sequence_logps(logits, rows[:, 1:], mask)
     return -logps.sum(), counts.sum()
 
@@ -99,17 +100,19 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
     ``--out`` (read here if not given)."""
     mesh = make_mesh(config.mesh or f"dp={jax.device_count()}")
     rules = layout.presets.resolve(layout.PRESETS["fsdp_tp"], dict(mesh.mesh.shape))
+    lay = layout.Layout()
     if config.source is not None:
         model, tokenizer, _ = load_hf(config.source, mesh, rules)
     else:
         run_dir = run_dir or check_run(config.out, config.step)
         tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
         _, model, _ = restore_model(run_dir, config.step, config.mesh, rules)
+        lay = layout.Layout(attention=run_dir.saved.attention)  # as the run trained
     vocab = model.config.vocab_size
     graphdef, state = nnx.split(model)
     batch_spec = LogicalAxisRules(rules).spec_for(("batch", "length"), mesh.mesh)
     rows_sharding = jax.sharding.NamedSharding(mesh.mesh, batch_spec)
-    step = jax.jit(partial(_nll, graphdef))
+    step = jax.jit(partial(_nll, graphdef, lay))
     split = math.prod(mesh.mesh.shape[a] for a in jax.tree.leaves(tuple(batch_spec)[:1]))
     batch = -(-config.batch_size // split) * split  # rows divide over the batch axes
     results = []

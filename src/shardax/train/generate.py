@@ -51,16 +51,13 @@ _note = partial(note, "generate")
 
 
 def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | None = None,
-                  rules: Any = None, attention: str | None = None
-                  ) -> tuple[Any, nnx.Module, MeshShardingHelper]:
+                  rules: Any = None) -> tuple[Any, nnx.Module, MeshShardingHelper]:
     """``(model_config, model, mesh)`` of checkpoint ``step`` (default: the newest good one) of
-    a checked run directory (`check_run`), read-only, without the run's parallelism flags.
+    a checked run directory (`check_run`), read-only, without the run's parallelism flags
+    (nor its ``--remat`` / ``--attention``: they are how it ran, not what it is).
     ``mesh_spec`` defaults to ``dp=<all devices>`` with the model replicated; with ``rules``
-    (a preset list) the parameters are restored sharded by them instead. ``attention``
-    replaces the run's ``--attention``."""
+    (a preset list) the parameters are restored sharded by them instead."""
     config = run_dir.saved
-    if attention is not None:
-        config = dataclasses.replace(config, attention=attention)
     # A pipelined run saved its layers stacked, which the model keeps.
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
     model = model_config(config, Policy.from_string(config.precision), init_dir,
@@ -86,8 +83,8 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     return model, nnx.merge(graphdef, state.params, state.rest), mesh
 
 
-def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = None,
-            attention: str | None = None) -> tuple[nnx.Module, Tokenizer, Path]:
+def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = None
+            ) -> tuple[nnx.Module, Tokenizer, Path]:
     """``(model, tokenizer, directory)`` of ``--from hf:DIR`` (or ``hf:ORG/NAME``, resolved
     once), sharded on ``mesh`` (default ``dp=<all devices>``) by ``rules`` (a preset list;
     default: replicated); the tokenizer is bytes when the directory has no ``tokenizer.json``
@@ -96,7 +93,7 @@ def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = No
     mesh = mesh or MeshShardingHelper.from_string(f"dp={jax.device_count()}")
     try:  # the model first: a damaged directory is one error line, no note before it
         rules = LogicalAxisRules(rules or layout.PRESETS["dp"])
-        model = hf.load_model(directory, mesh, rules=rules, attention=attention or "auto")
+        model = hf.load_model(directory, mesh, rules=rules)
         found = has_tokenizer(directory)
         if not found:
             _note(f"note: {directory} has no tokenizer.json: prompts and output are raw "
@@ -109,23 +106,26 @@ def load_hf(source: str, mesh: MeshShardingHelper | None = None, rules: Any = No
 @dataclasses.dataclass(frozen=True)
 class Sampler:
     """What sampling needs, loaded once: the model, its tokenizer, the token ids that end a
-    text (id -> what it is: ``'eos'``, ``'end of turn'``, ...) and, with ``--chat``, the chat
-    template."""
+    text (id -> what it is: ``'eos'``, ``'end of turn'``, ...), with ``--chat`` the chat
+    template, and the attention implementation to sample with."""
 
     model: nnx.Module
     tokenizer: Tokenizer
     stops: dict[int, str]
     template: ChatTemplate | None
+    attention: str = "auto"
 
 
 def load_sampler(config: GenerateConfig, run_dir: RunDir | None = None) -> Sampler:
     """The `Sampler` of a checked config: the model of ``--from`` or of ``--out``'s newest good
     checkpoint (``--step``), its tokenizer, and its stop ids: the model's eos ids
     (``generation_config.json``'s ``eos_token_id``, the tokenizer's ``eos_token``) and, with
-    ``--chat``, the template's end-of-turn tokens. ``run_dir``: what `check_run` returned for
-    ``--out`` (read here if not given)."""
+    ``--chat``, the template's end-of-turn tokens; the attention implementation is
+    ``--attention`` (default: the run's ``--attention``; 'auto' with ``--from``). ``run_dir``:
+    what `check_run` returned for ``--out`` (read here if not given)."""
+    attention = config.attention or "auto"
     if config.source is not None:
-        model, tokenizer, directory = load_hf(config.source, attention=config.attention)
+        model, tokenizer, directory = load_hf(config.source)
     else:
         run_dir = run_dir or check_run(config.out, config.step)
         flag = f"--out {config.out}"
@@ -135,14 +135,15 @@ def load_sampler(config: GenerateConfig, run_dir: RunDir | None = None) -> Sampl
             raise UsageError(f"{flag}: {e}") from None
         init = run_dir.saved.init_from
         directory = None if init is None else hf_dir(init, "--init-from")
-        _, model, _ = restore_model(run_dir, config.step, attention=config.attention)
+        _, model, _ = restore_model(run_dir, config.step)
         merge_lora(model)  # LoRA adapters folded in once, not per token
+        attention = config.attention or run_dir.saved.attention
     stops = {tokenizer.eos_id: "end of text", **dict.fromkeys(_eos_ids(directory), "eos")}
     template = None
     if config.chat:
         template = _chat_template(tokenizer)
         stops.update(dict.fromkeys(template.end_of_turn(), "end of turn"))
-    return Sampler(model, tokenizer, stops, template)
+    return Sampler(model, tokenizer, stops, template, attention)
 
 
 def sample(config: GenerateConfig, run_dir: RunDir | None = None,
@@ -243,7 +244,8 @@ def _sample(sampler: Sampler, ids: list[list[int]], config: GenerateConfig,
                          "model needs its own tokenizer")
     out = decode.generate(model, ids, config.max_tokens, temperature=config.temperature,
                           top_k=config.top_k, top_p=config.top_p, seed=config.seed,
-                          stop_ids=[i for i in stops if i < vocab])
+                          stop_ids=[i for i in stops if i < vocab],
+                          attention=sampler.attention)
     if stats is not None:
         stats.update(tokens=sum(map(len, out.tokens)), seconds=out.prefill_s + out.decode_s,
                      tokens_per_s=out.tokens_per_s, prompt_tokens=list(map(len, ids)),

@@ -96,15 +96,14 @@ def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str |
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
                  pipelined: bool = False, weights: bool = True) -> Any:
     """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
-    the precision ``policy``, ``--remat``, ``--attention`` and ``--seq-len`` applied (no
-    parallelism flags); layers stacked when ``pipelined`` (a 'pp' mesh keeps them so, in
-    checkpoints too). ``weights=False``: the ``--init-from`` model from its ``config.json``
-    alone (planning)."""
+    the precision ``policy`` and ``--seq-len`` applied (no parallelism, ``--remat`` or
+    ``--attention``: those are the `Layout`'s); layers stacked when ``pipelined`` (a 'pp'
+    mesh keeps them so, in checkpoints too). ``weights=False``: the ``--init-from`` model from
+    its ``config.json`` alone (planning)."""
     scan = config.scan_layers or pipelined
     if init_dir is not None:
         try:
-            c = hf.load_config(init_dir, weights=weights, remat=config.remat,
-                               attention=config.attention, dtype=policy.compute,
+            c = hf.load_config(init_dir, weights=weights, dtype=policy.compute,
                                param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
@@ -115,8 +114,7 @@ def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = No
         return _with_lora(c, config)
     preset = models.CONFIGS[config.model]
     return _with_lora(models.get_config(
-        config.model, remat=config.remat, attention=config.attention, dtype=policy.compute,
-        param_dtype=policy.params,
+        config.model, dtype=policy.compute, param_dtype=policy.params,
         max_seq_len=max(config.seq_len, preset.max_seq_len),
         scan_layers=scan or preset.scan_layers), config)
 
@@ -131,7 +129,8 @@ def _with_lora(model_config: Any, config: TrainConfig) -> Any:
 
 def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
     """``(model config, layout, rules)``: the model config with its layers stacked on a 'pp'
-    mesh, the `Layout` of the parallelism flags (FSDP mode still 'xla': `fsdp_mode` decides)
+    mesh, the `Layout` of the parallelism flags, ``--remat`` and ``--attention`` (FSDP mode
+    still 'xla': `fsdp_mode` decides)
     and the rule list fitted to the mesh and model (``layout.presets.resolve``); ValueError
     on a mismatch."""
     pp = mesh_shape.get("pp", 1)
@@ -146,7 +145,8 @@ def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
         tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
     lay = Layout(tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
                  pp_schedule=config.pp_schedule, pp_microbatches=config.microbatches or pp,
-                 pp_virtual_stages=config.virtual_stages)
+                 pp_virtual_stages=config.virtual_stages, remat=config.remat,
+                 attention=config.attention)
     if pp > 1 and not model_config.scan_layers:
         model_config = dataclasses.replace(model_config, scan_layers=True)
     layout.check_mesh(model_config, lay, mesh_shape, batch_size=config.batch_size,
@@ -446,14 +446,14 @@ class Resolved:
         """One line for the train banner: the attention implementation that runs (``auto``
         resolved for this backend, dtype and sequence length) and how documents are packed
         (``chat``: conversations packed whole, whatever ``--pack`` says)."""
-        c, config = self.model_config, self.config
+        c, config, asked = self.model_config, self.config, self.layout.attention
         q = jax.ShapeDtypeStruct((1, config.seq_len, c.n_heads, c.dim // c.n_heads), c.dtype)
         packed = chat or config.pack == "documents"
-        impl = resolve_implementation(c.attention, q, q, custom_mask=packed)
+        impl = resolve_implementation(asked, q, q, custom_mask=packed)
         if self.mesh.shape.get("cp", 1) > 1:
-            impl = f"ring attention over 'cp' (blockwise steps; --attention {c.attention})"
-        elif impl != c.attention:
-            impl += f" (--attention {c.attention})"
+            impl = f"ring attention over 'cp' (blockwise steps; --attention {asked})"
+        elif impl != asked:
+            impl += f" (--attention {asked})"
         pack = (f"conversations (whole, into rows; attention and RoPE positions restart at "
                 f"each one; loss on the {config.loss_on} tokens)" if chat else
                 "documents (attention and RoPE positions restart at each end-of-text, no loss "
