@@ -199,12 +199,14 @@ def test_the_model_import_check_can_fail():
 # What only the layout may name: the mesh axes (as string literals), axis sizes, the pipeline
 # schedules and the FSDP modes.
 MESH_AXIS_NAMES = {"dp", "fsdp", "tp", "pp", "cp", "ep"}
-LAYOUT_WORDS = re.compile(r"\baxis_size\b|1f1b|gpipe|circular|fsdp_mode|\bfsdp_recompute\b")
+LAYOUT_WORDS = re.compile(r"\baxis_size\b|1f1b|gpipe|circular|fsdp_mode|\bfsdp_recompute\b"
+                          r"|\bexplicit\b|['\"](dp|fsdp|tp|pp|cp|ep)['\"]")
 
 
 def _layout_words(text: str) -> list[str]:
     """What of ``text`` (Python source) names the layout: string literals equal to a mesh axis,
-    and lines with an axis-size call, a schedule or an FSDP mode."""
+    and lines (docstrings and comments too) with an axis-size call, a schedule, an FSDP mode
+    or a quoted mesh axis."""
     found = [repr(node.value) for node in ast.walk(ast.parse(text))
              if isinstance(node, ast.Constant) and node.value in MESH_AXIS_NAMES]
     return found + [line.strip() for line in text.splitlines() if LAYOUT_WORDS.search(line)]
@@ -220,6 +222,7 @@ def test_model_files_name_no_mesh_axis_schedule_or_fsdp_mode():
 
 def test_the_layout_word_check_can_fail():
     text = ('x = 1\nif axis_size("pp") > 1:\n    mesh.get("tp")\nschedule = "gpipe"\n'
-            'ok = "tpu", "a \'tp\' axis"\n')
+            'ok = "tpu", "a tp axis"\ndoc = "on a \'cp\' mesh"\n# under explicit FSDP\n')
     assert _layout_words(text) == ["'pp'", "'tp'", 'if axis_size("pp") > 1:',
-                                   'schedule = "gpipe"']
+                                   'mesh.get("tp")', 'schedule = "gpipe"',
+                                   'doc = "on a \'cp\' mesh"', "# under explicit FSDP"]

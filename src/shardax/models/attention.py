@@ -16,7 +16,7 @@ Implementations (``implementation=``):
 
 Context parallelism is the layout's: `shardax.layout.forward` passes models ring attention
 (``shardax.parallel.ring_attention``, blockwise ring steps, the same masks) in place of this
-function on a 'cp' mesh. Softmax statistics are float32; the result has q's dtype.
+function under context parallelism. Softmax statistics are float32; the result has q's dtype.
 
 Example::
 
@@ -57,7 +57,7 @@ def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float 
     if d % 8 or d > 128:
         return f"it needs head_dim a multiple of 8 up to 128, got {d}"
     if custom_mask:
-        return "segment ids, explicit positions and key masks need a dense mask"
+        return "segment ids, given positions and key masks need a dense mask"
     if softcap is not None:
         return "it has no soft-capping"
     if q.shape[1] != k.shape[1]:
@@ -125,11 +125,11 @@ def attention(
     """
     kernel.check_qkv(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
-    explicit = q_positions is not None or kv_positions is not None
-    if causal and sq != sk and not explicit:
+    positioned = q_positions is not None or kv_positions is not None
+    if causal and sq != sk and not positioned:
         raise ValueError(f"causal attention of q{tuple(q.shape)} over k{tuple(k.shape)} needs "
                          "q_positions and kv_positions (the keys' and queries' sequence indices)")
-    custom = explicit or segment_ids is not None or kv_mask is not None
+    custom = positioned or segment_ids is not None or kv_mask is not None
     impl = resolve_implementation(implementation, q, k, custom_mask=custom, softcap=softcap)
     spec = Spec(causal=causal, window=window, softcap=softcap, scale=scale,
                 block_q=block_size, block_k=block_size)

@@ -30,8 +30,8 @@ class LlamaConfig:
 
     ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``.
 
-    How the model runs (tensor, pipeline, context parallelism, explicit FSDP, remat, the
-    attention implementation) is not here: it is a `shardax.layout.Layout`.
+    How the model runs (its parallelism, remat, the attention implementation) is not here:
+    it is a `shardax.layout.Layout`.
     ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with ``mlp_dim``
     hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
 
@@ -116,7 +116,7 @@ class LlamaConfig:
             raise ValueError(
                 f"scan_layers=True needs identical layers, but global_every={self.global_every} "
                 "mixes sliding-window and global attention layers; use scan_layers=False "
-                "(no 'pp' axis)")
+                "(and no pipeline parallelism)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):

@@ -4,7 +4,7 @@ The prompt batch is left-padded to a common length and run once (prefill), writi
 layer's keys and values into a cache ``[layers, batch, length, kv_heads, head_dim]``; each
 further step runs one token per row against the cache. The cache carries the activations'
 logical names (``('batch', 'length', 'kv_heads', 'head_dim')``), so under sharding rules it is
-split like the attention activations (batch over 'dp'/'fsdp', kv heads over 'tp'). Rows of
+split like the attention activations (the batch and the kv heads as the rules split them). Rows of
 different prompt lengths are masked per row (keys before a row's first token are ignored)
 and take their own RoPE / learned positions, so every row decodes as if it were alone.
 

@@ -4,8 +4,8 @@
 partitioner gather the table whole every step. `lookup` runs one ``jax.shard_map`` instead
 (MaxText's and Levanter's trade: the tokens and the looked-up rows move, the table stays):
 
-* a mesh axis splitting the table's columns (``'embed'``, e.g. FSDP) all-gathers the tokens
-  over it (ints, tiny), looks up its own columns of every gathered token, and sends each device
+* a mesh axis splitting the table's columns (``'embed'``, e.g. fully sharded data
+  parallelism) all-gathers the tokens over it (ints, tiny), looks up its own columns of every gathered token, and sends each device
   its tokens' columns back with one all-to-all (where that axis does not split the tokens,
   the rows leave split over it on their features, for the partitioner to gather);
 * a mesh axis splitting the table's rows (``'vocab'``, e.g. TP) looks up the tokens whose rows
@@ -83,8 +83,9 @@ def lookup_manual(table: jax.Array, tokens: jax.Array, axis: str, dim: int | Non
                   ) -> jax.Array:
     """`lookup` inside a ``shard_map`` that made ``axis`` manual: ``table`` is this device's
     shard, split over ``axis`` along ``dim`` (0: rows, 1: columns, None: whole), ``tokens``
-    this device's rows of a batch split over ``axis`` (and other manual axes). Explicit FSDP
-    (`shardax.parallel.fsdp`) looks up its embedding so, without gathering the table.
+    this device's rows of a batch split over ``axis`` (and other manual axes). The layout's
+    ZeRO-3 region (`shardax.layout.forward.fsdp_value_and_grad`) looks up its embedding so,
+    without gathering the table.
 
     Example::
 

@@ -4,7 +4,7 @@ the flags (``LlamaConfig``) that make it Mistral, Qwen2/3 or Gemma 2/3 (text).
 Every parameter carries logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads',
 'head_dim', 'layers', 'norm', 'expert'); key activations go through ``constrain`` with
 ('batch', 'length', ...) names, so sharding rules alone decide how the model is split.
-The model is the architecture only: tensor, pipeline, context parallelism and explicit FSDP
+The model is the architecture only: its parallelism, remat and attention implementation
 are applied from outside (`shardax.layout`) through the protocol of `shardax.models.protocol`
 (``embed``, ``layers``, ``block``, ``head``). ``n_experts > 0``: the MLP is a mixture of
 experts (``llama_moe.MoE``, or the dropless ``moe.DroplessMoE`` with ``moe_impl='dropless'``).

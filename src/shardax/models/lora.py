@@ -5,9 +5,9 @@
 ``nnx.Param``) and two ``nnx.LoRAParam`` factors, ``lora_a`` [in..., rank] (uniform in
 ±1/sqrt(fan-in), as PEFT's Kaiming init) and ``lora_b`` [rank, out...] (zeros, so the model is
 unchanged at step 0). The model's code reads a weight as ``self.w[...]``, which a
-`LoRAWeight` answers with the merged weight, so every parallel mode (tensor, pipeline, FSDP by
-the partitioner) runs unchanged; the factors carry the base's logical axis names on their
-own dims (None on the rank), so the same rules shard them. A weight's input dims are its
+`LoRAWeight` answers with the merged weight, so every layout runs unchanged; the factors
+carry the base's logical axis names on their own dims (None on the rank), so the same rules
+shard them. A weight's input dims are its
 first dim when that is 'embed' (q/k/v, gate/up), else all but its last (o, down); the
 stacked expert weights of a mixture of experts are left frozen. Training
 differentiates only ``nnx.LoRAParam`` (`trainable`): the base gets no gradient and no

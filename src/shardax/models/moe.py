@@ -10,9 +10,9 @@ per token, so the output never depends on the batch, the mesh or the other token
 Router: softmax over all experts in float32, top-k, optionally renormalised over the k
 (``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE). ``shared_expert_dim > 0`` adds
 Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
-carry the logical name 'expert' first, so a rule ``('expert', 'ep')`` splits them over an
-'ep' mesh axis (expert parallelism through the rules; XLA moves rows or weights as the
-shardings require).
+carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices
+(expert parallelism through the rules, `shardax.layout.presets`; XLA moves rows or weights as
+the shardings require).
 
 The load-balancing loss is transformers' ``load_balancing_loss_func`` for one layer:
 ``n_experts * sum_e(f_e * p_e)`` with ``f_e`` the top-k assignments to expert ``e`` per token

@@ -1,20 +1,21 @@
 """The protocol every shardax language model implements, and its plain one-device forward.
 
 A family subclasses `LanguageModel` and defines five things; `shardax.layout.forward` runs
-any such model on any layout (scan or loop, pipeline schedules, explicit FSDP, tensor and
-context parallelism) through them alone, as torchtitan's ``parallelize_*`` applies
-parallelism from outside the model:
+any such model on any layout (every parallelism of `shardax.layout`) through them alone, as
+torchtitan's ``parallelize_*`` applies parallelism from outside the model:
 
 * ``embed_inputs(tokens, positions=None, segment_ids=None, *, lookup=None) -> (h, extras)``: the
   residual stream ``[b, s, dim]`` in the compute dtype, and ``extras``, a dict of arrays with
   the batch as leading dim that every block reads (RoPE tables, segment ids). ``lookup(table,
-  tokens)`` replaces the token-embedding lookup (explicit FSDP looks up its table shard).
+  tokens)`` replaces the token-embedding lookup (a layout that keeps the table split looks up
+  its own shard).
 * ``layers``: the layer stack (stacked on a leading 'layers' axis, or an ``nnx.List``).
 * ``block(layer, h, extras, attend=attention) -> (h, aux)``: one layer; ``aux`` its
   auxiliary loss (a mixture of experts' load balancing; 0 otherwise); ``attend`` the attention
-  function (the layout passes ring attention on a 'cp' mesh).
+  function (a layout may pass another, e.g. ring attention).
 * ``head_params() -> tuple`` and ``head(h, *head_params) -> logits`` (float32): the final norm
-  and vocabulary projection, from explicit parameters (a pipeline's output stage receives them).
+  and vocabulary projection, from the parameters passed in (a pipeline's output stage receives
+  them).
 * ``has_aux`` / ``aux_weight``: whether blocks return an auxiliary loss, and its weight in the
   training objective.
 
@@ -49,7 +50,7 @@ class LanguageModel(nnx.Module):
     has_aux: bool = False
     aux_weight: float = 0.0
     #: the parameter ``embed_inputs`` alone reads the token embeddings from (None when the
-    #: head shares it): explicit FSDP looks tokens up in its shard instead of gathering it
+    #: head shares it): a layout that keeps it split looks tokens up in its shard instead
     lookup_table: str | None = None
 
     def embed_inputs(self, tokens: jax.Array, positions: jax.Array | None = None,
