@@ -4,10 +4,11 @@
 partitioner gather the table whole every step. `lookup` runs one ``jax.shard_map`` instead
 (MaxText's and Levanter's trade: the tokens and the looked-up rows move, the table stays):
 
-* a mesh axis splitting the table's columns (``'embed'``, e.g. fully sharded data
-  parallelism) all-gathers the tokens over it (ints, tiny), looks up its own columns of every gathered token, and sends each device
-  its tokens' columns back with one all-to-all (where that axis does not split the tokens,
-  the rows leave split over it on their features, for the partitioner to gather);
+* a mesh axis splitting the table's columns (``'embed'``, e.g. fully sharded data parallelism)
+  all-gathers the tokens over it (ints, tiny), looks up its own columns of every gathered token,
+  and sends each device its tokens' columns back with one all-to-all (where that axis does not
+  split the tokens, the rows leave split over it on their features, for the partitioner to
+  gather);
 * a mesh axis splitting the table's rows (``'vocab'``, e.g. TP) looks up the tokens whose rows
   it holds (zeros for the others) and sums over the axis (a reduce-scatter where the axis also
   splits the tokens).
