@@ -2,10 +2,10 @@
 
 Every layer's SwiGLU MLP becomes ``n_experts`` SwiGLU experts of ``mlp_dim`` hidden units and a
 top-``top_k`` router (``shardax.parallel.moe_kernel.capacity_moe``; the layout runs it
-expert-parallel as ``shardax.parallel.moe_mlp``). Expert weights carry the logical name 'expert' first,
-so a rule on 'expert' splits them over the devices and the tokens travel to their experts with
-``all_to_all``. Routing groups are the batch rows (one sequence per group), so the routing, and
-so the numbers, do not depend on the mesh.
+expert-parallel as ``shardax.parallel.moe_mlp``). Expert weights carry the logical name 'expert'
+first, so a rule on 'expert' splits them over the devices and the tokens travel to their experts
+with ``all_to_all``. Routing groups are the batch rows (one sequence per group), so the routing,
+and so the numbers, do not depend on the mesh.
 
 Example::
 
