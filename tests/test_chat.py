@@ -157,7 +157,8 @@ def test_chat_step_equals_per_conversation_sharded(reference, mesh_spec, fsdp_mo
         layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads))
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=0,
-                             param_rules=rules, fsdp_mode=fsdp_mode),
+                             param_rules=rules,
+                             layout=layout.Layout(fsdp_mode=fsdp_mode)),
                      in_shardings=(rules, batch_spec), out_shardings=(rules, None))
     new, metrics = step(state, batch)
     _assert_matches(metrics["loss"], new.opt_state, loss, grads)

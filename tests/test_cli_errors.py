@@ -319,8 +319,7 @@ def test_a_sectioned_config_file_equals_the_flat_one(results):
 
 
 def test_every_setting_has_a_config_section():
-    from shardax.train.config import TrainConfig, hints
-    from shardax.train.configfile import SECTIONS
+    from shardax.train.config import SECTIONS, TrainConfig, hints
 
     placed = [k for keys in SECTIONS.values() for k in keys]
     assert sorted(placed) == sorted(hints(TrainConfig)), "each field in exactly one section"

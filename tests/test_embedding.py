@@ -90,7 +90,7 @@ def test_llama_step_moves_no_table_and_equals_one_device(reference, mode, mesh_s
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
-                             fsdp_mode=mode),
+                             layout=layout.Layout(fsdp_mode=mode)),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     hlo = step.lower(state, _batches()[0]).compile().as_text()
     table = (CONFIG.vocab_size, CONFIG.dim)

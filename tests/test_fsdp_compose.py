@@ -64,8 +64,9 @@ def _step(mesh_spec, config, grad_accum=1, recompute=True, lay=None):
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
     graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
-                             fsdp_mode="explicit", grad_accum=grad_accum,
-                             fsdp_recompute=recompute, layout=lay or Layout()),
+                             grad_accum=grad_accum,
+                             layout=dataclasses.replace(lay or Layout(), fsdp_mode="explicit",
+                                                        fsdp_recompute=recompute)),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     return step, state, mesh.mesh
 

@@ -129,7 +129,7 @@ def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
-                             fsdp_mode="explicit", layout=full),
+                             layout=dataclasses.replace(full, fsdp_mode="explicit")),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     losses = []
     for batch in batches:

@@ -50,7 +50,7 @@ def test_sharded_optimizer_state_follows_the_params_and_trains_like_one_device(
         sequence_parallel=False))
     graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
-                             fsdp_mode=fsdp_mode),
+                             layout=layout.Layout(fsdp_mode=fsdp_mode)),
                      in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
                      out_shardings=(rules, None))
     for batch in batches:

@@ -128,7 +128,8 @@ def test_packed_step_equals_per_document_sharded(reference, mesh_spec, fsdp_mode
         layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_kv_heads))
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=END,
-                             param_rules=rules, fsdp_mode=fsdp_mode),
+                             param_rules=rules,
+                             layout=layout.Layout(fsdp_mode=fsdp_mode)),
                      in_shardings=(rules, batch_spec), out_shardings=(rules, None))
     batch = (jnp.asarray(rows[:, :-1]), jnp.asarray(rows[:, 1:]))
     new, metrics = step(state, batch)

@@ -1,15 +1,14 @@
 """Explicit ZeRO-3 FSDP (`shardax.parallel.fsdp`) equals one device, with the collectives ZeRO-3
 prescribes in the compiled program.
 
-Numerics: `train_step(fsdp_mode='explicit')` on 8 devices against the same step jitted on one
-device without a mesh: the loss and gradient of a step (forward and backward), and 5 steps of
-AdamW and of plain SGD (SGD exposes constant-factor gradient errors in the next loss), on
+Numerics: `train_step(layout=Layout(fsdp_mode='explicit'))` on 8 devices against the same step
+jitted on one device without a mesh: the loss and gradient of a step (forward and backward), and 5
+steps of AdamW and of plain SGD (SGD exposes constant-factor gradient errors in the next loss), on
 `fsdp=8` and `fsdp=4,tp=2`, with and without gradient accumulation. Tolerance: the one other
 strategies use (`tests/test_parallel_train.py`): rtol 2e-5 on losses (float32, the same math
 summed in another order). Parameters after the 5 steps: `_reference.assert_trained_alike`, the
-suite's one rule for updates under SGD and under Adam (whose m/sqrt(v) turns a last-bit
-difference of a ~0 gradient into a step of up to lr).
-"""
+suite's one rule for updates under SGD and under Adam (whose m/sqrt(v) turns a last-bit difference
+of a ~0 gradient into a step of up to lr). """
 
 import dataclasses
 import re
@@ -64,7 +63,7 @@ def _sharded_step(mesh_spec, tx, grad_accum):
     graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=grad_accum,
-                param_rules=rules, fsdp_mode="explicit"),
+                param_rules=rules, layout=layout.Layout(fsdp_mode="explicit")),
         in_shardings=(rules, None), out_shardings=(rules, None))
     return step, state
 

@@ -13,7 +13,14 @@ Example::
 
 from shardax.layout import forward, presets
 from shardax.layout.presets import PRESETS
-from shardax.layout.spec import FSDP_MODES, PP_SCHEDULES, TP_MODES, Layout, check_mesh
+from shardax.layout.spec import (
+    FSDP_MODES,
+    PP_SCHEDULES,
+    TP_MODES,
+    Layout,
+    check_mesh,
+    pipeline_layouts,
+)
 
 __all__ = ["FSDP_MODES", "PP_SCHEDULES", "PRESETS", "TP_MODES", "Layout", "check_mesh",
-           "forward", "presets"]
+           "forward", "pipeline_layouts", "presets"]

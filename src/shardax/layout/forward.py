@@ -28,21 +28,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.constraints import with_sharding_constraint
 from shardax.layout.axes import CONTEXT_AXIS, FSDP_AXIS, PIPELINE_AXIS
 from shardax.layout.blocks import block_fn
 from shardax.layout.spec import Layout
+from shardax.logical import with_logical_constraint
 from shardax.models import embedding
 from shardax.models._layers import remat_policy
 from shardax.models.attention import attention
 from shardax.models.loss import chunked_cross_entropy
 from shardax.models.protocol import LanguageModel, run_blocks
-from shardax.parallel import fsdp
+from shardax.parallel import fsdp, to_microbatches
 from shardax.parallel.axes import axis_size
 from shardax.parallel.context import ring_attention
 from shardax.parallel.pipeline import pipeline, to_stage_layout
 from shardax.precision import Policy
 
-__all__ = ["fsdp_value_and_grad", "logits", "loss", "ring_attend", "training_loss"]
+__all__ = ["fsdp_value_and_grad", "logits", "loss", "params_loss", "ring_attend", "training_loss",
+           "value_and_grad"]
 
 
 def _identity(logits: jax.Array) -> jax.Array:
@@ -359,6 +362,70 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
         loss_fn, params, param_rules.apply(params), inputs, targets, *kwargs.values(),
         batch_axes=("ep", "dp"), seq_axes=(CONTEXT_AXIS,) if axis_size(CONTEXT_AXIS) > 1 else (),
         grad_accum=grad_accum, dtype=policy.compute, reduce_dtype=jnp.float32)
+
+
+def params_loss(params: Any, rest: Any, graphdef: Any, layout: Layout, policy: Policy,
+                inputs: jax.Array, targets: jax.Array, kwargs: dict[str, Any]
+                ) -> tuple[jax.Array, jax.Array]:
+    """`training_loss` of the model ``nnx.merge(graphdef, params, rest)`` with ``params`` cast
+    to ``policy``'s compute dtype and the logits to its output dtype; ``kwargs``: the rest of
+    `training_loss`'s arguments. What `value_and_grad` differentiates.
+
+    Example::
+
+        objective, ce = params_loss(params, rest, graphdef, Layout(), Policy(), x, y, {})
+    """
+    # Fresh Variables for the non-differentiated state (LoRA's frozen base) at this trace
+    # level, as the differentiated ones are: nnx.scan refuses Variables of an outer trace.
+    rest = jax.tree.map(lambda x: x, rest)
+    model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
+    return training_loss(model, layout, inputs, targets, cast=policy.cast_to_output, **kwargs)
+
+
+def value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
+                   batch: tuple[jax.Array, ...], with_kwargs: Callable[..., tuple], *,
+                   policy: Policy, param_rules: Any = None, grad_accum: int = 1
+                   ) -> tuple[jax.Array, Any]:
+    """``(training loss, grads)`` of `params_loss` under ``layout``: explicit FSDP's
+    (`fsdp_value_and_grad`) or ``jax.value_and_grad``'s, in ``grad_accum`` microbatches
+    summed in the parameter dtype (sharded by ``param_rules`` when given). ``batch`` is
+    ``(inputs, targets, *extra)``; ``with_kwargs(*rows)`` turns rows of it into ``(inputs,
+    targets, kwargs)`` (positions, segments, loss weights): per microbatch, and under explicit
+    FSDP once on the whole sequence, outside its region (with 'cp' it splits the sequence,
+    and RoPE and ring attention need each token's global position).
+
+    Example::
+
+        loss, grads = value_and_grad(graphdef, params, rest, Layout(), (x, y),
+                                     lambda x, y: (x, y, {}), policy=Policy())
+    """
+    if layout.fsdp_mode == "explicit":
+        inputs, targets, kwargs = with_kwargs(*batch)
+        return fsdp_value_and_grad(graphdef, params, rest, layout, inputs, targets, kwargs,
+                                   param_rules=param_rules, policy=policy,
+                                   grad_accum=grad_accum)
+
+    def objective(params, *rows):
+        return params_loss(params, rest, graphdef, layout, policy, *with_kwargs(*rows))
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    if grad_accum == 1:
+        (loss, _), grads = grad_fn(params, *batch)
+        return loss, grads
+
+    def accumulate(carry, micro):
+        loss_sum, grad_sum = carry
+        micro = [with_logical_constraint(a, ("batch", "length")) for a in micro]
+        (loss, _), grads = grad_fn(params, *micro)
+        grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+        if param_rules is not None:
+            grad_sum = with_sharding_constraint(grad_sum, param_rules)
+        return (loss_sum + loss, grad_sum), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    micro = tuple(to_microbatches(a, grad_accum) for a in batch)
+    (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
+    return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
 
 
 def _key(path) -> str:

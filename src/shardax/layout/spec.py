@@ -17,8 +17,9 @@ from typing import Any
 
 from shardax.models.attention import IMPLEMENTATIONS
 from shardax.models.remat import check_remat
+from shardax.parallel.pipeline import bubble_fraction
 
-__all__ = ["FSDP_MODES", "PP_SCHEDULES", "TP_MODES", "Layout", "check_mesh"]
+__all__ = ["FSDP_MODES", "PP_SCHEDULES", "TP_MODES", "Layout", "check_mesh", "pipeline_layouts"]
 
 TP_MODES = ("none", "sync", "async", "async_bidi")
 PP_SCHEDULES = ("gpipe", "circular", "1f1b")
@@ -90,6 +91,48 @@ class Layout:
     def virtual_stages(self) -> int:
         """Virtual stages per device the schedule runs (1 unless circular)."""
         return self.pp_virtual_stages if self.pp_schedule == "circular" else 1
+
+    def microbatches(self, pp: int) -> int:
+        """Pipeline microbatches per step on a 'pp' axis of size ``pp`` (1 without one).
+
+        >>> Layout(pp_microbatches=4).microbatches(2), Layout(pp_microbatches=4).microbatches(1)
+        (4, 1)
+        """
+        return self.pp_microbatches if pp > 1 else 1
+
+    def bubble(self, pp: int) -> float:
+        """The fraction of a step each of ``pp`` stages sits idle under the schedule (0 without
+        a pipeline; `shardax.parallel.pipeline.bubble_fraction`).
+
+        >>> round(Layout(pp_microbatches=4).bubble(4), 3)   # (P-1)/(M+P-1)
+        0.429
+        """
+        if pp == 1:
+            return 0.0
+        return bubble_fraction(self.pp_schedule, pp, self.pp_microbatches, self.virtual_stages)
+
+    def in_flight(self, pp: int) -> int:
+        """Microbatches whose saved activations a stage holds at once: every one under gpipe
+        (all forwards before the backwards), at most ``pp`` under 1f1b and circular.
+
+        >>> Layout(pp_microbatches=8).in_flight(2), Layout("none", False, "1f1b", 8).in_flight(2)
+        (8, 2)
+        """
+        m = self.microbatches(pp)
+        return m if self.pp_schedule == "gpipe" else min(m, pp)
+
+
+def pipeline_layouts(pp: int) -> list[Layout]:
+    """The pipeline layouts worth trying on a 'pp' axis of size ``pp`` (the planner's search):
+    gpipe and 1f1b with P or 2P microbatches; none without a pipeline (``pp == 1``).
+
+    >>> [(x.pp_schedule, x.pp_microbatches) for x in pipeline_layouts(2)]
+    [('gpipe', 2), ('gpipe', 4), ('1f1b', 2), ('1f1b', 4)]
+    """
+    if pp == 1:
+        return []
+    return [Layout(pp_schedule=s, pp_microbatches=m) for s in ("gpipe", "1f1b")
+            for m in (pp, 2 * pp)]
 
 
 def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,

@@ -28,11 +28,11 @@ from shardax import models
 from shardax.devices import DeviceSpec
 from shardax.errors import UsageError
 from shardax.filecheck import parse_json, read_json, read_text
-from shardax.parallel.pipeline import bubble_fraction
 from shardax.plan.estimate import Compiled, comm_seconds, hidden_seconds, remat_factor, seconds
 from shardax.train.config import TrainConfig
 from shardax.train.configfile import from_dict
 from shardax.train.mfu import flops_per_token
+from shardax.train.resolve import layout_of
 
 __all__ = ["RunFit", "calibrate", "read_run"]
 
@@ -107,8 +107,7 @@ def read_run(run_dir: Path, device: DeviceSpec) -> RunFit:
              * remat_factor(c, config.seq_len, config.remat))
     flops /= _work_split(mesh, config.rules)
     pp = mesh.get("pp", 1)
-    bubble = bubble_fraction(config.pp_schedule, pp, config.microbatches or pp,
-                             config.virtual_stages) if pp > 1 else 0.0
+    bubble = layout_of(config, mesh).bubble(pp)
     peaks = [r["memory_peak_gib"] for r in records if r.get("memory_peak_gib")]
     return RunFit(run_dir, statistics.median(times),
                   flops / device.peak_flops / (1.0 - bubble), comm_seconds(compiled, device)[0],

@@ -36,7 +36,7 @@ from shardax.devices import DeviceSpec
 from shardax.hlo import peak_bytes
 from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
-from shardax.train.config import TrainConfig
+from shardax.train.config import STEP_FIELDS, TrainConfig
 from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
 from shardax.utils import human_bytes as _human
@@ -45,11 +45,6 @@ __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds"
            "compile_config", "estimate", "hidden_seconds", "plan_config", "remat_factor",
            "seconds", "train_command", "usable_bytes", "work_axes", "work_split", "idle_axes"]
 
-# Fields of TrainConfig that change the compiled step (the rest are run bookkeeping).
-STEP_FIELDS = ("model", "init_from", "mesh", "rules", "batch_size", "seq_len", "precision", "remat",
-               "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
-               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
-               "offload_optimizer", "lora_rank", "lora_alpha", "lora_targets")
 # Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
 # 'names:'/'offload:' policy recomputes the matmuls whose outputs it does not save
 # (`_names_factor`).

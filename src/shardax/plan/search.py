@@ -40,22 +40,21 @@ from typing import Any
 
 import jax
 
-from shardax import models
+from shardax import layout, models
 from shardax.devices import DeviceSpec
 from shardax.errors import UsageError
 from shardax.models.attention import BLOCKWISE_MIN_LEN
 from shardax.plan import topology
 from shardax.plan.estimate import (
-    STEP_FIELDS,
     Compiled,
     Estimate,
     estimate,
     remat_factor,
     usable_bytes,
 )
-from shardax.train.config import TrainConfig
+from shardax.train.config import STEP_FIELDS, TrainConfig, with_layout
 from shardax.train.mfu import flops_per_token
-from shardax.train.resolve import Resolved, resolve
+from shardax.train.resolve import Resolved, layout_of, resolve
 from shardax.utils import human_bytes as _human
 
 __all__ = ["SearchResult", "analytic", "candidates", "layout_text", "search"]
@@ -183,18 +182,18 @@ def candidates(base: TrainConfig, devices: int, *, devices_per_host: int = 8,
             continue
         batch_split = dp * fsdp * ep
         scans = (True,) if pp > 1 or c.n_layers > 12 else (False, True)
-        schedules = [("gpipe", 0)] if pp == 1 else [
-            (s, m) for s in ("gpipe", "1f1b") for m in (pp, 2 * pp)]
+        # Rule-based layouts only (no explicit TP): a pipeline's schedules, else none.
+        pipelines = layout.pipeline_layouts(pp) or [None]
         accums = GRAD_ACCUM if pp == 1 else (1,)
-        for remat, scan, attention, accum, (schedule, micro) in itertools.product(
-                REMAT, scans, attentions, accums, schedules):
-            per_micro = base.batch_size // (accum * max(micro, 1))
-            if base.batch_size % (accum * max(micro, 1)) or per_micro % batch_split:
+        for remat, scan, attention, accum, lay in itertools.product(
+                REMAT, scans, attentions, accums, pipelines):
+            rows = accum * (lay.microbatches(pp) if lay else 1)
+            if base.batch_size % rows or (base.batch_size // rows) % batch_split:
                 continue
-            out.append(dataclasses.replace(
-                base, mesh=_mesh_text(sizes), rules=_preset(sizes), remat=remat,
-                scan_layers=scan, grad_accum=accum, pp_schedule=schedule, microbatches=micro,
-                tp_mode="none", sequence_parallel=False, virtual_stages=1, attention=attention))
+            config = with_layout(dataclasses.replace(
+                base, mesh=_mesh_text(sizes), rules=_preset(sizes), scan_layers=scan,
+                grad_accum=accum), lay)
+            out.append(dataclasses.replace(config, remat=remat, attention=attention))
     return out
 
 
@@ -235,8 +234,7 @@ def analytic(config: TrainConfig, devices: int, device: DeviceSpec) -> tuple[flo
     work = batch_split * sizes["cp"] * sizes["pp"] * sizes["tp"]
     flops = flops_per_token(c, config.seq_len) * config.batch_size * config.seq_len
     flops *= remat_factor(c, config.seq_len, config.remat) / work
-    pp_micro = config.microbatches or sizes["pp"]
-    bubble = (sizes["pp"] - 1) / (pp_micro + sizes["pp"] - 1)
+    bubble = layout_of(config, sizes).bubble(sizes["pp"])
     shard_bytes = n * param_bytes / (sizes["tp"] * sizes["pp"])
     comm: dict[str, float] = dict.fromkeys(AXES, 0.0)  # bytes moved over each axis
     if batch_split > 1:  # gradient all-reduce (or reduce-scatter + all-gather)
@@ -271,9 +269,9 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
     layer input only under full remat), plus the logits. The s² scores term only where the
     attention materialises them ('xla', or 'auto' below the blockwise length)."""
     pp, cp, tp = sizes["pp"], sizes["cp"], sizes["tp"]
-    micro = config.microbatches or pp
-    in_flight = 1 if pp == 1 else micro if config.pp_schedule == "gpipe" else min(micro, pp)
-    rows = config.batch_size / (batch_split * config.grad_accum * (micro if pp > 1 else 1))
+    lay = layout_of(config, sizes)
+    in_flight = lay.in_flight(pp)
+    rows = config.batch_size / (batch_split * config.grad_accum * lay.microbatches(pp))
     tokens = rows * config.seq_len / cp
     act = 2 if "bfloat16" in config.precision.split("output")[0] else 4
     h = c.dim
@@ -298,11 +296,11 @@ def _activation_bytes(config: TrainConfig, c: Any, sizes: dict[str, int],
 
 
 def _key(config: TrainConfig, devices: int, run: Resolved) -> str:
-    """The cache entry of a compiled layout: its step fields and the FSDP mode and recompute
-    its target's memory chose (`resolve`)."""
+    """The cache entry of a compiled layout: its step fields and the `Layout` resolved for
+    its target (the FSDP mode and recompute its memory chose)."""
     text = json.dumps({"config": {k: getattr(config, k) for k in STEP_FIELDS},
-                       "fsdp": [run.fsdp_mode, run.fsdp_recompute],
-                       "devices": devices, "jax": jax.__version__, "format": 3,
+                       "layout": dataclasses.asdict(run.layout),
+                       "devices": devices, "jax": jax.__version__, "format": 4,
                        "backend": os.environ.get(topology.ENV) or jax.default_backend()},
                       sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -41,6 +41,9 @@ from shardax.train.tokenizer import has_tokenizer
 from shardax.train.trackers import check_installed, parse_log_to
 
 __all__ = [
+    "LAYOUT_FLAGS",
+    "SECTIONS",
+    "STEP_FIELDS",
     "EvalConfig",
     "ExportConfig",
     "GenerateConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "hf_dir",
     "parse_mesh",
     "with_defaults",
+    "with_layout",
 ]
 
 MESH_AXES = ("dp", "fsdp", "tp", "pp", "cp", "ep")
@@ -164,8 +168,9 @@ class TrainConfig:
     its gradient reduce-scattered at once; bounded peak memory; without --remat the gathered
     layers are kept from forward to backward when they fit), xla (the partitioner, from
     the shardings), auto: explicit where it holds less memory than xla (with --remat, with
-    --grad-accum, or when the gathered layers would not fit) and can run (a llama without
-    explicit TP/SP, no tp/pp axis), else xla (the same memory, a faster step)"""
+    --grad-accum, when the gathered layers would not fit, on a pp axis without --grad-accum)
+    and can run (a llama without explicit TP/SP, no tp axis), else xla (the same memory, a
+    faster step)"""
     pp_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     """pipeline schedule over 'pp' (1f1b: activation memory bounded by the 'pp' size)"""
     microbatches: int = 0
@@ -225,6 +230,52 @@ class TrainConfig:
     def to_json(self) -> dict[str, Any]:
         """The config as a JSON-ready dict (what ``config.json`` holds)."""
         return dataclasses.asdict(self)
+
+
+#: The sections of a sectioned config file (torchtitan's style: ``[training]`` ``steps = 10``)
+#: and the `TrainConfig` fields each is meant for (`shardax.train.configfile`).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model", "init_from", "precision", "remat", "attention", "scan_layers",
+              "lora_rank", "lora_alpha", "lora_targets"),
+    "training": ("steps", "batch_size", "per_device_batch_size", "seq_len", "grad_accum",
+                 "seed", "on_nan"),
+    "optimizer": ("optimizer", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
+                  "clip_grad_norm", "offload_optimizer"),
+    "parallelism": ("mesh", "rules", "tp_mode", "sequence_parallel", "fsdp_mode",
+                    "pp_schedule", "microbatches", "virtual_stages"),
+    "data": ("data", "val_data", "tokenizer", "text_field", "loss_on", "token_dtype", "pack"),
+    "checkpoint": ("out", "ckpt_every", "resume", "resume_step"),
+    "metrics": ("log_every", "eval_every", "log_to", "profile_steps", "peak_tflops"),
+}
+
+#: The `TrainConfig` fields that change the compiled step (the rest are run bookkeeping): what
+#: the planner's cache keys and printed commands hold.
+STEP_FIELDS = ("model", "init_from", "mesh", "rules", "batch_size", "seq_len", "precision",
+               "remat", "scan_layers", "grad_accum", "optimizer", "tp_mode", "sequence_parallel",
+               "pp_schedule", "microbatches", "virtual_stages", "fsdp_mode", "attention", "pack",
+               "offload_optimizer", "lora_rank", "lora_alpha", "lora_targets")
+
+#: The flags that set a `shardax.layout.Layout` field as they are, and that field. The rest of
+#: the layout is decided in `shardax.train.resolve`: the FSDP mode and recompute, the
+#: microbatches of ``--microbatches 0`` (the 'pp' size), sync TP under ``--sequence-parallel``.
+LAYOUT_FLAGS = {"tp_mode": "tp_mode", "sequence_parallel": "sequence_parallel",
+                "pp_schedule": "pp_schedule", "microbatches": "pp_microbatches",
+                "virtual_stages": "pp_virtual_stages", "remat": "remat",
+                "attention": "attention"}
+
+
+def with_layout(config: TrainConfig, lay: layout.Layout | None) -> TrainConfig:
+    """``config`` with the flags of `LAYOUT_FLAGS` set from ``lay`` (None: their defaults).
+
+    >>> with_layout(TrainConfig(tp_mode="sync"), layout.Layout(pp_microbatches=4)).microbatches
+    4
+    >>> with_layout(TrainConfig(tp_mode="sync"), None).tp_mode
+    'none'
+    """
+    plain = TrainConfig()
+    return dataclasses.replace(config, **{
+        flag: getattr(plain, flag) if lay is None else getattr(lay, field)
+        for flag, field in LAYOUT_FLAGS.items()})
 
 
 @dataclass(frozen=True)

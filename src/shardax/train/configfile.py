@@ -1,5 +1,5 @@
 """Settings from a ``--config`` file (YAML, TOML or JSON; flat, or in torchtitan-style sections
-such as ``[training]``, see `SECTIONS`) or a dict, as a config dataclass.
+such as ``[training]``, see `shardax.train.config.SECTIONS`) or a dict, as a config dataclass.
 
 Values are coerced to the dataclass's field types (`shardax.train.config.coerce`); an unknown
 key or a wrongly typed value is a `UsageError` naming the file and the flag.
@@ -17,26 +17,10 @@ from typing import Any
 
 from shardax.errors import UsageError
 from shardax.filecheck import parse_json, read_text
-from shardax.train.config import TrainConfig, coerce, hints
+from shardax.train.config import SECTIONS, TrainConfig, coerce, hints
 
-__all__ = ["SECTIONS", "from_dict", "load_file"]
+__all__ = ["from_dict", "load_file"]
 
-#: The sections of a sectioned config file (torchtitan's style: ``[training]`` ``steps = 10``)
-#: and the settings each is meant for. A section may hold any `TrainConfig` field: the map
-#: says where each belongs; a section not named here, or a key that is no field, is an error.
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "init_from", "precision", "remat", "attention", "scan_layers",
-              "lora_rank", "lora_alpha", "lora_targets"),
-    "training": ("steps", "batch_size", "per_device_batch_size", "seq_len", "grad_accum",
-                 "seed", "on_nan"),
-    "optimizer": ("optimizer", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
-                  "clip_grad_norm", "offload_optimizer"),
-    "parallelism": ("mesh", "rules", "tp_mode", "sequence_parallel", "fsdp_mode",
-                    "pp_schedule", "microbatches", "virtual_stages"),
-    "data": ("data", "val_data", "tokenizer", "text_field", "loss_on", "token_dtype", "pack"),
-    "checkpoint": ("out", "ckpt_every", "resume", "resume_step"),
-    "metrics": ("log_every", "eval_every", "log_to", "profile_steps", "peak_tflops"),
-}
 
 # A settings file is a flat mapping of a few dozen keys: anything larger is not one.
 MAX_CONFIG_BYTES = 2**20
@@ -63,8 +47,8 @@ def from_dict(cls: type, values: dict[str, Any], where: str = "") -> Any:
 
 def load_file(path: str | Path) -> dict[str, Any]:
     """The settings in a ``--config`` file (``.yaml``/``.yml``, ``.toml`` or ``.json``), flat
-    or in `SECTIONS`, as a flat mapping of field names to values; errors are a UsageError
-    naming the file."""
+    or in `shardax.train.config.SECTIONS`, as a flat mapping of field names to values; errors
+    are a UsageError naming the file."""
     path = Path(path)
     suffix = path.suffix.lower()
     where = f"--config {path}"
@@ -110,8 +94,8 @@ def _key(key: Any) -> Any:
 
 def _flatten(values: dict[str, Any], where: str) -> dict[str, Any]:
     """The settings of a flat or sectioned file as one flat mapping: a mapping value is a
-    section of `SECTIONS` whose keys are `TrainConfig` fields (``data`` is a section when it
-    is a mapping, the field when it is a list)."""
+    section of `shardax.train.config.SECTIONS` whose keys are `TrainConfig` fields (``data``
+    is a section when it is a mapping, the field when it is a list)."""
     fields, flat = hints(TrainConfig), {}
     for name, value in values.items():
         if isinstance(value, dict):

@@ -30,6 +30,7 @@ import math
 from shardax.errors import UsageError
 from shardax.layout.axes import BATCH_AXES
 from shardax.train.config import TrainConfig, parse_mesh
+from shardax.train.resolve import layout_of
 
 __all__ = ["refit", "resolve_sizes"]
 
@@ -73,7 +74,7 @@ def refit(config: TrainConfig, devices_before: int, devices_now: int
         if axis not in sizes and data[axis] > 1:
             sizes = {axis: data[axis], **sizes}
     pp = before.get("pp", 1)
-    micro = (config.microbatches or pp) if pp > 1 else 1
+    micro = layout_of(config, before).microbatches(pp)
     least = math.ceil(config.grad_accum * data_before / data_now)
     fits = [g for g in range(least, config.batch_size + 1)
             if config.batch_size % (data_now * g * micro) == 0]

@@ -35,14 +35,13 @@ from shardax.layout import Layout
 from shardax.mesh import MeshShardingHelper, parse_mesh_string
 from shardax.models.attention import resolve_implementation
 from shardax.models.lora import LoRA, LoRAError
-from shardax.parallel.pipeline import bubble_fraction
 from shardax.precision import Policy
 from shardax.rules import HostOffloadRule, LogicalAxisRules
-from shardax.train.config import TrainConfig, flag, hf_dir, with_defaults
+from shardax.train.config import LAYOUT_FLAGS, TrainConfig, flag, hf_dir, with_defaults
 from shardax.train.optimizers import make_optimizer, make_schedule
 from shardax.train.step import TrainState, init_state
 
-__all__ = ["SCHEDULE_FIELDS", "Resolved", "fsdp_mode", "make_mesh", "model_config",
+__all__ = ["SCHEDULE_FIELDS", "Resolved", "fsdp_mode", "layout_of", "make_mesh", "model_config",
            "optimizer", "resolve", "schedule_change", "state_shape"]
 
 
@@ -127,12 +126,16 @@ def _with_lora(model_config: Any, config: TrainConfig) -> Any:
                                                        config.lora_targets))
 
 
-def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
-    """``(model config, layout, rules)``: the model config with its layers stacked on a 'pp'
-    mesh, the `Layout` of the parallelism flags, ``--remat`` and ``--attention`` (FSDP mode
-    still 'xla': `fsdp_mode` decides)
-    and the rule list fitted to the mesh and model (``layout.presets.resolve``); ValueError
-    on a mismatch."""
+def layout_of(config: TrainConfig, mesh_shape: dict[str, int]) -> Layout:
+    """The `Layout` of ``config``'s flags (`LAYOUT_FLAGS`) on a mesh of ``mesh_shape``, with what
+    the flags leave open decided: ``--microbatches 0`` is the 'pp' size, ``--sequence-parallel``
+    alone runs sync TP; the FSDP mode stays 'xla' (`fsdp_mode` decides it). ValueError where a
+    pipeline flag needs a 'pp' axis the mesh lacks.
+
+    >>> lay = layout_of(TrainConfig(sequence_parallel=True, mesh="pp=2,tp=4"), {"pp": 2, "tp": 4})
+    >>> lay.tp_mode, lay.pp_microbatches
+    ('sync', 2)
+    """
     pp = mesh_shape.get("pp", 1)
     if pp == 1 and (config.microbatches > 1 or config.virtual_stages > 1):
         raise ValueError("--microbatches and --virtual-stages need a 'pp' mesh axis of size > 1 "
@@ -140,13 +143,18 @@ def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
     if pp == 1 and config.pp_schedule != "gpipe":
         raise ValueError(f"--pp-schedule {config.pp_schedule} needs a 'pp' mesh axis of size > 1 "
                          f"(mesh {mesh_shape})")
-    tp_mode = config.tp_mode
-    if config.sequence_parallel and tp_mode == "none":
-        tp_mode = "sync"  # sequence parallelism runs through the explicit TP blocks
-    lay = Layout(tp_mode=tp_mode, sequence_parallel=config.sequence_parallel,
-                 pp_schedule=config.pp_schedule, pp_microbatches=config.microbatches or pp,
-                 pp_virtual_stages=config.virtual_stages, remat=config.remat,
-                 attention=config.attention)
+    values = {field: getattr(config, flag) for flag, field in LAYOUT_FLAGS.items()}
+    if config.sequence_parallel and config.tp_mode == "none":
+        values["tp_mode"] = "sync"  # sequence parallelism runs through the explicit TP blocks
+    return Layout(**{**values, "pp_microbatches": config.microbatches or pp})
+
+
+def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
+    """``(model config, layout, rules)``: the model config with its layers stacked on a 'pp'
+    mesh, the `Layout` of the flags (`layout_of`) and the rule list fitted to the mesh and
+    model (``layout.presets.resolve``); ValueError on a mismatch."""
+    pp = mesh_shape.get("pp", 1)
+    lay = layout_of(config, mesh_shape)
     if pp > 1 and not model_config.scan_layers:
         model_config = dataclasses.replace(model_config, scan_layers=True)
     layout.check_mesh(model_config, lay, mesh_shape, batch_size=config.batch_size,
@@ -482,13 +490,6 @@ class Resolved:
                 "step")
 
 
-def _bubble(mesh_shape: dict[str, int], lay: Layout) -> float:
-    pp = mesh_shape.get("pp", 1)
-    if pp == 1:
-        return 0.0
-    return bubble_fraction(lay.pp_schedule, pp, lay.pp_microbatches, lay.virtual_stages)
-
-
 def _batch_axes(rules: LogicalAxisRules, mesh: MeshShardingHelper) -> tuple[str, ...]:
     """The mesh axes the 'batch' rule splits the rows over."""
     spec = rules.spec_for(("batch",), mesh.mesh)[0]
@@ -553,7 +554,7 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     rules = LogicalAxisRules(rule_list)
     batch_axes = _batch_axes(rules, mesh)
     batch_split = math.prod(mesh.shape[a] for a in batch_axes)
-    micro = lay.pp_microbatches if mesh.shape.get("pp", 1) > 1 else 1
+    micro = lay.microbatches(mesh.shape.get("pp", 1))
     if config.batch_size % (batch_split * config.grad_accum * micro):
         raise UsageError(
             f"--batch-size {config.batch_size} must be divisible by the data-parallel size "
@@ -565,5 +566,5 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     return Resolved(
         config=config, mesh=mesh, rules=rules, model_config=model, layout=lay, policy=policy,
         tx=tx, schedule=schedule, batch_axes=batch_axes, batch_split=batch_split,
-        microbatches=micro, bubble=_bubble(mesh.shape, lay), init_dir=init_dir, fsdp_why=why,
-        mesh_why=mesh_why, batch_why=batch_why)
+        microbatches=micro, bubble=lay.bubble(mesh.shape.get("pp", 1)), init_dir=init_dir,
+        fsdp_why=why, mesh_why=mesh_why, batch_why=batch_why)

@@ -22,8 +22,8 @@ the cross-entropy.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -31,16 +31,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from shardax.constraints import with_sharding_constraint
 from shardax.layout import forward
-from shardax.layout.spec import FSDP_MODES, Layout
-from shardax.logical import with_logical_constraint
+from shardax.layout.spec import Layout
 from shardax.models.lora import trainable
-from shardax.parallel import axis_size, load_balance, to_microbatches
+from shardax.parallel import axis_size, load_balance
 from shardax.precision import Policy
 from shardax.train import packing
 
-__all__ = ["FSDP_MODES", "TrainState", "eval_loss", "init_state", "train_step"]
+__all__ = ["TrainState", "eval_loss", "init_state", "train_step"]
 
 FULL_PRECISION = Policy()
 ONE_DEVICE = Layout()  # the default layout: the rules and XLA decide everything
@@ -65,19 +63,6 @@ def init_state(create: Callable[[], nnx.Module], tx: optax.GradientTransformatio
     return graphdef, TrainState(params, rest, tx.init(params), jnp.int32(0))
 
 
-def _loss(params, rest, graphdef, inputs, targets, policy: Policy, weights=None,
-          segment_ids=None, end_id: int | None = None, layout: Layout = ONE_DEVICE):
-    """``(training loss, cross-entropy)``; they differ by an MoE model's auxiliary loss
-    (`shardax.layout.forward.training_loss` under ``layout``)."""
-    # Fresh Variables for the non-differentiated state (LoRA's frozen base) at this trace
-    # level, as the differentiated ones are: nnx.scan refuses Variables of an outer trace.
-    rest = jax.tree.map(lambda x: x, rest)
-    model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
-    inputs, targets, kwargs = _with_positions(inputs, targets, weights, end_id, segment_ids)
-    return forward.training_loss(model, layout, inputs, targets, cast=policy.cast_to_output,
-                                 **kwargs)
-
-
 def _with_weights(batch: tuple, end_id: int | None) -> tuple:
     """``(inputs, targets, *extra)``: a packed-conversation batch ``(inputs, targets,
     segment_ids, loss_mask)`` becomes ``(inputs, targets, weights, segment_ids)``; packed
@@ -90,8 +75,8 @@ def _with_weights(batch: tuple, end_id: int | None) -> tuple:
     return tuple(batch)
 
 
-def _with_positions(inputs, targets, weights=None, end_id: int | None = None,
-                    segment_ids=None) -> tuple:
+def _with_positions(inputs, targets, weights=None, segment_ids=None, *,
+                    end_id: int | None = None) -> tuple:
     """``(inputs, targets, kwargs)``, ``kwargs`` the rest of ``training_loss``'s arguments:
     RoPE ``positions`` and ``load_balanced``, and with packed documents (``end_id``: the
     end-of-text id) ``segment_ids`` and ``loss_weights`` (``weights``, else those of these
@@ -114,17 +99,6 @@ def _with_positions(inputs, targets, weights=None, end_id: int | None = None,
     return inputs, targets, {"positions": positions, "load_balanced": cp > 1, **docs}
 
 
-def _explicit_fsdp(state, batch, graphdef, layout: Layout, policy: Policy, grad_accum,
-                   param_rules, end_id: int | None):
-    """``(loss, grads)`` under explicit ZeRO-3 FSDP (`shardax.layout.forward
-    .fsdp_value_and_grad`). Positions, segments and the load-balanced order are computed on the
-    whole sequence, outside its region: with 'cp' it splits the sequence, and RoPE and ring
-    attention need each token's global position."""
-    inputs, targets, kwargs = _with_positions(*batch[:3], end_id=end_id,
-                                              segment_ids=(batch[3:] or (None,))[0])
-    return forward.fsdp_value_and_grad(graphdef, state.params, state.rest, layout, inputs,
-                                       targets, kwargs, param_rules=param_rules, policy=policy,
-                                       grad_accum=grad_accum)
 
 
 def train_step(
@@ -136,11 +110,9 @@ def train_step(
     policy: Policy = FULL_PRECISION,
     grad_accum: int = 1,
     param_rules: Any = None,
-    fsdp_mode: str | None = None,
     end_id: int | None = None,
     skip_nonfinite: bool = False,
     offload_optimizer: bool = False,
-    fsdp_recompute: bool | None = None,
     layout: Layout = ONE_DEVICE,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)`` (or packed conversations
@@ -148,13 +120,12 @@ def train_step(
     ``grad_accum`` microbatches accumulated in the parameter dtype and (with
     ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
-    ``layout``: how the model runs on the mesh (`shardax.layout.Layout`); ``fsdp_mode`` and
-    ``fsdp_recompute``, when given, replace its own.
-    ``fsdp_mode='explicit'`` computes loss and gradients with ``shardax.parallel.fsdp``
-    (``param_rules`` give the parameters' sharding; gradients
-    of the microbatches are reduce-scattered one by one into a sharded float32 accumulator).
-    ``fsdp_recompute=False`` (explicit, with ``remat='none'``): the gathered layers are kept
-    from forward to backward instead of re-gathered and recomputed (more memory, fewer FLOPs).
+    ``layout``: how the model runs on the mesh (`shardax.layout.Layout`). Its explicit FSDP
+    mode computes loss and gradients with ``shardax.parallel.fsdp`` (``param_rules`` give the
+    parameters' sharding; gradients of the microbatches are reduce-scattered one by one into a
+    sharded float32 accumulator); without its recompute (and remat) the gathered layers are
+    kept from forward to backward instead of re-gathered and recomputed (more memory, fewer
+    FLOPs).
 
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
@@ -168,34 +139,10 @@ def train_step(
     ``offload_optimizer``: the optimizer state comes in (and, by the caller's
     ``out_shardings``, goes back) in pinned host memory; it is moved to the device for the
     update."""
-    if fsdp_mode is not None and fsdp_mode not in FSDP_MODES:
-        raise ValueError(f"fsdp_mode must be one of {FSDP_MODES}, got {fsdp_mode!r}")
-    given = {"fsdp_mode": fsdp_mode, "fsdp_recompute": fsdp_recompute}
-    layout = dataclasses.replace(layout, **{k: v for k, v in given.items() if v is not None})
-    batch = _with_weights(batch, end_id)
-    grad_fn = jax.value_and_grad(_loss, has_aux=True)
-    if layout.fsdp_mode == "explicit":
-        loss, grads = _explicit_fsdp(state, batch, graphdef, layout, policy, grad_accum,
-                                     param_rules, end_id)
-    elif grad_accum == 1:
-        (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *batch[:2], policy,
-                                   *batch[2:], end_id=end_id, layout=layout)
-    else:
-        def accumulate(carry, micro):
-            loss_sum, grad_sum = carry
-            micro = [with_logical_constraint(a, ("batch", "length")) for a in micro]
-            (loss, _), grads = grad_fn(state.params, state.rest, graphdef, *micro[:2],
-                                       policy, *micro[2:], end_id=end_id, layout=layout)
-            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-            if param_rules is not None:
-                grad_sum = with_sharding_constraint(grad_sum, param_rules)
-            return (loss_sum + loss, grad_sum), None
-
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        micro = tuple(to_microbatches(a, grad_accum) for a in batch)
-        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
-        loss = loss / grad_accum
-        grads = jax.tree.map(lambda g: g / grad_accum, grads)
+    loss, grads = forward.value_and_grad(
+        graphdef, state.params, state.rest, layout, _with_weights(batch, end_id),
+        partial(_with_positions, end_id=end_id), policy=policy, param_rules=param_rules,
+        grad_accum=grad_accum)
     old_opt_state = state.opt_state
     if offload_optimizer:
         old_opt_state = jax.device_put(old_opt_state, jax.memory.Space.Device)
@@ -215,6 +162,5 @@ def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef
               layout: Layout = ONE_DEVICE) -> jax.Array:
     """Mean cross-entropy of ``batch`` under the current parameters (without the MoE loss);
     ``end_id`` and ``layout`` as for `train_step`."""
-    batch = _with_weights(batch, end_id)
-    return _loss(state.params, state.rest, graphdef, *batch[:2], policy, *batch[2:],
-                 end_id=end_id, layout=layout)[1]
+    rows = _with_positions(*_with_weights(batch, end_id), end_id=end_id)
+    return forward.params_loss(state.params, state.rest, graphdef, layout, policy, *rows)[1]
