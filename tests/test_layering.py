@@ -164,6 +164,16 @@ def test_errors_are_a_bottom_module():
         assert not any(m.startswith("shardax.train") for m in graph[module]), module
 
 
+def test_training_sits_below_the_planner():
+    """The planner builds on the training wing (it resolves and compiles train steps); nothing
+    of ``shardax.train`` reaches back up into ``shardax.plan``."""
+    graph = _graph()
+    up = sorted((module, target) for module, targets in graph.items()
+                if module.startswith("shardax.train") for target in targets
+                if target.startswith("shardax.plan"))
+    assert not up, f"shardax.train imports the planner: {up}"
+
+
 # What a model may use of shardax.parallel: kernels and remat, no schedule (pipeline, 1f1b,
 # FSDP, tensor, context, expert): the layout applies those from outside (shardax.layout).
 MODEL_MAY_USE = {"shardax.parallel.attention_kernel", "shardax.parallel.moe_kernel",

@@ -67,7 +67,7 @@ class RunFit:
 
 def _work_split(mesh: dict[str, int], rules: str) -> int:
     """Devices one step's FLOPs divide over: the batch axes, 'cp', 'pp', and 'tp' unless the
-    preset replicates over it (as `shardax.plan.estimate.work_split`, from the names alone)."""
+    preset replicates over it (as `Resolved.work_split`, from the names alone)."""
     axes = {"dp", "fsdp", "ep", "cp", "pp"} | ({"tp"} if rules not in ("dp", "fsdp") else set())
     return math.prod(size for axis, size in mesh.items() if axis in axes)
 

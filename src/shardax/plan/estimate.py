@@ -24,7 +24,6 @@ estimate reads the compiled program:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,7 @@ from shardax.utils import human_bytes as _human
 
 __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",
            "compile_config", "estimate", "hidden_seconds", "plan_config", "remat_factor",
-           "seconds", "train_command", "usable_bytes", "work_axes", "work_split", "idle_axes"]
+           "seconds", "train_command", "usable_bytes"]
 
 # Forward recomputed in the backward pass: (2 + 2 + 4) / (2 + 4) of the layers' FLOPs. A
 # 'names:'/'offload:' policy recomputes the matmuls whose outputs it does not save
@@ -253,36 +252,6 @@ def _names_factor(c: Any, policy: str, seq_len: int) -> float:
     return 1.0 + redone / total / 3.0  # forward is a third of forward + backward
 
 
-def work_axes(run: Resolved) -> set[str]:
-    """The mesh axes that divide one step's FLOPs: those that split the batch, 'cp' (the
-    sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it. Axes that
-    split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
-    axes = set(run.batch_axes) | ({"cp", "pp"} & set(run.mesh.shape))
-    mlp = run.rules.spec_for(("mlp",), run.mesh.mesh)[0]
-    if mlp == "tp" or (isinstance(mlp, tuple) and "tp" in mlp):
-        axes.add("tp")
-    return axes
-
-
-def work_split(run: Resolved) -> int:
-    """Over how many devices one step's FLOPs are divided (the sizes of `work_axes`)."""
-    return math.prod(run.mesh.shape[a] for a in work_axes(run))
-
-
-def idle_axes(run: Resolved) -> list[str]:
-    """One line per mesh axis of size > 1 that divides no work (`work_axes`): its devices
-    repeat the same compute.
-
-    >>> idle_axes(resolve(TrainConfig(mesh="fsdp=4,tp=2", rules="fsdp")))[0][:29]
-    "mesh axis 'tp' (size 2) split"
-    """
-    used = work_axes(run)
-    return [f"mesh axis {axis!r} (size {size}) splits neither the batch, the sequence, the "
-            f"layers nor the MLP under --rules {run.config.rules!r}: its devices repeat the "
-            "same compute" for axis, size in run.mesh.shape.items()
-            if size > 1 and axis not in used]
-
-
 def compile_config(run: Resolved) -> Compiled:
     """Compiles the train step of a resolved config from abstract shapes on
     ``jax.device_count()`` devices (of the TPU slice of ``shardax plan --topology``, if any:
@@ -308,7 +277,7 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
     config = run.config
     tokens = config.batch_size * config.seq_len
     flops = flops_per_token(run.model_config, config.seq_len) * tokens
-    flops *= remat_factor(run.model_config, config.seq_len, run.layout.remat) / work_split(run)
+    flops *= remat_factor(run.model_config, config.seq_len, run.layout.remat) / run.work_split()
     bubble = run.bubble
     compute_s = flops / (device.peak_flops * device.flops_fraction) / (1.0 - bubble)
     comm_s, across_s = comm_seconds(compiled, device)

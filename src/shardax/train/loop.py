@@ -34,7 +34,6 @@ from shardax.distributed import RESTART_ENV
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
-from shardax.plan.estimate import idle_axes
 from shardax.rulecheck import rule_findings
 from shardax.train import build, report
 from shardax.train.chat_data import ChatBatches
@@ -221,7 +220,7 @@ def _banner(p: Prepared, state_shape: Any, plan: Any, per_token: float, peak: fl
 
 def axis_findings(run: Resolved, params: Any) -> list[str]:
     """The findings ``shardax plan`` / ``verify`` make about this run's mesh and rules, one line
-    each: mesh axes that divide no work (`shardax.plan.estimate.idle_axes`) and what the rules
+    each: mesh axes that divide no work (`Resolved.idle_axes`) and what the rules
     leave replicated (`shardax.rulecheck.rule_findings`; one line per message, naming its
     leaves)."""
     leaves = {}
@@ -231,7 +230,7 @@ def axis_findings(run: Resolved, params: Any) -> list[str]:
             continue
         leaves.setdefault(finding.message, []).append(
             "params/" + tree_path_to_string(found[finding.leaf][0], sep="/"))
-    lines = idle_axes(run)
+    lines = run.idle_axes()
     for message, paths in leaves.items():
         more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         lines.append(f"{', '.join(paths[:3])}{more}: {message}")

@@ -480,6 +480,33 @@ class Resolved:
                 f"step {c.steps}), weight decay {c.weight_decay:g}, clip grad norm "
                 f"{c.clip_grad_norm or 'off'}")
 
+    def work_axes(self) -> set[str]:
+        """The mesh axes that divide one step's FLOPs: those that split the batch, 'cp' (the
+        sequence), 'pp' (the layers) and 'tp' where the rules split the MLP over it. Axes that
+        split none of these (e.g. 'tp' under the 'fsdp' preset) replicate compute."""
+        axes = set(self.batch_axes) | ({"cp", "pp"} & set(self.mesh.shape))
+        mlp = self.rules.spec_for(("mlp",), self.mesh.mesh)[0]
+        if mlp == "tp" or (isinstance(mlp, tuple) and "tp" in mlp):
+            axes.add("tp")
+        return axes
+
+    def work_split(self) -> int:
+        """Over how many devices one step's FLOPs are divided (the sizes of `work_axes`)."""
+        return math.prod(self.mesh.shape[a] for a in self.work_axes())
+
+    def idle_axes(self) -> list[str]:
+        """One line per mesh axis of size > 1 that divides no work (`work_axes`): its devices
+        repeat the same compute.
+
+        >>> resolve(TrainConfig(mesh="fsdp=4,tp=2", rules="fsdp")).idle_axes()[0][:29]
+        "mesh axis 'tp' (size 2) split"
+        """
+        used = self.work_axes()
+        return [f"mesh axis {axis!r} (size {size}) splits neither the batch, the sequence, "
+                f"the layers nor the MLP under --rules {self.config.rules!r}: its devices "
+                "repeat the same compute" for axis, size in self.mesh.shape.items()
+                if size > 1 and axis not in used]
+
     def pipeline_summary(self) -> str:
         """One line: the pipeline schedule and its bubble (the idle fraction of a step)."""
         c = self.layout
