@@ -164,6 +164,47 @@ def test_errors_are_a_bottom_module():
         assert not any(m.startswith("shardax.train") for m in graph[module]), module
 
 
+def _private_imports(name: str, path: pathlib.Path) -> list[str]:
+    """What module ``name`` imports that is private to another module or package: a name
+    with a leading underscore from another shardax module, or a private module (``_x``) of a
+    package ``name`` is not in (``shardax._compat`` and ``shardax._context`` serve every
+    package)."""
+    package = name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        if not node.module.startswith("shardax"):
+            continue
+        found += [f"{node.module}.{a.name}" for a in node.names
+                  if a.name.startswith("_") and not a.name.startswith("__")
+                  and a.name not in ("_compat", "_context")]
+        parts = node.module.split(".")
+        private = [i for i, p in enumerate(parts) if p.startswith("_")
+                   and p not in ("_compat", "_context")]
+        owner = ".".join(parts[:private[0]]) if private else ""
+        if private and name != owner and not name.startswith(owner + "."):
+            found.append(node.module)
+    return found if package else []
+
+
+def test_no_private_helper_is_imported_across_modules():
+    bad = {name: found for name, path in sorted(_modules().items())
+           if (found := _private_imports(name, path))}
+    assert not bad, f"private names imported from another module: {bad}"
+
+
+def test_the_private_import_check_can_fail(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from shardax.hf.export import _host, save_model\n"
+                      "from shardax.models._layers import param\n"
+                      "from shardax import _compat\n"
+                      "from shardax.utils import human_bytes as _human\n")
+    assert _private_imports("shardax.layout.m", module) == [
+        "shardax.hf.export._host", "shardax.models._layers"]
+    assert _private_imports("shardax.models.m", module) == ["shardax.hf.export._host"]
+
+
 def test_training_sits_below_the_planner():
     """The planner builds on the training wing (it resolves and compiles train steps); nothing
     of ``shardax.train`` reaches back up into ``shardax.plan``."""

@@ -36,14 +36,14 @@ from shardax.hf.mapping import TensorMap, iter_maps, param_maps, to_hf
 from shardax.models.configs import GPT2Config, LlamaConfig
 from shardax.utils import tree_path_to_string
 
-__all__ = ["save_model", "save_params"]
+__all__ = ["save_model", "save_params", "sync_processes", "to_host"]
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 # The weights files an export writes (see `_plan`).
 _WEIGHTS = re.compile(r"model(?:-\d{5}-of-\d{5})?\.safetensors")
 
 
-def _host(x: jax.Array) -> np.ndarray:
+def to_host(x: jax.Array) -> np.ndarray:
     """One array on this host: a per-tensor gather (all-gather across processes if needed)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -84,7 +84,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
         out = np.empty(src[0][2].hf_shape, out_dtype)
         for path, index, m in src:
             x = flat[path][index] if index else flat[path]
-            to_hf(m, _host(x).astype(out_dtype), out)
+            to_hf(m, to_host(x).astype(out_dtype), out)
         return out
 
     d = Path(directory)
@@ -100,7 +100,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
             total = sum(out_dtype.itemsize * math.prod(s) for _, s in specs.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             write_text(d / INDEX_NAME, json.dumps(index, indent=2) + "\n")
-    _sync("shardax-hf-export-dir")
+    sync_processes("shardax-hf-export-dir")
     written = []
     for k, (fname, names) in enumerate(files.items()):
         mine = k % jax.process_count() == jax.process_index()
@@ -112,8 +112,8 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
                 for path, index, _ in sources[n]:
                     x = flat[path]
                     if not x.is_fully_addressable:
-                        _host(x[index] if index else x)
-    _sync("shardax-hf-export-done")
+                        to_host(x[index] if index else x)
+    sync_processes("shardax-hf-export-done")
     return written
 
 
@@ -159,6 +159,7 @@ def _remove_stale(d: Path, keep: set[str]) -> None:
             p.unlink()
 
 
-def _sync(name: str) -> None:
+def sync_processes(name: str) -> None:
+    """Every process of a multi-process job waits here for the others (a no-op alone)."""
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(name)

@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from shardax.filewrite import check_target_dir, write_text
-from shardax.hf.export import _host, _sync
+from shardax.hf.export import sync_processes, to_host
 from shardax.hf.files import write_safetensors
 from shardax.hf.mapping import TensorMap, param_maps, to_hf
 from shardax.models.configs import LlamaConfig
@@ -82,7 +82,7 @@ def save_adapters(model: nnx.Module, directory: str | os.PathLike, *, base_model
     for path, weight in lora_weights(model).items():
         if path not in maps:
             raise ValueError(f"adapted weight {path!r} has no Hugging Face module")
-        a, b = _host(weight.lora_a[...]), _host(weight.lora_b[...])
+        a, b = to_host(weight.lora_a[...]), to_host(weight.lora_b[...])
         layered = maps[path] if isinstance(maps[path], list) else [maps[path]]
         for layer, m in enumerate(layered):
             la, lb = (a[layer], b[layer]) if isinstance(maps[path], list) else (a, b)
@@ -107,5 +107,5 @@ def save_adapters(model: nnx.Module, directory: str | os.PathLike, *, base_model
         write_text(d / "adapter_config.json", json.dumps(adapter_config, indent=2) + "\n")
         write_safetensors(path, {k: (out_dtype, v.shape) for k, v in tensors.items()},
                           lambda k: tensors[k].astype(out_dtype))
-    _sync("shardax-peft-export")
+    sync_processes("shardax-peft-export")
     return path

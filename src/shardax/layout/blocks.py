@@ -25,7 +25,7 @@ from shardax.layout.axes import BATCH_AXES, EXPERT_AXIS, TENSOR_AXIS, TOKEN_AXES
 from shardax.layout.spec import Layout
 from shardax.models.attention import attention
 from shardax.models.gpt2 import GPT2
-from shardax.models.llama import Llama, SwiGLU, _activation
+from shardax.models.llama import Llama, SwiGLU, gate_activation
 from shardax.models.llama_moe import MoE
 from shardax.models.remat import checkpoint_name
 from shardax.parallel.axes import axis_size, mesh_or_context
@@ -132,7 +132,7 @@ def llama_block(layer: Any, h: jax.Array, extras: dict, attend: Callable, layout
     w = jnp.stack([mlp.w_gate[...].astype(dt), mlp.w_up[...].astype(dt)], axis=-1)
     y = column_parallel(layer.mlp_norm(x), w.reshape(c.dim, 2 * c.mlp_dim), **kw)
     y = y.reshape(*y.shape[:-1], c.mlp_dim, 2)
-    y = checkpoint_name(_activation(c)(y[..., 0]) * y[..., 1], "mlp_hidden")
+    y = checkpoint_name(gate_activation(c)(y[..., 0]) * y[..., 1], "mlp_hidden")
     y = checkpoint_name(row_parallel(y, mlp.w_down[...].astype(dt), **kw), "mlp_out")
     return layer.mlp_add(x, y)
 

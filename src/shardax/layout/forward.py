@@ -34,10 +34,10 @@ from shardax.layout.blocks import block_fn
 from shardax.layout.spec import Layout
 from shardax.logical import with_logical_constraint
 from shardax.models import embedding
-from shardax.models._layers import remat_policy
 from shardax.models.attention import attention
 from shardax.models.loss import chunked_cross_entropy
 from shardax.models.protocol import LanguageModel, run_blocks
+from shardax.models.remat import remat_policy
 from shardax.parallel import fsdp, to_microbatches
 from shardax.parallel.axes import axis_size
 from shardax.parallel.context import ring_attention

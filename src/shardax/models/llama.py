@@ -36,8 +36,8 @@ from shardax.models.ops import apply_rope, gqa_attention, rms_norm, rope_tables
 from shardax.models.protocol import LanguageModel
 from shardax.models.remat import checkpoint_name
 
-__all__ = ["CONFIGS", "Llama", "LlamaConfig", "apply_rope", "attention", "gqa_attention",
-           "param_count", "rms_norm", "rope_tables"]
+__all__ = ["CONFIGS", "Llama", "LlamaConfig", "apply_rope", "attention", "gate_activation",
+           "gqa_attention", "param_count", "rms_norm", "rope_tables"]
 
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros
@@ -84,7 +84,7 @@ def _norm(c: LlamaConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(dim, c.norm_eps, c.param_dtype, rngs, c.norm_offset)
 
 
-def _activation(c: LlamaConfig) -> Callable[[jax.Array], jax.Array]:
+def gate_activation(c: LlamaConfig) -> Callable[[jax.Array], jax.Array]:
     """The gate activation: SiLU (SwiGLU) or tanh-approximated GELU (Gemma's GeGLU)."""
     if c.mlp_activation == "gelu_tanh":
         return lambda x: jax.nn.gelu(x, approximate=True)
@@ -193,7 +193,7 @@ class SwiGLU(nnx.Module):
         dt, c = self.dtype, self.config
         gate = checkpoint_name(x @ self.w_gate[...].astype(dt), "mlp_gate")
         up = checkpoint_name(x @ self.w_up[...].astype(dt), "mlp_up")
-        h = constrain(checkpoint_name(_activation(c)(gate) * up, "mlp_hidden"),
+        h = constrain(checkpoint_name(gate_activation(c)(gate) * up, "mlp_hidden"),
                       ("batch", "length", "mlp"))
         return checkpoint_name(h @ self.w_down[...].astype(dt), "mlp_out")
 
