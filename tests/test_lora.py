@@ -121,7 +121,8 @@ def test_plan_shows_adapter_sized_optimizer_state():
     """What `shardax train` / `shardax plan` compile: per device, Adam's state is twice the
     adapters and the frozen base is an input without optimizer state."""
     run = resolve(check(TrainConfig(lora_rank=4, batch_size=8, seq_len=32, mesh="fsdp=8")))
-    graphdef, shape = build.abstract(run.model_config, run.tx, 0, run.mesh)
+    graphdef, shape = build.abstract(run.model_config, run.tx, 0, run.mesh,
+                                     run.layout.scan_layers)
     batch = (jax.ShapeDtypeStruct((8, 32), jnp.int32),) * 2
     rows = [r for r in build.step_function(run, graphdef, end_id=0).plan(shape, batch).rows
             if r.kind == "input"]
