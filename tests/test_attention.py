@@ -446,8 +446,9 @@ def test_remat_policy_errors():
     with pytest.raises(ValueError, match="remat"):
         Layout(remat="names:nope")
     assert remat_policy("none") is None
-    # remat and attention are how a model runs, not what it is: the error names Layout
-    for runtime in (dict(remat="full"), dict(attention="xla")):
+    # remat, attention and scan_layers are how a model runs, not what it is: the error names
+    # Layout
+    for runtime in (dict(remat="full"), dict(attention="xla"), dict(scan_layers=True)):
         with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
             models.get_config("llama-tiny", **runtime)
         with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
