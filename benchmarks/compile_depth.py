@@ -33,8 +33,8 @@ REPEATS = 2  # fresh builds per cell; the one with least CPU time is kept (inter
 def measure(n_layers: int, scan: bool) -> dict[str, Any]:
     """Seconds to trace + lower and to compile one fresh train step (nothing is cached)."""
     policy, tx = Policy(), adamw()
-    config = llama_config("llama-tiny", policy, n_layers=n_layers, scan_layers=scan)
-    graphdef, state = abstract_train_state(config, tx)
+    config = llama_config("llama-tiny", policy, n_layers=n_layers)
+    graphdef, state = abstract_train_state(config, tx, scan)
     mesh = MeshShardingHelper.from_string("fsdp=-1")
     step = llama_step(mesh, LogicalAxisRules(layout.PRESETS["fsdp"]), graphdef, tx, policy)
     start, cpu = time.perf_counter(), time.process_time()

@@ -74,7 +74,6 @@ def main() -> None:
         policy = Policy(params=jnp.dtype("bfloat16"), compute=jnp.dtype("bfloat16"))
     config = models.get_config(
         args.model, dtype=policy.compute, param_dtype=policy.params,
-        scan_layers=not args.no_scan,
         max_seq_len=max(args.seq_len, models.CONFIGS[args.model].max_seq_len))
     mesh = MeshShardingHelper.from_string(args.mesh)
     rules = LogicalAxisRules(layout.PRESETS[args.rules])
@@ -82,7 +81,8 @@ def main() -> None:
     tx = make_optimizer("adamw", 3e-4, args.steps + args.warmup, warmup=1)
 
     def fresh_state():
-        return init_state(lambda: models.create(config, nnx.Rngs(0)), tx)
+        return init_state(lambda: models.create(config, nnx.Rngs(0),
+                                                scan_layers=not args.no_scan), tx)
 
     graphdefs = []
 

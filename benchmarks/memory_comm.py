@@ -100,10 +100,11 @@ def _group(path: str) -> str:
 def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
     """Plans one train step; returns the numbers both tables need."""
     overrides = dict(overrides)
-    lay = Layout(pp_microbatches=overrides.pop("pp_microbatches", 1))
+    lay = Layout(pp_microbatches=overrides.pop("pp_microbatches", 1),
+                 scan_layers=overrides.pop("scan_layers", False))
     config = llama_config(MODEL, policy, **overrides)
     tx = adamw()
-    graphdef, state = abstract_train_state(config, tx)
+    graphdef, state = abstract_train_state(config, tx, lay.scan_layers)
     mesh = MeshShardingHelper.from_string(mesh_text)
     # resolve() adds the parallel axes (layers -> pp) as `shardax train` does.
     rules = LogicalAxisRules(layout.presets.resolve(
@@ -139,7 +140,7 @@ def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
                         for k, v in plan.collectives.items() if v.count},
         "ops": ops,
         "embed_bytes": config.vocab_size * config.dim * p_bytes,
-        "tied": config.tie_embeddings, "scan": config.scan_layers,
+        "tied": config.tie_embeddings, "scan": lay.scan_layers,
         "n_layers": config.n_layers, "dim": config.dim,
     }
 

@@ -199,8 +199,8 @@ def _tiny(name="llama-tiny", **kw):
 
 
 @functools.cache
-def _model(cfg):
-    return models.create(cfg, nnx.Rngs(0))
+def _model(cfg, scan_layers=False):
+    return models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers)
 
 
 @pytest.mark.parametrize("impl", ["einsum", "xla", "blockwise"])
@@ -327,11 +327,12 @@ def test_llama_blockwise_temporaries_grow_linearly(stack):
     kernel's optimization barrier."""
     stack = dict(stack)
     remat = stack.pop("remat", "none")
+    scan = stack.pop("scan_layers", False)
 
     def temp(s, impl):
         cfg = models.get_config("llama-small", n_layers=2, max_seq_len=s, **stack)
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
-                                     nnx.Param)
+        graphdef, params = nnx.split(nnx.eval_shape(
+            lambda: models.create(cfg, nnx.Rngs(0), scan_layers=scan)), nnx.Param)
         tokens = jax.ShapeDtypeStruct((1, s + 1), jnp.int32)
         lay = Layout(attention=impl, remat=remat)
 
@@ -348,10 +349,10 @@ def test_llama_blockwise_temporaries_grow_linearly(stack):
 @pytest.mark.parametrize("policy", ["full", "dots", "names:q,k,v,attn_out,mlp_hidden",
                                     "offload:q,k"])
 def test_remat_by_name_matches_no_remat(policy, scan):
-    base = _tiny(scan_layers=scan)
-    params = nnx.state(_model(base), nnx.Param)
+    base = _tiny()
+    params = nnx.state(_model(base, scan), nnx.Param)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 17)), jnp.int32)
-    graphdef = nnx.graphdef(_model(base))
+    graphdef = nnx.graphdef(_model(base, scan))
 
     def loss(r, p):
         return forward.training_loss(nnx.merge(graphdef, p), Layout(remat=r), tokens[:, :-1],
@@ -445,8 +446,9 @@ def test_remat_policy_errors():
     with pytest.raises(ValueError, match="remat"):
         Layout(remat="names:nope")
     assert remat_policy("none") is None
-    # remat and attention are how a model runs, not what it is: the error names Layout
-    for runtime in (dict(remat="full"), dict(attention="xla")):
+    # remat, attention and scan_layers are how a model runs, not what it is: the error names
+    # Layout
+    for runtime in (dict(remat="full"), dict(attention="xla"), dict(scan_layers=True)):
         with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
             models.get_config("llama-tiny", **runtime)
         with pytest.raises(TypeError, match=r"how the model runs.*Layout\("):
@@ -494,8 +496,8 @@ def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
     from shardax.parallel import load_balance
 
     tokens, positions, segs, _ = _packed()
-    cfg = _tiny(scan_layers=True)
-    model = _model(cfg)
+    cfg = _tiny()
+    model = _model(cfg, True)
     graphdef, params = nnx.split(model, nnx.Param)
 
     def loss(p, t, pos, s, balanced=False):

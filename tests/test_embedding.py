@@ -29,8 +29,8 @@ from shardax.train.step import train_step
 
 V, D = 64, 16
 STEPS = 5
-CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, tie_embeddings=False,
-                             scan_layers=True)
+CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, tie_embeddings=False)
+SCAN = True  # the models here stack their layers
 
 
 def _table_gathers(hlo: str, shape: tuple[int, int]) -> list[str]:
@@ -78,7 +78,7 @@ def _batches():
 
 @pytest.fixture(scope="module")
 def reference():
-    return train_one_device(CONFIG, optax.sgd(0.1), _batches())
+    return train_one_device(CONFIG, optax.sgd(0.1), _batches(), scan_layers=SCAN)
 
 
 @pytest.mark.parametrize("mode", ["xla", "explicit"])
@@ -88,9 +88,9 @@ def test_llama_step_moves_no_table_and_equals_one_device(reference, mode, mesh_s
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
-    graphdef, state = init_train_state(CONFIG, tx)
+    graphdef, state = init_train_state(CONFIG, tx, scan_layers=SCAN)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
-                             layout=layout.Layout(fsdp_mode=mode)),
+                             layout=layout.Layout(fsdp_mode=mode, scan_layers=SCAN)),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     hlo = step.lower(state, _batches()[0]).compile().as_text()
     table = (CONFIG.vocab_size, CONFIG.dim)

@@ -33,8 +33,9 @@ from shardax.train.resolve import fsdp_recompute, resolve
 from shardax.train.step import train_step
 
 STEPS = 5
-CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, scan_layers=True)
-MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, scan_layers=True)
+# Every model here is built with its layers stacked (scan_layers=True).
+CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2)
+MOE = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2)
 # Circular, 2 virtual stages: each stage gathers its layers, moved between stages per trip.
 PIPED = dataclasses.replace(CONFIG, n_layers=4)
 CIRCULAR = Layout(pp_schedule="circular", pp_virtual_stages=2, pp_microbatches=2)
@@ -52,7 +53,8 @@ def references():
 
     def get(config):
         if config not in runs:
-            runs[config] = train_one_device(config, optax.sgd(0.1), _batches())
+            runs[config] = train_one_device(config, optax.sgd(0.1), _batches(),
+                                            scan_layers=True)
         return runs[config]
 
     return get
@@ -62,11 +64,12 @@ def _step(mesh_spec, config, grad_accum=1, recompute=True, lay=None):
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
-    graphdef, state = init_train_state(config, tx)
+    graphdef, state = init_train_state(config, tx, scan_layers=True)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              grad_accum=grad_accum,
                              layout=dataclasses.replace(lay or Layout(), fsdp_mode="explicit",
-                                                        fsdp_recompute=recompute)),
+                                                        fsdp_recompute=recompute,
+                                                        scan_layers=True)),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     return step, state, mesh.mesh
 

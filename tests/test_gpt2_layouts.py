@@ -21,18 +21,19 @@ from shardax.train.step import train_step
 STEPS = 5
 # Four stacked layers: circular runs 2 stages x 2 virtual stages of one layer each.
 CONFIG = dataclasses.replace(models.CONFIGS["gpt2-tiny"], vocab_size=128, dim=32, n_heads=2,
-                             mlp_dim=64, max_seq_len=16, scan_layers=True)
+                             mlp_dim=64, max_seq_len=16)
 TX = optax.sgd(0.2)
 
+# Every case stacks the layers (Layout.scan_layers, the model built so).
 CASES = {
-    "tp-sync": ("fsdp=4,tp=2", Layout(tp_mode="sync")),
-    "tp-async": ("fsdp=4,tp=2", Layout(tp_mode="async")),
-    "pp-gpipe": ("pp=2,fsdp=4", Layout(pp_microbatches=2)),
+    "tp-sync": ("fsdp=4,tp=2", Layout(tp_mode="sync", scan_layers=True)),
+    "tp-async": ("fsdp=4,tp=2", Layout(tp_mode="async", scan_layers=True)),
+    "pp-gpipe": ("pp=2,fsdp=4", Layout(pp_microbatches=2, scan_layers=True)),
     "pp-circular": ("pp=2,fsdp=4", Layout(pp_schedule="circular", pp_microbatches=2,
-                                          pp_virtual_stages=2)),
-    "pp-1f1b": ("pp=2,fsdp=4", Layout(pp_schedule="1f1b", pp_microbatches=2)),
-    "cp": ("cp=2,fsdp=4", Layout()),
-    "fsdp-explicit": ("fsdp=8", Layout(fsdp_mode="explicit")),
+                                          pp_virtual_stages=2, scan_layers=True)),
+    "pp-1f1b": ("pp=2,fsdp=4", Layout(pp_schedule="1f1b", pp_microbatches=2, scan_layers=True)),
+    "cp": ("cp=2,fsdp=4", Layout(scan_layers=True)),
+    "fsdp-explicit": ("fsdp=8", Layout(fsdp_mode="explicit", scan_layers=True)),
 }
 
 
@@ -44,7 +45,7 @@ def _batches():
 
 @pytest.fixture(scope="module")
 def reference():
-    return train_one_device(CONFIG, TX, _batches())
+    return train_one_device(CONFIG, TX, _batches(), scan_layers=True)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -55,7 +56,7 @@ def test_gpt2_layout_equals_one_device(reference, case):
     rules = LogicalAxisRules(layout.presets.resolve(
         layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_heads,
         sequence_parallel=lay.sp))
-    graphdef, state = init_train_state(CONFIG, TX)
+    graphdef, state = init_train_state(CONFIG, TX, scan_layers=lay.scan_layers)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=TX, param_rules=rules,
                              layout=lay),
                      in_shardings=(rules, None), out_shardings=(rules, None))

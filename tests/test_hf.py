@@ -79,9 +79,10 @@ def test_logits_match_transformers_on_fsdp4_tp2(arch):
     the layout the rules ask for, and the sharded forward gives transformers' logits."""
     ref = reference(arch)
     mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
-    config = hf.load_config(FIXTURES / arch, scan_layers=arch not in LISTED)
+    config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
-    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules)
+    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules,
+                                     scan_layers=arch not in LISTED)
     want = mesh.match_sharding_rule(rules, state)
     for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
         assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
@@ -102,9 +103,9 @@ def test_moe_logits_and_greedy_tokens_on_ep2_fsdp2_tp2_equal_transformers(arch):
     transformers'."""
     ref = reference(arch)
     mesh = MeshShardingHelper.from_string("ep=2,fsdp=2,tp=2")
-    config = hf.load_config(FIXTURES / arch, scan_layers=True)
+    config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
-    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules)
+    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules, scan_layers=True)
     for name in ("w_gate", "w_up", "w_down"):
         w = state["layers"]["mlp"][name][...]
         assert w.sharding.spec[1] == "ep" and w.addressable_shards[0].data.shape[1] == 2, name
@@ -141,7 +142,7 @@ def test_qk_norm_under_megatron_tensor_parallelism(arch):
 
 def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
     with pytest.raises(ValueError, match="global_every=2 mixes sliding-window and global"):
-        hf.load_config(FIXTURES / "gemma2", scan_layers=True)
+        hf.load_model(FIXTURES / "gemma2", scan_layers=True)
     config = hf.load_config(FIXTURES / "gemma3")
     assert [config.window_of(i) for i in range(3)] == [8, 8, None]
     out = hf.config_to_hf(config)
@@ -271,15 +272,15 @@ def test_stacked_layers_round_trip_through_a_single_file(tmp_path):
     """A shardax-native model (stacked layers, sharded on fsdp=8) exports to one
     model.safetensors and re-imports bit-identically into the list layout."""
     mesh = MeshShardingHelper.from_string("fsdp=8")
-    cfg = models.get_config("llama-tiny", n_layers=2, scan_layers=True, qkv_bias=True)
-    model = models.create(cfg, nnx.Rngs(1))
+    cfg = models.get_config("llama-tiny", n_layers=2, qkv_bias=True)
+    model = models.create(cfg, nnx.Rngs(1), scan_layers=True)
     state = jax.device_put(nnx.state(model, nnx.Param),
                            jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()))
     nnx.update(model, state)
     hf.save_model(model, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
     back = hf.load_model(tmp_path)
-    assert not back.config.scan_layers and back.config.qkv_bias
+    assert not back.scan_layers and back.config.qkv_bias
     ours, theirs = params(model), params(back)
     for k, v in ours.items():
         if k.startswith("layers/"):

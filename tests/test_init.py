@@ -1,7 +1,6 @@
 """Sharded init: the compiled init never holds the full model on one device, and the same seed
 gives bit-identical parameters on one device and on any mesh."""
 
-import dataclasses
 
 import jax
 import numpy as np
@@ -20,8 +19,8 @@ CFG = models.get_config("llama-tiny", dim=256, mlp_dim=704, n_layers=2)
 MESHES = {"fsdp=8": "fsdp", "dp=2,fsdp=2,tp=2": "fsdp_tp"}  # mesh -> rule preset
 
 
-def create(cfg=CFG):
-    return nnx.state(models.create(cfg, nnx.Rngs(0)))
+def create(cfg=CFG, scan_layers=False):
+    return nnx.state(models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers))
 
 
 def leaves(tree):
@@ -74,10 +73,9 @@ def test_init_is_bit_identical_on_any_mesh(mesh_spec, reference, fsdp_init):
 def test_scan_layout_init_is_bit_identical_too(reference):
     """Layers stacked under nnx.vmap keep their 'layers' axis (here split over 'dp') and hold
     the same numbers as the list layout, layer for layer."""
-    cfg = dataclasses.replace(CFG, scan_layers=True)
     mesh = MeshShardingHelper.from_string("dp=2,fsdp=2,tp=2")
     rules = LogicalAxisRules([("layers", "dp"), *layout.PRESETS["fsdp_tp"]])
-    state = mesh.sjit(lambda: create(cfg), out_shardings=rules)()
+    state = mesh.sjit(lambda: create(CFG, scan_layers=True), out_shardings=rules)()
     w_up = state["layers"]["mlp"]["w_up"]
     assert w_up.get_metadata("out_sharding") == ("layers", "embed", "mlp")
     assert w_up[...].sharding.spec == jax.sharding.PartitionSpec("dp", "fsdp", "tp")

@@ -65,9 +65,10 @@ def _tokens() -> jnp.ndarray:
 
 @pytest.mark.parametrize("scan", [False, True])
 def test_step0_logits_equal_the_base_model(scan):
-    base = dataclasses.replace(TINY, scan_layers=scan)
-    plain = models.create(base, nnx.Rngs(0))
-    adapted = models.create(dataclasses.replace(base, lora=SETTINGS), nnx.Rngs(0))
+    base = TINY
+    plain = models.create(base, nnx.Rngs(0), scan_layers=scan)
+    adapted = models.create(dataclasses.replace(base, lora=SETTINGS), nnx.Rngs(0),
+                            scan_layers=scan)
     assert len(lora_weights(adapted)) == (7 if scan else 7 * base.n_layers)
     tokens = jnp.arange(32).reshape(2, 16) % base.vocab_size
     np.testing.assert_array_equal(np.asarray(adapted(tokens)), np.asarray(plain(tokens)))
@@ -120,7 +121,8 @@ def test_plan_shows_adapter_sized_optimizer_state():
     """What `shardax train` / `shardax plan` compile: per device, Adam's state is twice the
     adapters and the frozen base is an input without optimizer state."""
     run = resolve(check(TrainConfig(lora_rank=4, batch_size=8, seq_len=32, mesh="fsdp=8")))
-    graphdef, shape = build.abstract(run.model_config, run.tx, 0, run.mesh)
+    graphdef, shape = build.abstract(run.model_config, run.tx, 0, run.mesh,
+                                     run.layout.scan_layers)
     batch = (jax.ShapeDtypeStruct((8, 32), jnp.int32),) * 2
     rows = [r for r in build.step_function(run, graphdef, end_id=0).plan(shape, batch).rows
             if r.kind == "input"]
@@ -158,10 +160,10 @@ def test_lora_step_keeps_the_base_bit_identical(lora_state):
 def test_lora_step_with_stacked_layers(lora_state):
     """Scanned (stacked) layers under jit and grad: the frozen base passes nnx.scan."""
     config, _, _, batch, _, _ = lora_state
-    stacked = dataclasses.replace(config, scan_layers=True)
-    graphdef, state = init_state(lambda: models.create(stacked, nnx.Rngs(0)), _KEEP_GRADS)
+    graphdef, state = init_state(lambda: models.create(config, nnx.Rngs(0), scan_layers=True),
+                                 _KEEP_GRADS)
     plain_graphdef, plain = init_state(lambda: models.create(
-        dataclasses.replace(stacked, lora=None), nnx.Rngs(0)), _KEEP_GRADS)
+        dataclasses.replace(config, lora=None), nnx.Rngs(0), scan_layers=True), _KEEP_GRADS)
     new, metrics = jax.jit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS))(state, batch)
     _, want = jax.jit(partial(train_step, graphdef=plain_graphdef, tx=_KEEP_GRADS))(plain, batch)
     assert float(metrics["loss"]) == float(want["loss"])  # B = 0: the base model, exactly

@@ -65,13 +65,13 @@ def tiny(name="llama-tiny", **kw):
 
 
 @functools.cache
-def built(cfg):
+def built(cfg, scan_layers=False):
     """Models are built eagerly once per config (eager init compiles one kernel per shape)."""
-    return models.create(cfg, nnx.Rngs(0))
+    return models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers)
 
 
-def abstract(cfg):
-    return nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0)))
+def abstract(cfg, scan_layers=False):
+    return nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers))
 
 
 # ---------------------------------------------------------------- shapes and names
@@ -96,9 +96,9 @@ def test_forward_shapes():
 
 @pytest.mark.parametrize("make", [
     lambda: Llama(tiny(), nnx.Rngs(0)),
-    lambda: Llama(tiny(scan_layers=True, tie_embeddings=True), nnx.Rngs(0)),
+    lambda: Llama(tiny(tie_embeddings=True), nnx.Rngs(0), scan_layers=True),
     lambda: GPT2(tiny("gpt2-tiny"), nnx.Rngs(0)),
-    lambda: GPT2(tiny("gpt2-tiny", scan_layers=True), nnx.Rngs(0)),
+    lambda: GPT2(tiny("gpt2-tiny"), nnx.Rngs(0), scan_layers=True),
     lambda: MLP(din=5, dhidden=16, dout=3, depth=3, rngs=nnx.Rngs(0)),
 ], ids=["llama", "llama-scan-tied", "gpt2", "gpt2-scan", "mlp"])
 def test_every_param_has_logical_names(make):
@@ -109,7 +109,7 @@ def test_every_param_has_logical_names(make):
         names = v.get_metadata("out_sharding")
         assert names is not None and len(names) == v.ndim, (path, names, v.shape)
         assert set(names) <= PARAM_NAMES, (path, names)
-        if "layers" in path and getattr(model, "config", None) and model.config.scan_layers:
+        if "layers" in path and getattr(model, "scan_layers", False):
             assert names[0] == "layers" and v.shape[0] == model.config.n_layers, (path, names)
         # Every preset turns the names into a valid spec (Flax raises on a repeated name).
         for rules in PRESETS.values():
@@ -124,17 +124,18 @@ def test_mlp_kernels_alternate_names():
 
 
 def test_param_count_matches_real_count():
-    for cfg in [tiny(), tiny(tie_embeddings=True), tiny(scan_layers=True),
-                get_config("llama-tiny"), tiny("gpt2-tiny"), tiny("gpt2-tiny", scan_layers=True)]:
-        model = nnx.eval_shape(lambda cfg=cfg: models.create(cfg, nnx.Rngs(0)))
+    for cfg, scan in [(tiny(), False), (tiny(tie_embeddings=True), False), (tiny(), True),
+                      (get_config("llama-tiny"), False), (tiny("gpt2-tiny"), False),
+                      (tiny("gpt2-tiny"), True)]:
+        model = abstract(cfg, scan_layers=scan)
         assert param_count(cfg) == n_params(model), cfg
     # Large sizes: count abstractly (no memory), scanned so tracing is one layer deep.
     expected = {"llama-small": (24e6, 26e6), "llama-125m": (120e6, 130e6),
                 "llama-1b": (1.05e9, 1.15e9), "gpt2": (124e6, 125e6)}
     for name, (lo, hi) in expected.items():
-        cfg = get_config(name, scan_layers=True)
-        abstract = nnx.eval_shape(lambda cfg=cfg: models.create(cfg, nnx.Rngs(0)))
-        assert param_count(cfg) == n_params(abstract), name
+        cfg = get_config(name)
+        stacked = abstract(cfg, scan_layers=True)
+        assert param_count(cfg) == n_params(stacked), name
         assert lo < param_count(cfg) < hi, (name, param_count(cfg))
     assert param_count(get_config("llama-1b")) == 1_100_048_384  # TinyLlama-1.1B
     assert param_count(get_config("gpt2")) == 124_475_904
@@ -152,12 +153,12 @@ def test_scan_and_list_layers_hold_same_params_and_logits(name):
     listed = built(tiny(name))
     per_layer = [nnx.state(layer, nnx.Param) for layer in listed.layers]
     # Same seed, same numbers: layer i of the list is slice i of the stack (bit-exact).
-    scanned = built(tiny(name, scan_layers=True))
+    scanned = built(tiny(name), scan_layers=True)
     jax.tree.map(np.testing.assert_array_equal, stack_states(per_layer),
                  nnx.to_pure_dict(nnx.state(scanned.layers, nnx.Param)))
     # Converting list -> stack: a scanned model from another seed, given the listed model's
     # layers, computes the same logits.
-    other = models.create(tiny(name, scan_layers=True), nnx.Rngs(1))
+    other = models.create(tiny(name), nnx.Rngs(1), scan_layers=True)
     pure = nnx.to_pure_dict(nnx.state(listed, nnx.Param))
     pure["layers"] = stack_states(per_layer)
     state = nnx.state(other, nnx.Param)
@@ -171,7 +172,7 @@ def test_scan_and_list_layers_hold_same_params_and_logits(name):
 def test_scan_jaxpr_does_not_grow_with_depth():
     def n_eqns(n_layers, scan):
         graphdef, state = nnx.split(
-            abstract(get_config("llama-tiny", n_layers=n_layers, scan_layers=scan)))
+            abstract(get_config("llama-tiny", n_layers=n_layers), scan_layers=scan))
         return len(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(TOKENS))(state).eqns)
 
     assert n_eqns(2, scan=True) == n_eqns(8, scan=True)
@@ -180,11 +181,11 @@ def test_scan_jaxpr_does_not_grow_with_depth():
 
 @pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
 def test_remat_policies_match_no_remat(scan):
-    base = tiny(scan_layers=scan)
-    params = nnx.state(built(base), nnx.Param)
+    base = tiny()
+    params = nnx.state(built(base, scan), nnx.Param)
     # The scanned model runs every policy; the unrolled one 'full' only (compile time).
     policies = models.REMAT_POLICIES if scan else ("none", "full")
-    graphdef = nnx.graphdef(built(base))
+    graphdef = nnx.graphdef(built(base, scan))
 
     def loss(remat, p):
         logits = forward.logits(nnx.merge(graphdef, p), Layout(remat=remat), TOKENS[:, :-1])
@@ -370,9 +371,9 @@ def test_init_is_mesh_invariant():
 
 def test_sharded_training_step_matches_single_device():
     """fsdp_tp preset on a dp=2 x fsdp=2 x tp=2 mesh: same loss and gradients as one device."""
-    cfg = tiny(scan_layers=True)
+    cfg = tiny()
     rules, mesh = FlaxRules(PRESETS["fsdp_tp"]), _mesh()
-    graphdef, ref_params = nnx.split(built(cfg), nnx.Param)
+    graphdef, ref_params = nnx.split(built(cfg, True), nnx.Param)
     shardings = jax.tree.map(
         lambda v: NamedSharding(mesh, rules.spec_for(v.get_metadata("out_sharding"))),
         ref_params, is_leaf=is_var)

@@ -23,6 +23,7 @@ from flax import nnx
 from shardax import layout, models
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
+from shardax.train import build
 from shardax.train.config import check
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, train
@@ -30,6 +31,7 @@ from shardax.train.packing import documents, loss_weights
 from shardax.train.resolve import resolve
 from shardax.train.rundir import load_run_config
 from shardax.train.step import eval_loss, train_step
+from shardax.utils import tree_path_to_string
 
 END = 0  # the byte tokenizer's end-of-text id
 B, S = 8, 16
@@ -204,19 +206,44 @@ def test_a_run_from_before_the_layout_held_remat_and_attention_resolves(tmp_path
     assert not {"remat", "attention"} & {f.name for f in dataclasses.fields(run.model_config)}
 
 
+@pytest.mark.parametrize("flags, stacked", [({}, False), ({"scan_layers": True}, True),
+                                            ({"mesh": "pp=2,fsdp=4"}, True)],
+                         ids=["list", "scan-layers", "pp"])
+def test_a_run_from_before_the_layout_held_scan_layers_resolves(tmp_path, flags, stacked):
+    """A run's config.json from when ``--scan-layers`` went into the model config resolves
+    to the same parameter tree, which its checkpoints hold: with ``--scan-layers`` or a 'pp'
+    mesh (`Layout.scan_layers`) each layer parameter is one ``layers/...`` leaf ``[L, ...]``,
+    else a list ``layers/0/...``; the model config holds no ``scan_layers``."""
+    old = TrainConfig(**flags).to_json()
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    run = resolve(check(load_run_config(tmp_path)))
+    assert run.layout.scan_layers == stacked
+    assert "scan_layers" not in {f.name for f in dataclasses.fields(run.model_config)}
+    _, shapes = build.abstract(run.model_config, run.tx, 0, run.mesh, run.layout.scan_layers)
+    got = {tree_path_to_string(path, sep="/").removesuffix("/value"): leaf.shape
+           for path, leaf in jax.tree_util.tree_flatten_with_path(shapes.params)[0]}
+    c = run.model_config
+    n, wq = c.n_layers, (c.dim, c.n_heads, c.head_dim)
+    want = {"layers/attn/wq": (n, *wq)} if stacked else {
+        f"layers/{i}/attn/wq": wq for i in range(n)}
+    assert {k: v for k, v in got.items() if k.endswith("attn/wq")} == want
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_packed_pipeline_loss_equals_per_document(reference, schedule):
     """Under a 'pp' pipeline (2 microbatches) the segment ids travel with each microbatch and
     the loss weights keep the mean over the whole batch: the per-document loss."""
     _, _, rows, loss, _ = reference
-    config = dataclasses.replace(CONFIG, scan_layers=True)
+    config = CONFIG
     mesh = MeshShardingHelper.from_string("pp=2,fsdp=4")
     rules = LogicalAxisRules(layout.presets.resolve(
         layout.PRESETS["fsdp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
-    graphdef, state = init_train_state(config, _KEEP_GRADS)  # the same numbers, stacked
+    graphdef, state = init_train_state(config, _KEEP_GRADS,
+                                       scan_layers=True)  # the same numbers, stacked
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=END,
                              param_rules=rules,
-                             layout=layout.Layout(pp_schedule=schedule, pp_microbatches=2)),
+                             layout=layout.Layout(pp_schedule=schedule, pp_microbatches=2,
+                                                  scan_layers=True)),
                      in_shardings=(rules, rules.spec_for(("batch", "length"), mesh.mesh)),
                      out_shardings=(rules, None))
     _, metrics = step(state, (jnp.asarray(rows[:, :-1]), jnp.asarray(rows[:, 1:])))

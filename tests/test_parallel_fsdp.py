@@ -32,8 +32,8 @@ from shardax.train.step import train_step
 
 STEPS = 5
 RTOL = 2e-5  # losses, as in test_parallel_train
-CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, tie_embeddings=True,
-                             scan_layers=True)
+CONFIG = dataclasses.replace(models.CONFIGS["llama-tiny"], n_layers=2, tie_embeddings=True)
+SCAN = True  # the models here stack their layers
 OPTIMIZERS = {"sgd": optax.sgd(0.1), "adamw": optax.adamw(3e-3, weight_decay=0.01)}
 KIND = {"sgd": "sgd", "adamw": "adam"}  # for assert_trained_alike
 
@@ -54,16 +54,17 @@ def _train(step, state, batches):
 @pytest.fixture(scope="module")
 def reference():
     """Per optimizer: the one-device run (no mesh at all)."""
-    return {name: train_one_device(CONFIG, tx, _batches()) for name, tx in OPTIMIZERS.items()}
+    return {name: train_one_device(CONFIG, tx, _batches(), scan_layers=SCAN)
+            for name, tx in OPTIMIZERS.items()}
 
 
 def _sharded_step(mesh_spec, tx, grad_accum):
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
-    graphdef, state = init_train_state(CONFIG, tx)
+    graphdef, state = init_train_state(CONFIG, tx, scan_layers=SCAN)
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=grad_accum,
-                param_rules=rules, layout=layout.Layout(fsdp_mode="explicit")),
+                param_rules=rules, layout=layout.Layout(fsdp_mode="explicit", scan_layers=SCAN)),
         in_shardings=(rules, None), out_shardings=(rules, None))
     return step, state
 

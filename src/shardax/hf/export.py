@@ -52,9 +52,11 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | os.PathLike,
                 *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: Any = None,
-                config_extra: Mapping[str, Any] | None = None) -> list[Path]:
+                config_extra: Mapping[str, Any] | None = None,
+                scan_layers: bool = False) -> list[Path]:
     """Writes ``params`` (the model's ``nnx.State``, or a ``{path: array}`` dict with '/'-joined
-    paths) as a Hugging Face directory. ``dtype`` casts the tensors (default: as stored);
+    paths; ``scan_layers``: its layers stacked, as the model's) as a Hugging Face directory.
+    ``dtype`` casts the tensors (default: as stored);
     ``config_extra``: more ``config.json`` entries (e.g. the tokenizer's ``eos_token_id``).
     Returns the safetensors files this process wrote.
 
@@ -64,7 +66,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
                     max_shard_bytes=500 * 2**20)
     """
     flat = _flat(params)
-    maps = param_maps(config)
+    maps = param_maps(config, scan_layers)
     missing = sorted(set(maps) - set(flat))
     if missing:
         raise ValueError(f"parameters {missing[:3]} are missing: is this state of the model "
@@ -120,7 +122,8 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
 def save_model(model: nnx.Module, directory: str | os.PathLike, **kwargs: Any) -> list[Path]:
     """Writes ``model`` (a shardax Llama or GPT-2) as a Hugging Face directory; see
     :func:`save_params`."""
-    return save_params(model.config, nnx.state(model, nnx.Param), directory, **kwargs)
+    return save_params(model.config, nnx.state(model, nnx.Param), directory,
+                       scan_layers=model.scan_layers, **kwargs)
 
 
 def _flat(params: Any) -> dict[str, Any]:

@@ -105,10 +105,12 @@ def to_hf(m: TensorMap, value: np.ndarray, out: np.ndarray) -> None:
     view[idx] = np.transpose(value, inverse)
 
 
-def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list]:
-    """``{shardax parameter path ('/'-joined): map}``; a parameter stacked on leading axes maps
-    to nested lists of :class:`TensorMap` (one list level per axis): a ``scan_layers`` stack
-    holds one item per layer, an expert weight one :class:`TensorMap` per expert."""
+def param_maps(config: LlamaConfig | GPT2Config, scan_layers: bool = False
+               ) -> dict[str, TensorMap | list]:
+    """``{shardax parameter path ('/'-joined): map}`` of the model built from ``config`` with
+    ``scan_layers``; a parameter stacked on leading axes maps to nested lists of
+    :class:`TensorMap` (one list level per axis): a ``scan_layers`` stack holds one item per
+    layer, an expert weight one :class:`TensorMap` per expert."""
     if isinstance(config, LlamaConfig):
         top, layer = _llama_maps(config)
     elif isinstance(config, GPT2Config):
@@ -118,7 +120,7 @@ def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list]:
     out: dict[str, TensorMap | list] = dict(top)
     per_layer = [layer(i) for i in range(config.n_layers)]
     for key in per_layer[0] if per_layer else ():
-        if config.scan_layers:
+        if scan_layers:
             out[f"layers/{key}"] = [p[key] for p in per_layer]
         else:
             out.update({f"layers/{i}/{key}": p[key] for i, p in enumerate(per_layer)})

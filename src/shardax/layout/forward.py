@@ -1,7 +1,7 @@
 """One forward that runs any model (the protocol of `shardax.models.protocol`) on any layout.
 
 It reads the mesh and the `Layout` and picks, from ``shardax.parallel``: the layer stack as a
-scan or loop (``config.scan_layers``), a pipeline over 'pp' (gpipe, circular, 1f1b), or
+scan or loop (the model's ``scan_layers``), a pipeline over 'pp' (gpipe, circular, 1f1b), or
 explicit FSDP's gathered stack (`fsdp_value_and_grad`); tensor-parallel blocks over 'tp' and
 the mixture of experts over 'ep' (`shardax.layout.blocks`); ring attention over 'cp' (else
 ``layout.attention``'s implementation); each layer under ``layout.remat``. The model itself
@@ -193,7 +193,7 @@ class _Run:
         if getattr(c, "mixed_layers", False):
             raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
                              "(no global_every)")
-        graphdef = nnx.graphdef(model.layers if c.scan_layers else model.layers[0])
+        graphdef = nnx.graphdef(model.layers if model.scan_layers else model.layers[0])
 
         def layer_fn(state, h):
             return self.block(nnx.merge(graphdef, state), h, extras, self.attend)[0]
@@ -220,8 +220,8 @@ class _Run:
         The auxiliary loss travels through the pipeline as one value per row (every row of a
         microbatch holds that microbatch's loss), so ``aux`` is the mean over microbatches:
         equal to the unpipelined loss when ``pp_microbatches == 1``."""
-        model, c, lay = self.model, self.model.config, self.layout
-        if not c.scan_layers:
+        model, lay = self.model, self.layout
+        if not model.scan_layers:
             raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
         v = lay.virtual_stages
         graphdef, state = nnx.split(model.layers)
@@ -348,7 +348,7 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
         layers = params["layers"]
 
         def stack(layer_fn, x):
-            if c.scan_layers:
+            if model.scan_layers:
                 return fsdp.scan_layers(gather, layer_fn, layers, x, **keep)
             return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
                                     x, **keep)

@@ -1,5 +1,6 @@
 """`Layout`: how a model runs on a mesh (tensor, sequence and pipeline parallelism, FSDP mode,
-remat, attention implementation), apart from what the model is (its architecture config).
+remat, attention implementation, scanned layers), apart from what the model is (its
+architecture config).
 
 A `Layout` is frozen and resolved once (``shardax.train.resolve``); `shardax.layout.forward`
 reads it to run any model family on any mesh. The same parameters serve every layout, so
@@ -43,6 +44,10 @@ class Layout:
     'offload', 'names:q,k,v', 'offload:q,k'; ``shardax.models.remat``). ``attention``: the
     attention implementation ('auto', 'cudnn', 'xla', 'blockwise', 'einsum';
     ``shardax.models.attention``). Both apply on one device too (``Layout(remat='full')``).
+    ``scan_layers``: stack the layers on a leading 'layers' axis and run them with
+    ``nnx.scan`` (compile time flat in depth; a 'pp' axis needs it). The model is built so
+    (``models.create(config, rngs, scan_layers=layout.scan_layers)``): it sets how the
+    parameters are stored, so checkpoints keep it.
 
     Example::
 
@@ -58,6 +63,7 @@ class Layout:
     fsdp_recompute: bool = True
     remat: str = "none"
     attention: str = "auto"
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.tp_mode not in TP_MODES:
@@ -166,9 +172,14 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
                  f"'tp' size {tp}, which does not divide it")
             need(cp == 1, "sequence parallelism together with a 'cp' axis is not supported; "
                  "use one of them")
+    if lay.scan_layers and getattr(c, "mixed_layers", False):
+        raise ValueError(
+            f"scan_layers=True needs identical layers, but global_every={c.global_every} "
+            "mixes sliding-window and global attention layers; use scan_layers=False "
+            "(and no pipeline parallelism)")
     if pp > 1:
         v, m = lay.pp_virtual_stages, lay.pp_microbatches
-        need(c.scan_layers, "a 'pp' axis needs scan_layers=True (stacked layers)")
+        need(lay.scan_layers, "a 'pp' axis needs scan_layers=True (stacked layers)")
         need(c.n_layers % (pp * v) == 0, f"n_layers={c.n_layers} is not divisible by 'pp' size "
              f"{pp} x virtual stages {v}")
         need(v == 1 or m >= pp, f"the circular schedule with {v} virtual stages "

@@ -41,10 +41,10 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
 
     Example::
 
-        cfg = get_config('llama-125m', scan_layers=True, dtype=jnp.bfloat16)
+        cfg = get_config('llama-125m', dtype=jnp.bfloat16)
 
-    How the model runs (``remat``, ``attention``, tensor/pipeline modes) is not an override:
-    it is a ``shardax.layout.Layout``.
+    How the model runs (``remat``, ``attention``, ``scan_layers``, tensor/pipeline modes) is
+    not an override: it is a ``shardax.layout.Layout``.
     """
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
@@ -52,13 +52,20 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
     return dataclasses.replace(CONFIGS[name], **overrides)
 
 
-def create(config: LlamaConfig | GPT2Config, rngs: nnx.Rngs) -> Llama | GPT2:
+def create(config: LlamaConfig | GPT2Config, rngs: nnx.Rngs, *,
+           scan_layers: bool = False) -> Llama | GPT2:
     """Build the model a config describes (with LoRA adapters when ``config.lora`` is set:
-    ``shardax.models.lora``)."""
+    ``shardax.models.lora``), its layers stacked for ``nnx.scan`` when ``scan_layers``
+    (a run's ``Layout.scan_layers``).
+
+    Example::
+
+        model = create(get_config('llama-tiny'), nnx.Rngs(0), scan_layers=True)
+    """
     if isinstance(config, LlamaConfig):
-        model = Llama(config, rngs)
+        model = Llama(config, rngs, scan_layers=scan_layers)
     elif isinstance(config, GPT2Config):
-        model = GPT2(config, rngs)
+        model = GPT2(config, rngs, scan_layers=scan_layers)
     else:
         raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
     if config.lora is not None:

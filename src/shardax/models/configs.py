@@ -19,7 +19,7 @@ from shardax.models.ops import RopeScaling
 __all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrides"]
 
 # How a model runs, not what it is: fields of shardax.layout.Layout (once config fields).
-LAYOUT_FIELDS = ("remat", "attention")
+LAYOUT_FIELDS = ("remat", "attention", "scan_layers")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_IMPLS = ("capacity", "dropless")
 
@@ -28,10 +28,9 @@ MOE_IMPLS = ("capacity", "dropless")
 class LlamaConfig:
     """Llama hyper-parameters. ``dtype`` is the compute dtype, ``param_dtype`` the storage one.
 
-    ``scan_layers`` stacks the layers on a 'layers' axis and runs them with ``nnx.scan``.
-
-    How the model runs (its parallelism, remat, the attention implementation) is not here:
-    it is a `shardax.layout.Layout`.
+    How the model runs (its parallelism, remat, the attention implementation, scanned layers)
+    is not here: it is a `shardax.layout.Layout` (the model's constructor takes
+    ``scan_layers``: how its layers are stored).
     ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with ``mlp_dim``
     hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
 
@@ -72,7 +71,6 @@ class LlamaConfig:
     sliding_window: int | None = None
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
-    scan_layers: bool = False
     n_experts: int = 0
     top_k: int = 2
     capacity_factor: float = 1.25
@@ -112,11 +110,6 @@ class LlamaConfig:
                              "moe_impl='dropless'")
         if self.global_every < 0:
             raise ValueError(f"global_every={self.global_every} must be >= 0")
-        if self.mixed_layers and self.scan_layers:
-            raise ValueError(
-                f"scan_layers=True needs identical layers, but global_every={self.global_every} "
-                "mixes sliding-window and global attention layers; use scan_layers=False "
-                "(and no pipeline parallelism)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
@@ -220,7 +213,6 @@ class GPT2Config:
     norm_eps: float = 1e-5
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
-    scan_layers: bool = False
     lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
@@ -247,7 +239,8 @@ CONFIGS: dict[str, LlamaConfig | GPT2Config] = {**LLAMA_CONFIGS, **GPT2_CONFIGS}
 
 def check_overrides(where: str, overrides: Mapping[str, Any]) -> None:
     """Raises ``TypeError`` naming `shardax.layout.Layout` when ``overrides`` of a model config
-    hold a setting of how the model runs (``remat``, ``attention``) rather than of what it is.
+    hold a setting of how the model runs (``remat``, ``attention``, ``scan_layers``) rather
+    than of what it is.
 
     >>> check_overrides("get_config('llama-tiny')", {"remat": "full"})
     Traceback (most recent call last):

@@ -65,7 +65,7 @@ def init_cache(model: Llama | GPT2, batch: int, length: int) -> KVCache:
 
 def _layers(model: Llama | GPT2) -> list[nnx.Module]:
     """The decoder layers as a list (a stacked ``scan_layers`` stack is indexed per layer)."""
-    if not model.config.scan_layers:
+    if not model.scan_layers:
         return list(model.layers)
     graphdef, state = nnx.split(model.layers)
     return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))

@@ -253,12 +253,18 @@ class Llama(LanguageModel):
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     """
 
-    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, *, scan_layers: bool = False):
         c = self.config = config
+        if c.mixed_layers and scan_layers:
+            raise ValueError(
+                f"scan_layers=True needs identical layers, but global_every={c.global_every} "
+                "mixes sliding-window and global attention layers; use scan_layers=False "
+                "(and no pipeline parallelism)")
+        self.scan_layers = scan_layers  # layers stacked on a leading 'layers' axis (nnx.scan)
         self.embed = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                                  ("vocab", "embed"), c.param_dtype)
-        self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, c.scan_layers)
-        if c.mixed_layers:  # list layout (the config refuses scan_layers)
+        self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, scan_layers)
+        if c.mixed_layers:  # list layout (refused with scan_layers above)
             for i, layer in enumerate(self.layers):
                 layer.attn.window = c.window_of(i)
                 layer.attn.local_rope = c.rope_local_theta is not None and not c.is_global(i)

@@ -9,7 +9,8 @@ torchtitan's ``parallelize_*`` applies parallelism from outside the model:
   the batch as leading dim that every block reads (RoPE tables, segment ids). ``lookup(table,
   tokens)`` replaces the token-embedding lookup (a layout that keeps the table split looks up
   its own shard).
-* ``layers``: the layer stack (stacked on a leading 'layers' axis, or an ``nnx.List``).
+* ``layers``: the layer stack (stacked on a leading 'layers' axis, or an ``nnx.List``), and
+  ``scan_layers``: which of the two (the constructor's choice; scanned when stacked).
 * ``block(layer, h, extras, attend=attention) -> (h, aux)``: one layer; ``aux`` its
   auxiliary loss (a mixture of experts' load balancing; 0 otherwise); ``attend`` the attention
   function (a layout may pass another, e.g. ring attention).
@@ -46,6 +47,8 @@ class LanguageModel(nnx.Module):
 
     config: Any
     layers: Any
+    #: the layers are stacked on a leading 'layers' axis and run with ``nnx.scan``
+    scan_layers: bool = False
     #: whether ``block`` returns an auxiliary loss to add to the objective
     has_aux: bool = False
     aux_weight: float = 0.0
@@ -80,7 +83,7 @@ class LanguageModel(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(h, aux)``: the last layer's output (before the head) and the mean auxiliary
-        loss, through the scan or loop of ``config.scan_layers`` (no remat: that is the
+        loss, through the scan or loop of ``model.scan_layers`` (no remat: that is the
         layout's, `shardax.layout.forward`)."""
         x, extras = self.embed_inputs(tokens, positions, segment_ids)
         return run_blocks(self, x, extras, self.block)
@@ -111,13 +114,13 @@ def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block
                attend: Callable = attention, remat: str = "none"
                ) -> tuple[jax.Array, jax.Array]:
     """``(h, aux)``: ``block(layer, h, extras, attend)`` through ``model.layers`` (scan or
-    loop, ``config.scan_layers``) under the remat policy ``remat``
+    loop, ``model.scan_layers``) under the remat policy ``remat``
     (``shardax.models.remat``); ``aux`` the auxiliary losses' mean over layers (0 without
     them)."""
     c = model.config
     if not model.has_aux:
         x = run_layers(model.layers, x, lambda layer, h: block(layer, h, extras, attend)[0],
-                       c.scan_layers, remat)
+                       model.scan_layers, remat)
         return x, jnp.zeros((), jnp.float32)
 
     def call(layer, h):
@@ -125,5 +128,5 @@ def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block
         return y, h[1] + a
 
     x, aux = run_layers(model.layers, (x, jnp.zeros((), jnp.float32)), call,
-                        c.scan_layers, remat)
+                        model.scan_layers, remat)
     return x, aux / c.n_layers

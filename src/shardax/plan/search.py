@@ -191,9 +191,9 @@ def candidates(base: TrainConfig, devices: int, *, devices_per_host: int = 8,
             if base.batch_size % rows or (base.batch_size // rows) % batch_split:
                 continue
             config = with_layout(dataclasses.replace(
-                base, mesh=_mesh_text(sizes), rules=_preset(sizes), scan_layers=scan,
-                grad_accum=accum), lay)
-            out.append(dataclasses.replace(config, remat=remat, attention=attention))
+                base, mesh=_mesh_text(sizes), rules=_preset(sizes), grad_accum=accum), lay)
+            out.append(dataclasses.replace(config, remat=remat, attention=attention,
+                                           scan_layers=scan))
     return out
 
 

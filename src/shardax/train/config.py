@@ -261,7 +261,7 @@ STEP_FIELDS = ("model", "init_from", "mesh", "rules", "batch_size", "seq_len", "
 LAYOUT_FLAGS = {"tp_mode": "tp_mode", "sequence_parallel": "sequence_parallel",
                 "pp_schedule": "pp_schedule", "microbatches": "pp_microbatches",
                 "virtual_stages": "pp_virtual_stages", "remat": "remat",
-                "attention": "attention"}
+                "attention": "attention", "scan_layers": "scan_layers"}
 
 
 def with_layout(config: TrainConfig, lay: layout.Layout | None) -> TrainConfig:

@@ -58,12 +58,13 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     ``mesh_spec`` defaults to ``dp=<all devices>`` with the model replicated; with ``rules``
     (a preset list) the parameters are restored sharded by them instead."""
     config = run_dir.saved
-    # A pipelined run saved its layers stacked, which the model keeps.
+    # The layers as the run stored them: stacked with --scan-layers or on a 'pp' mesh.
+    scan = config.scan_layers or pipelined(config.mesh)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
-    model = model_config(config, Policy.from_string(config.precision), init_dir,
-                         pipelined=pipelined(config.mesh))
+    model = model_config(config, Policy.from_string(config.precision), init_dir)
     mesh = make_mesh(mesh_spec or f"dp={jax.device_count()}")
-    graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh)
+    graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh,
+                                           scan)
     if rules is None:
         shardings = jax.tree.map(
             lambda _: jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()),

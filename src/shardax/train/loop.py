@@ -146,7 +146,8 @@ def _initial_state(p: Prepared, state_shape: Any, shardings: Any
         return start, state, skipped
     if run.config.init_from is not None:
         return 0, build.create_from_hf(run), 0
-    init = run.mesh.sjit(lambda: build.create(run.model_config, run.tx, run.config.seed)[1],
+    init = run.mesh.sjit(lambda: build.create(run.model_config, run.tx, run.config.seed,
+                                              run.layout.scan_layers)[1],
                          out_shardings=run.state_rules)
     return 0, init(), 0
 
@@ -344,7 +345,8 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     run, run_dir, inputs = p.run, p.run_dir, p.inputs
     config, mesh = run.config, run.mesh
     is_main = jax.process_index() == 0
-    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
+    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh,
+                                           run.layout.scan_layers)
     metrics_log = report.MetricsLog(run_dir.metrics)
     with report.phase("restoring the checkpoint" if config.resume else
                       f"loading {config.init_from}" if config.init_from is not None else

@@ -93,20 +93,17 @@ def schedule_change(saved: TrainConfig, config: TrainConfig, step: int) -> str |
 
 
 def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = None,
-                 pipelined: bool = False, weights: bool = True) -> Any:
+                 weights: bool = True) -> Any:
     """The model config of ``--model`` (or of the ``--init-from`` model in ``init_dir``) with
-    the precision ``policy`` and ``--seq-len`` applied (no parallelism, ``--remat`` or
-    ``--attention``: those are the `Layout`'s); layers stacked when ``pipelined`` (a 'pp'
-    mesh keeps them so, in checkpoints too). ``weights=False``: the ``--init-from`` model from
-    its ``config.json`` alone (planning)."""
-    scan = config.scan_layers or pipelined
+    the precision ``policy`` and ``--seq-len`` applied (no parallelism, ``--remat``,
+    ``--attention`` or ``--scan-layers``: those are the `Layout`'s). ``weights=False``: the
+    ``--init-from`` model from its ``config.json`` alone (planning)."""
     if init_dir is not None:
         try:
             c = hf.load_config(init_dir, weights=weights, dtype=policy.compute,
                                param_dtype=policy.params)
         except ValueError as e:
             raise UsageError(f"--init-from {config.init_from}: {e}") from None
-        c = dataclasses.replace(c, scan_layers=c.scan_layers or scan)
         if config.seq_len > c.max_seq_len:
             raise UsageError(f"--seq-len {config.seq_len} exceeds the model's "
                              f"max_position_embeddings {c.max_seq_len} ({config.init_from})")
@@ -114,8 +111,7 @@ def model_config(config: TrainConfig, policy: Policy, init_dir: Path | None = No
     preset = models.CONFIGS[config.model]
     return _with_lora(models.get_config(
         config.model, dtype=policy.compute, param_dtype=policy.params,
-        max_seq_len=max(config.seq_len, preset.max_seq_len),
-        scan_layers=scan or preset.scan_layers), config)
+        max_seq_len=max(config.seq_len, preset.max_seq_len)), config)
 
 
 def _with_lora(model_config: Any, config: TrainConfig) -> Any:
@@ -129,7 +125,8 @@ def _with_lora(model_config: Any, config: TrainConfig) -> Any:
 def layout_of(config: TrainConfig, mesh_shape: dict[str, int]) -> Layout:
     """The `Layout` of ``config``'s flags (`LAYOUT_FLAGS`) on a mesh of ``mesh_shape``, with what
     the flags leave open decided: ``--microbatches 0`` is the 'pp' size, ``--sequence-parallel``
-    alone runs sync TP; the FSDP mode stays 'xla' (`fsdp_mode` decides it). ValueError where a
+    alone runs sync TP, a 'pp' axis stacks the layers (``scan_layers``: so its checkpoints
+    keep them); the FSDP mode stays 'xla' (`fsdp_mode` decides it). ValueError where a
     pipeline flag needs a 'pp' axis the mesh lacks.
 
     >>> lay = layout_of(TrainConfig(sequence_parallel=True, mesh="pp=2,tp=4"), {"pp": 2, "tp": 4})
@@ -146,24 +143,21 @@ def layout_of(config: TrainConfig, mesh_shape: dict[str, int]) -> Layout:
     values = {field: getattr(config, flag) for flag, field in LAYOUT_FLAGS.items()}
     if config.sequence_parallel and config.tp_mode == "none":
         values["tp_mode"] = "sync"  # sequence parallelism runs through the explicit TP blocks
+    values["scan_layers"] = config.scan_layers or pp > 1
     return Layout(**{**values, "pp_microbatches": config.microbatches or pp})
 
 
 def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
-    """``(model config, layout, rules)``: the model config with its layers stacked on a 'pp'
-    mesh, the `Layout` of the flags (`layout_of`) and the rule list fitted to the mesh and
-    model (``layout.presets.resolve``); ValueError on a mismatch."""
-    pp = mesh_shape.get("pp", 1)
+    """``(layout, rules)``: the `Layout` of the flags (`layout_of`) and the rule list fitted
+    to the mesh and model (``layout.presets.resolve``); ValueError on a mismatch."""
     lay = layout_of(config, mesh_shape)
-    if pp > 1 and not model_config.scan_layers:
-        model_config = dataclasses.replace(model_config, scan_layers=True)
     layout.check_mesh(model_config, lay, mesh_shape, batch_size=config.batch_size,
                       seq_len=config.seq_len)
     rules = layout.presets.resolve(
         layout.PRESETS[config.rules], mesh_shape, heads=model_config.n_heads,
         kv_heads=getattr(model_config, "n_kv_heads", model_config.n_heads),
         sequence_parallel=lay.sp)
-    return model_config, lay, rules
+    return lay, rules
 
 
 def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any,
@@ -314,18 +308,21 @@ def _device_memory() -> int | None:
 
 
 def state_shape(model_config: Any, tx: optax.GradientTransformation, seed: int,
-                mesh: MeshShardingHelper) -> tuple[Any, TrainState]:
-    """``(graphdef, train-state shapes)`` of a fresh model and optimizer, computed abstractly
-    (nothing allocated); LoRA settings that do not fit the model are a UsageError.
+                mesh: MeshShardingHelper, scan_layers: bool = False) -> tuple[Any, TrainState]:
+    """``(graphdef, train-state shapes)`` of a fresh model (its layers stacked when
+    ``scan_layers``) and optimizer, computed abstractly (nothing allocated); LoRA settings
+    that do not fit the model are a UsageError.
 
     Example::
 
-        graphdef, shapes = state_shape(run.model_config, run.tx, 0, run.mesh)
+        graphdef, shapes = state_shape(run.model_config, run.tx, 0, run.mesh,
+                                       run.layout.scan_layers)
     """
     graphdefs = []
 
     def state_only():
-        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
+        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed),
+                                                           scan_layers=scan_layers), tx)
         graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
         return state
 
@@ -356,11 +353,11 @@ def _fit_fsdp(config: TrainConfig, mesh: MeshShardingHelper, base: Any, tx: Any
         spec = ",".join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == "fsdp")
         candidate = make_mesh(spec)
         try:
-            model, _, rule_list = _layout(config, candidate.shape, base)
+            lay, rule_list = _layout(config, candidate.shape, base)
         except ValueError:
             continue
         if shapes is None:
-            shapes = state_shape(model, tx, config.seed, candidate)[1]
+            shapes = state_shape(base, tx, config.seed, candidate, lay.scan_layers)[1]
         rules = LogicalAxisRules(rule_list)
         try:
             candidate.match_sharding_rule(TrainState(rules, rules, rules, rules), shapes)
@@ -540,7 +537,7 @@ def global_batch(config: TrainConfig, mesh: MeshShardingHelper, model_config: An
     probe = dataclasses.replace(config, batch_size=n * math.prod(mesh.shape.values())
                                 * config.grad_accum * max(config.microbatches, 1))
     try:
-        _, _, rule_list = _layout(probe, mesh.shape, model_config)
+        _, rule_list = _layout(probe, mesh.shape, model_config)
     except ValueError as e:
         raise UsageError(str(e)) from None
     axes = _batch_axes(LogicalAxisRules(rule_list), mesh)
@@ -571,11 +568,11 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     if config.per_device_batch_size is not None:
         config, batch_why = global_batch(config, mesh, base)
     try:
-        model, lay, rule_list = _layout(config, mesh.shape, base)
+        lay, rule_list = _layout(config, mesh.shape, base)
     except ValueError as e:
         raise UsageError(str(e)) from None
     memory = _device_memory() if device_memory is None else int(device_memory)
-    mode, recompute, why = fsdp_mode(config, mesh.shape, model, policy, memory,
+    mode, recompute, why = fsdp_mode(config, mesh.shape, base, policy, memory,
                                      lay)  # UsageError if it cannot run
     lay = dataclasses.replace(lay, fsdp_mode=mode, fsdp_recompute=recompute)
     rules = LogicalAxisRules(rule_list)
@@ -591,7 +588,7 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
         raise UsageError(f"--batch-size {config.batch_size} must be divisible by the process "
                          f"count {jax.process_count()}")
     return Resolved(
-        config=config, mesh=mesh, rules=rules, model_config=model, layout=lay, policy=policy,
+        config=config, mesh=mesh, rules=rules, model_config=base, layout=lay, policy=policy,
         tx=tx, schedule=schedule, batch_axes=batch_axes, batch_split=batch_split,
         microbatches=micro, bubble=lay.bubble(mesh.shape.get("pp", 1)), init_dir=init_dir,
         fsdp_why=why, mesh_why=mesh_why, batch_why=batch_why)
