@@ -54,7 +54,7 @@ def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
     )
 
 
-def create(model_config: Any, tx: Any, seed: int, scan_layers: bool = False
+def create(model_config: Any, tx: Any, seed: int, scan_layers: bool
            ) -> tuple[Any, TrainState]:
     """``(graphdef, state)`` of a fresh model (its layers stacked when ``scan_layers``) and
     optimizer (call under ``sjit``)."""
@@ -93,7 +93,7 @@ def create_from_hf(run: Resolved) -> TrainState:
 
 
 def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper,
-             scan_layers: bool = False) -> tuple[Any, Any]:
+             scan_layers: bool) -> tuple[Any, Any]:
     """The model's graphdef (layers stacked when ``scan_layers``) and the train state's
     shapes, without computing anything; LoRA settings that do not fit the model are a
     UsageError here, before anything is allocated (`shardax.train.resolve.state_shape`)."""

@@ -308,7 +308,7 @@ def _device_memory() -> int | None:
 
 
 def state_shape(model_config: Any, tx: optax.GradientTransformation, seed: int,
-                mesh: MeshShardingHelper, scan_layers: bool = False) -> tuple[Any, TrainState]:
+                mesh: MeshShardingHelper, scan_layers: bool) -> tuple[Any, TrainState]:
     """``(graphdef, train-state shapes)`` of a fresh model (its layers stacked when
     ``scan_layers``) and optimizer, computed abstractly (nothing allocated); LoRA settings
     that do not fit the model are a UsageError.
