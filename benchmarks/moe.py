@@ -40,7 +40,7 @@ def dropped_fraction(tokens: jax.Array) -> float:
     """The capacity MoE's dropped fraction in layer 0 of the benchmark model."""
     cfg = models.LlamaConfig(**SHAPE, moe_impl="capacity")
     model = models.create(cfg, nnx.Rngs(0))
-    x = model._embed(tokens[:, :-1], None)[0]
+    x = model.embed_inputs(tokens[:, :-1])[0]
     moe = model.layers[0].mlp
     _, aux = moe_mlp(x, moe.router[...], moe.w_up[...], moe.w_down[...], moe.w_gate[...],
                      top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
