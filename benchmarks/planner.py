@@ -98,7 +98,8 @@ class Timed:
         run = resolve(config)
         graphdef, _ = abstract(run.model_config, run.tx, config.seed, run.mesh,
                                run.layout.scan_layers)
-        self.state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed)[1],
+        self.state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed,
+                                                  run.layout.scan_layers)[1],
                                    out_shardings=run.rules)()
         self.step = step_function(run, graphdef, end_id=0)  # the program the planner compiled
         tokens = jax.random.randint(jax.random.key(0),
