@@ -390,10 +390,6 @@ class Resolved:
     #: the mesh axes the 'batch' rule splits the rows over, and over how many devices
     batch_axes: tuple[str, ...]
     batch_split: int
-    #: pipeline microbatches per step (1 without a 'pp' axis)
-    microbatches: int
-    #: the idle fraction of a step under the pipeline schedule (0 without a 'pp' axis)
-    bubble: float
     #: the Hugging Face model directory of ``--init-from hf:DIR`` (None without it)
     init_dir: Path | None = None
     #: why the FSDP mode and the recompute were chosen (one phrase each, for the banner)
@@ -476,6 +472,16 @@ class Resolved:
                 f"from {float(self.schedule(0)):.3g}, cosine to {c.lr * c.min_lr_ratio:.3g} at "
                 f"step {c.steps}), weight decay {c.weight_decay:g}, clip grad norm "
                 f"{c.clip_grad_norm or 'off'}")
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline microbatches per step (1 without a 'pp' axis)."""
+        return self.layout.microbatches(self.mesh.shape.get("pp", 1))
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction of a step under the pipeline schedule (0 without a 'pp' axis)."""
+        return self.layout.bubble(self.mesh.shape.get("pp", 1))
 
     def work_axes(self) -> set[str]:
         """The mesh axes that divide one step's FLOPs: those that split the batch, 'cp' (the
@@ -590,5 +596,4 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
     return Resolved(
         config=config, mesh=mesh, rules=rules, model_config=base, layout=lay, policy=policy,
         tx=tx, schedule=schedule, batch_axes=batch_axes, batch_split=batch_split,
-        microbatches=micro, bubble=lay.bubble(mesh.shape.get("pp", 1)), init_dir=init_dir,
-        fsdp_why=why, mesh_why=mesh_why, batch_why=batch_why)
+        init_dir=init_dir, fsdp_why=why, mesh_why=mesh_why, batch_why=batch_why)
