@@ -4,7 +4,8 @@
 vocabulary holds it, tokenizes ``--data`` and ``--val-data`` (into the token cache, once),
 holds out a validation split when there is no ``--val-data`` (none with ``--eval-every 0``; one
 batch, or none, with a note, when a tenth of the data is short of a batch), and splits the
-batches so that each process reads only the rows its devices hold; bad input is a
+batches so that each process reads only the rows its devices hold. A ``--data`` with weights
+(``PATH:WEIGHT``) is a mixture: one stream per entry, batches from `MixtureBatches`. Bad input is a
 `UsageError` naming the flag or file. `Inputs.batch` and `Inputs.val_batches` give global
 arrays sharded like the train step's batch.
 

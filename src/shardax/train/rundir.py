@@ -149,7 +149,8 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
                          ", ".join(f"{flag(k)} {getattr(config, k)!r} (was {getattr(saved, k)!r})"
                                    for k in changed)
                          + ("; a mixture's weights may change, its sources not"
-                            if "data" in changed else ""))
+                            if "data" in changed and isinstance(_fixed(saved, "data"), tuple)
+                            else ""))
 
 
 def _fixed(config: TrainConfig, key: str) -> object:
