@@ -78,6 +78,11 @@ def _make_fixtures(root: Path) -> dict[str, str]:
     (step3 / "config.json").write_text(_config_json())
     (step3 / "metrics.jsonl").write_text('{"step": 3, "loss": 4.0}\n')
 
+    mixed = path("mixture_run")  # a run on a two-source mixture of a_file and b_file
+    _commit(mixed, 2)
+    (mixed / "config.json").write_text(_config_json(data=[f"{root}/a_file:0.7",
+                                                          f"{root}/b_file:0.3"]))
+
     garbage = path("garbage_config")
     _commit(garbage, 2)
     (garbage / "config.json").write_text('{"model": "llama-tiny", "steps": ')
@@ -110,6 +115,7 @@ def _make_fixtures(root: Path) -> dict[str, str]:
     path("bad_section_key.toml").write_text("[training]\nsteps = 10\nwarmup = 3\n")
     path("both_batches.toml").write_text("batch_size = 8\n[training]\n"
                                          "per_device_batch_size = 1\n")
+    path("bad_weight.yaml").write_text("data: [web/:0.7, code.jsonl:-1]\n")
     path("bad.yaml").write_text("steps: [1, 2\n")
     path("unknown.toml").write_text("steps = 10\nwarmup = 3\n")
     path("typo.yaml").write_text("steps: ten\n")
@@ -177,6 +183,17 @@ CASES = [
     ("resume-step not committed",
      ["train", "--resume", "--resume-step", "2", "--out", "{step3_run}"],
      ["--resume-step 2", "[3]"]),
+    ("data weight not a number", ["train", "--data", "{a_file}:abc"],
+     ["--data entry '{a_file}:abc'", "not a number"]),
+    ("data weight negative", ["train", "--data", "{a_file}:0.7,{a_file}:-1"],
+     ["--data entry '{a_file}:-1'", "positive number"]),
+    ("data weights on some entries", ["train", "--data", "{a_file}:0.7", "{a_file}"],
+     ["--data entry '{a_file}' has no weight"]),
+    ("data weight in a config file", ["train", "--config", "{bad_weight.yaml}"],
+     ["--data entry 'code.jsonl:-1'", "positive number"]),
+    ("resume drops a mixture source",
+     ["train", "--resume", "--out", "{mixture_run}", "--data", "{a_file}:1"],
+     ["--data ['{a_file}:1']", "its sources not"]),
     ("resume a changed setting", ["train", "--resume", "--seed", "1", "--out", "{step3_run}"],
      ["--seed 1", "was 0"]),
     ("fresh run over half-written checkpoints", ["train", "--out", "{torn_run}"],

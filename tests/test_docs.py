@@ -54,6 +54,11 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
     ("docs/context_parallel.md", "shardax train --mesh cp=4,fsdp=2"):
         "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
+    ("docs/data.md", "shardax train --data web/:0.7,code.jsonl:0.2,math/:0.1 --out runs/mix"):
+        "tests/test_mixture_train.py::test_resume_is_bit_identical_and_logs_each_source_tokens",
+    ("docs/data.md", "shardax train --resume --out runs/mix --data "
+                     "web/:0.5,code.jsonl:0.3,math/:0.2"):
+        "tests/test_mixture_train.py::test_resume_with_other_weights_keeps_every_source_position",
     ("docs/data.md", "shardax train --data corpus/ notes.jsonl"):
         "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_checkpoints_its_position",
     ("docs/data.md", "shardax train --model llama-small --tokenizer models/llama2 --data shards/ "

@@ -150,6 +150,18 @@ for mesh in sys.argv[1:]:
         got = np.asarray(multihost_utils.process_allgather(field, tiled=True))
         assert np.array_equal(got, want), (mesh, jax.process_index())
     print(f"process {jax.process_index()}: {mesh}: {len(local[0])} local rows, global batch ok")
+
+# a weighted mixture of two files: the same global batch as one process computes
+from shardax.train.mixture_data import MixtureBatches
+files = [str(p) for p in data_lib.default_corpus("train")[:2]]
+run = prepare(TrainConfig(mesh="fsdp=-1", batch_size=8, seq_len=32, eval_every=0,
+                          data=[f"{files[0]}:0.7,{files[1]}:0.3"], out=sys.argv[0] + ".mix"))
+want = MixtureBatches([(f, data_lib.load_bytes([f])) for f in files], [0.7, 0.3], 32, 8,
+                      seed=0).batch(5)
+for field, w in zip(run.inputs.batch(5), want):
+    got = np.asarray(multihost_utils.process_allgather(field, tiled=True))
+    assert np.array_equal(got, w), ("mixture", jax.process_index())
+print(f"process {jax.process_index()}: mixture: global batch ok")
 """
 
 
@@ -163,6 +175,7 @@ def test_global_batch_equals_the_single_process_batch(env, tmp_path):
         # Split over the processes: 4 rows each; tp spanning the processes: all 8 rows each.
         for mesh, rows in zip(meshes, (4, 4, 8)):
             assert f"[{p}] process {p}: {mesh}: {rows} local rows, global batch ok" in stdout
+        assert f"[{p}] process {p}: mixture: global batch ok" in stdout
 
 
 # ----------------------------------------------------------------------------- training

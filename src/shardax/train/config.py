@@ -35,6 +35,7 @@ from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
+from shardax.train.mixture import weighted_entries
 from shardax.train.optimizers import defaults as optimizer_defaults
 from shardax.train.profiler import parse_profile_steps
 from shardax.train.tokenizer import has_tokenizer
@@ -549,6 +550,7 @@ def check(config: TrainConfig) -> TrainConfig:
     _usage(not config.val_data or config.eval_every > 0,
            "--val-data with --eval-every 0: the validation data would never be read")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
+    weighted_entries(config.data)  # a bad PATH:WEIGHT entry is a UsageError naming it
     _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
            f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "
            "device table)")

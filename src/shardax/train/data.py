@@ -430,13 +430,23 @@ class TokenBatches:
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """This process's ``(inputs, targets)`` for ``step``; does not move the iterator."""
         first = step * self.batch_size + self.process_index * self.local_batch_size
-        starts = np.array([self._shift(g // self.windows) + self._order[g] * self.seq_len
-                           for g in range(first, first + self.local_batch_size)], np.int64)
-        rows = self.tokens.rows(starts, self.seq_len + 1)
+        rows = self.windows_at(np.arange(first, first + self.local_batch_size))
         if self.vocab_size is not None and rows.max() >= self.vocab_size:
             raise DataError(f"--data: token id {rows.max()} at step {step} is outside the "
                             f"vocabulary of {self.vocab_size}; give the matching --tokenizer")
         return _split_rows(rows)
+
+    def windows_at(self, samples: np.ndarray) -> np.ndarray:
+        """int32 ``[len(samples), seq_len + 1]``: the windows of global samples ``samples``
+        (sample ``g`` is window ``order[g]`` of epoch ``g // W``), unchecked.
+
+        Example::
+
+            rows = data.windows_at(np.arange(3))     # the first 3 samples of the seed's order
+        """
+        starts = np.array([self._shift(int(g) // self.windows)
+                           + self._order[int(g)] * self.seq_len for g in samples], np.int64)
+        return self.tokens.rows(starts, self.seq_len + 1)
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return self
@@ -458,6 +468,9 @@ class TokenBatches:
 
     def restore(self, state: dict[str, Any]) -> TokenBatches:
         """Continues from ``state()``; the process count may differ from the saving run."""
+        if "mixture" in state:
+            raise ValueError("--data: the run being resumed reads a weighted mixture; give "
+                             "its entries with weights (PATH:WEIGHT)")
         mine = self.state()
         for key in ("seed", "seq_len", "batch_size", "num_tokens"):
             if key in state and state[key] != mine[key]:

@@ -4,7 +4,8 @@
 vocabulary holds it, tokenizes ``--data`` and ``--val-data`` (into the token cache, once),
 holds out a validation split when there is no ``--val-data`` (none with ``--eval-every 0``; one
 batch, or none, with a note, when a tenth of the data is short of a batch), and splits the
-batches so that each process reads only the rows its devices hold; bad input is a
+batches so that each process reads only the rows its devices hold. A ``--data`` with weights
+(``PATH:WEIGHT``) is a mixture: one stream per entry, batches from `MixtureBatches`. Bad input is a
 `UsageError` naming the flag or file. `Inputs.batch` and `Inputs.val_batches` give global
 arrays sharded like the train step's batch.
 
@@ -28,6 +29,8 @@ from shardax.train import data as data_lib
 from shardax.train.chat import ChatTemplate, chat_records, is_chat_file
 from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
 from shardax.train.config import TrainConfig
+from shardax.train.mixture import weighted_entries
+from shardax.train.mixture_data import MixtureBatches
 from shardax.train.notes import note
 from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
@@ -45,7 +48,7 @@ class Inputs:
     empty: no evaluation)."""
 
     tokenizer: Tokenizer
-    train: data_lib.TokenBatches | ChatBatches
+    train: data_lib.TokenBatches | ChatBatches | MixtureBatches
     val: list
     sharding: jax.sharding.NamedSharding
     rows: int
@@ -63,6 +66,16 @@ class Inputs:
     def val_batches(self) -> list[tuple[jax.Array, ...]]:
         """The global validation batches."""
         return [self.global_batch(b) for b in self.val]
+
+    def position(self, step: int) -> dict[str, Any]:
+        """The data state to save with checkpoint ``step`` (`restore` continues from it)."""
+        if isinstance(self.train, MixtureBatches):
+            return self.train.state(step)
+        return {**self.train.state(), "step": step}
+
+    def data_metrics(self, step: int) -> dict[str, int]:
+        """``data/tokens/<source>`` of a weighted mixture after ``step`` steps ({}: none)."""
+        return self.train.tokens_taken(step) if isinstance(self.train, MixtureBatches) else {}
 
 
 def _tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokenizer:
@@ -124,24 +137,55 @@ def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
     return tokens, None
 
 
-def _load_tokens(config: TrainConfig, tokenizer: Tokenizer) -> tuple[Any, Any]:
+def _val_data(config: TrainConfig, tokenizer: Tokenizer, log: Any) -> Any:
+    """The tokens of ``--val-data``, checked to hold one batch."""
+    val = _open(config.val_data, config, tokenizer, log, "--val-data")
+    if data_lib.count_batches(len(val), config.seq_len, config.batch_size) < 1:
+        raise UsageError(
+            f"--val-data {' '.join(config.val_data)}: {len(val):,} tokens, fewer than "
+            f"one batch of --batch-size {config.batch_size} x --seq-len "
+            f"{config.seq_len} (+1) = {config.batch_size * config.seq_len + 1:,}; give "
+            "more validation data or lower --batch-size or --seq-len")
+    return val
+
+
+def _mixture_tokens(config: TrainConfig, tokenizer: Tokenizer,
+                    entries: list[tuple[str, float]], log: Any) -> tuple[list, Any]:
+    """Each source's training tokens and the validation tokens of a weighted mixture:
+    ``--val-data``, nothing with ``--eval-every 0``, else each source's last tenth (a list,
+    mixed by the same weights; none, with a note, when one is short of a window)."""
+    streams = [_open([path], config, tokenizer, log) for path, _ in entries]
+    val = None
+    if config.val_data:
+        val = _val_data(config, tokenizer, log)
+    elif config.eval_every:
+        splits = [data_lib.split_tokens(s) for s in streams]
+        if all(len(v) > config.seq_len for _, v in splits):
+            streams, val = [t for t, _ in splits], [v for _, v in splits]
+        else:
+            _note(f"note: validation: skipped: the last tenth of a --data source holds fewer "
+                  f"than --seq-len + 1 = {config.seq_len + 1} tokens; pass --val-data for a "
+                  "validation set, or --eval-every 0 to say so")
+    for (path, _), tokens in zip(entries, streams):
+        data_lib.check_splits(len(tokens), 1 << 62, config.seq_len, config.batch_size,
+                              data=[path])
+    return streams, val
+
+
+def _load_tokens(config: TrainConfig, tokenizer: Tokenizer,
+                 entries: list[tuple[str, float]] | None = None) -> tuple[Any, Any]:
     """The (train, val) token streams (val None: no evaluation), tokenized ahead of training
     (into the token cache, once) and checked to hold a window and a validation batch:
     ``--val-data`` if given, nothing with ``--eval-every 0`` (all of ``--data`` trains), else
-    an automatic split of ``--data`` (`_fit_split`) or the built-in corpus's val files."""
+    an automatic split of ``--data`` (`_fit_split`) or the built-in corpus's val files.
+    With weighted ``entries``: one training stream per entry (`_mixture_tokens`)."""
     log = print if jax.process_index() == 0 else None
     try:
+        if entries is not None:
+            return _mixture_tokens(config, tokenizer, entries, log)
         if config.val_data or config.eval_every == 0:
             train = _open(config.data, config, tokenizer, log)
-            val = (_open(config.val_data, config, tokenizer, log, "--val-data")
-                   if config.val_data else None)
-            if val is not None and data_lib.count_batches(
-                    len(val), config.seq_len, config.batch_size) < 1:
-                raise UsageError(
-                    f"--val-data {' '.join(config.val_data)}: {len(val):,} tokens, fewer than "
-                    f"one batch of --batch-size {config.batch_size} x --seq-len "
-                    f"{config.seq_len} (+1) = {config.batch_size * config.seq_len + 1:,}; give "
-                    "more validation data or lower --batch-size or --seq-len")
+            val = _val_data(config, tokenizer, log) if config.val_data else None
         elif config.data:
             train, val = _fit_split(config, _open(config.data, config, tokenizer, log))
         else:
@@ -199,27 +243,67 @@ def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
     """The tokenizer and batches of a resolved run (nothing is written but the token cache)."""
     config, mesh = run.config, run.mesh
     tokenizer = _tokenizer(config, run_dir, run.model_config.vocab_size)
-    if config.data and all(is_chat_file(p) for p in config.data):
+    entries = weighted_entries(config.data)
+    if entries is None and config.data and all(is_chat_file(p) for p in config.data):
         sharding = jax.sharding.NamedSharding(
             mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))
         part, parts = batch_part(sharding, (config.batch_size, config.seq_len))
         train, val = _chat_inputs(config, tokenizer, part, parts)
         return Inputs(tokenizer, train, val, sharding, config.batch_size)
-    train_tokens, val_tokens = _load_tokens(config, tokenizer)
+    chat = [p for p, _ in entries or [] if is_chat_file(p)]
+    if chat:
+        raise UsageError(f"--data {chat[0]}: chat records ('messages') are not mixed by weight; "
+                         "give text or token files with weights, or chat files without")
+    train_tokens, val_tokens = _load_tokens(config, tokenizer, entries)
     sharding = jax.sharding.NamedSharding(
         mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))
     try:
         # Each process reads only the rows its devices hold (all of them if a model axis spans
         # the processes); with one process that is the whole batch.
         part, parts = batch_part(sharding, (config.batch_size, config.seq_len))
+        if entries is not None:
+            return _mixture_inputs(config, tokenizer, entries, (train_tokens, val_tokens),
+                                   sharding, (part, parts))
         batches = data_lib.TokenBatches(
             train_tokens, config.seq_len, config.batch_size, seed=config.seed,
             process_index=part, process_count=parts, vocab_size=tokenizer.vocab_size)
-        val = [] if val_tokens is None else data_lib.val_batches(
-            val_tokens, config.seq_len, config.batch_size,
-            num_batches=min(VAL_BATCHES, data_lib.count_batches(
-                len(val_tokens), config.seq_len, config.batch_size)),
-            process_index=part, process_count=parts)
+        val = _val_rows(config, val_tokens, part, parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
     return Inputs(tokenizer, batches, val, sharding, config.batch_size)
+
+
+def _mixture_inputs(config: TrainConfig, tokenizer: Tokenizer, entries: list[tuple[str, float]],
+                    tokens: tuple[list, Any], sharding: jax.sharding.NamedSharding,
+                    split: tuple[int, int]) -> Inputs:
+    """`Inputs` of a weighted mixture: `MixtureBatches` over the sources, validation on
+    ``--val-data`` or on the sources' held-out tenths mixed by the same weights."""
+    (train, val), (part, parts) = tokens, split
+    paths, weights = [p for p, _ in entries], [w for _, w in entries]
+
+    def mix(streams: list, log: Any = None) -> MixtureBatches:
+        return MixtureBatches(list(zip(paths, streams)), weights, config.seq_len,
+                              config.batch_size, seed=config.seed, process_index=part,
+                              process_count=parts, vocab_size=tokenizer.vocab_size, log=log)
+
+    say = (lambda m: print(f"shardax train: {m}", flush=True)) if jax.process_index() == 0 \
+        else None
+    batches = mix(train, say)
+    if isinstance(val, list):
+        held = mix(val)
+        val_rows = [held.batch(i) for i in range(VAL_BATCHES)]
+    else:
+        val_rows = _val_rows(config, val, part, parts)
+    return Inputs(tokenizer, batches, val_rows, sharding, config.batch_size)
+
+
+def _val_rows(config: TrainConfig, tokens: Any, part: int, parts: int) -> list:
+    """This process's rows of up to `VAL_BATCHES` validation batches of ``tokens`` (None:
+    none)."""
+    if tokens is None:
+        return []
+    return data_lib.val_batches(
+        tokens, config.seq_len, config.batch_size,
+        num_batches=min(VAL_BATCHES, data_lib.count_batches(
+            len(tokens), config.seq_len, config.batch_size)),
+        process_index=part, process_count=parts)

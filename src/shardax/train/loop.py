@@ -305,6 +305,7 @@ class _Steps:
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
             record = {"step": done, **record, "val_loss": float(np.mean(val))}
         if record:
+            record.update(self.inputs.data_metrics(done))  # data/tokens/<source> of a mixture
             self.records.append(record)
             if self.is_main:
                 self.metrics_log.append(record)
@@ -326,7 +327,7 @@ class _Steps:
             raise Stopped(done, stop.signum)
 
     def _save(self, done: int, state: TrainState) -> None:
-        position = {**self.inputs.train.state(), "step": done}
+        position = self.inputs.position(done)
         # settled (`watch.settle`) up to ``done``: a resumed run counts on from it
         self.ckpt.save(done, flat(state), extra={"data": position,
                                                  "config": self.config.to_json(),

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +51,7 @@ import numpy as np
 
 from shardax.errors import UsageError
 
-__all__ = ["Mixture", "parse_weighted"]
+__all__ = ["Mixture", "parse_weighted", "weighted_entries"]
 
 # Weights become integer proportions summing to about this; shares are exact to 1e-6.
 _SCALE = 1 << 20
@@ -311,3 +312,32 @@ def parse_weighted(data: str | Sequence[str]) -> list[tuple[str, float]]:
         raise UsageError(f"--data entry {bare!r} has no weight while others have one; give "
                          f"every entry a weight (PATH:WEIGHT) or none")
     return [(path, 1.0 if w is None else w) for path, w in out]
+
+
+def weighted_entries(data: str | Sequence[str]) -> list[tuple[str, float]] | None:
+    """The ``(path, weight)`` entries of ``--data`` when it gives weights (`parse_weighted`);
+    None when no entry has one: the paths are then read as they are, one after the other.
+
+    Raises:
+        UsageError: one line naming the entry, as `parse_weighted`, and for ``PATH:TEXT``
+        where ``PATH`` exists and ``PATH:TEXT`` does not (a weight that is not a number).
+
+    Example:
+
+    >>> weighted_entries(["a.txt", "b/"]) is None
+    True
+    >>> weighted_entries(["web/:0.7", "code.jsonl:0.3"])
+    [('web/', 0.7), ('code.jsonl', 0.3)]
+    """
+    items = [data] if isinstance(data, str) else list(data)
+    weighted = False
+    for entry in (e.strip() for item in items for e in item.split(",")):
+        path, colon, tail = entry.rpartition(":")
+        if not (colon and path):
+            continue
+        if _NUMBERISH.fullmatch(tail):
+            weighted = True
+        elif os.path.exists(path) and not os.path.exists(entry):
+            raise UsageError(f"--data entry {entry!r}: the weight {tail!r} is not a number "
+                             f"(and there is no file {entry!r})")
+    return parse_weighted(items) if weighted else None

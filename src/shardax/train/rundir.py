@@ -30,6 +30,7 @@ from shardax.mesh import parse_mesh_string
 from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, flag, with_defaults
 from shardax.train.configfile import from_dict
+from shardax.train.mixture import weighted_entries
 from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "FIXED_ON_RESUME", "PROFILE_DIR", "SET_ASIDE_DIR",
@@ -141,12 +142,24 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
             "keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
     # --per-device-batch-size gives the global batch once the mesh is known: `resolve` then
     # checks it against the run's (`check_batch`).
-    changed = [k for k in FIXED_ON_RESUME if getattr(saved, k) != getattr(config, k)
+    changed = [k for k in FIXED_ON_RESUME if _fixed(saved, k) != _fixed(config, k)
                and not (k == "batch_size" and config.per_device_batch_size is not None)]
     if changed:
         raise UsageError("--resume: these settings differ from the run being resumed: " +
                          ", ".join(f"{flag(k)} {getattr(config, k)!r} (was {getattr(saved, k)!r})"
-                                   for k in changed))
+                                   for k in changed)
+                         + ("; a mixture's weights may change, its sources not"
+                            if "data" in changed and isinstance(_fixed(saved, "data"), tuple)
+                            else ""))
+
+
+def _fixed(config: TrainConfig, key: str) -> object:
+    """What of setting ``key`` a resume keeps: of a weighted ``--data``, its paths (the weights
+    may change: `shardax.train.mixture_data`)."""
+    if key != "data":
+        return getattr(config, key)
+    entries = weighted_entries(config.data)
+    return config.data if entries is None else ("weighted", [p for p, _ in entries])
 
 
 def _check_out(out: Path) -> None:
