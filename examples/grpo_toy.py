@@ -33,7 +33,7 @@ from shardax.train.rewards import RewardSet  # noqa: E402
 from shardax.train.step import init_state  # noqa: E402
 from shardax.train.tokenizer import load_tokenizer  # noqa: E402
 
-STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 30))
+STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 20))
 PROMPTS = [f"{a}+{b}=" for a, b in [(2, 3), (7, 1), (4, 4), (9, 5), (1, 8), (6, 2)]]
 
 
@@ -46,20 +46,21 @@ def main():
     mesh = MeshShardingHelper([-1, 2], ["fsdp", "tp"])
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
     config = models.get_config("llama-tiny", n_layers=2)
-    tx = optax.adam(1e-2)
+    tx = optax.adam(3e-2)
     create = lambda: models.create(config, nnx.Rngs(0))  # noqa: E731
     graphdef, _ = nnx.split(nnx.eval_shape(create))
     state = mesh.sjit(lambda: init_state(create, tx)[1], out_shardings=rules)()
     settings = GRPOConfig(group_size=8, prompts_per_step=2, max_new_tokens=8,
-                          temperature=1.0, beta=0.0)
+                          temperature=1.0, beta=0.04, num_iterations=2)
     print(f"{jax.device_count()} devices, mesh {mesh.shape}, "
           f"{models.param_count(config):,} parameters; {settings.prompts_per_step} prompts x "
           f"{settings.group_size} completions of {settings.max_new_tokens} bytes per step\n")
 
     def show(step, state, metrics):
         print(f"step {step:3d}  reward {metrics['reward']:.3f}  reward_std "
-              f"{metrics['reward_std']:.3f}  clip_ratio {metrics['clip_ratio']:.3f}  "
-              f"completion_length {metrics['completion_length']:.1f}", flush=True)
+              f"{metrics['reward_std']:.3f}  kl {metrics['kl']:.4f}  clip_ratio "
+              f"{metrics['clip_ratio']:.3f}  completion_length "
+              f"{metrics['completion_length']:.1f}", flush=True)
 
     start = time.perf_counter()
     _, history = train_grpo(graphdef, state, load_tokenizer("bytes"), PROMPTS,
