@@ -197,3 +197,41 @@ def test_bad_reward_surfaces_from_train_grpo(model_state, name, expected):
         grpo.train_grpo(graphdef, state, TOK, ["ab=", "cdef="], reward, tx=TX, steps=1,
                         settings=settings)
     assert str(caught.value) == expected
+
+
+def test_resumed_run_is_bit_identical(model_state):
+    """Prompts and sampling keys are functions of (seed, step): a run resumed from the state
+    after its first step (the GRPO step is read from state.step) repeats the second step."""
+    graphdef, state = model_state
+    settings = grpo.GRPOConfig(group_size=G, prompts_per_step=2, max_new_tokens=4, seed=1)
+    run = partial(grpo.train_grpo, graphdef, tokenizer=TOK, prompts=RECORDS * 2,
+                  reward_set=RewardSet([digits]), tx=TX, settings=settings)
+    saved = []
+
+    def keep(step, state, metrics):
+        saved.append(jax.tree.map(jnp.copy, state))  # the next step donates it
+
+    straight, history = run(jax.tree.map(jnp.copy, state), steps=2, on_step=keep)
+    resumed, again = run(saved[0], steps=1)
+    assert [m["step"] for m in history] == [0, 1] and again[0]["step"] == 1
+    speed = [k for k in again[0] if k.startswith("tokens_per_s")]
+    assert {**again[0], **{k: history[1][k] for k in speed}} == history[1]
+    for x, y in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_lora_reference_is_the_base_model():
+    """With LoRA the reference is the adapters zeroed: the base model, no copy of it."""
+    from shardax.models.lora import LoRA
+
+    config = models.get_config("llama-tiny", n_layers=1, lora=LoRA(rank=2))
+    graphdef, adapters, rest = nnx.split(models.create(config, nnx.Rngs(0)),
+                                         nnx.LoRAParam, ...)
+    out = fixed_rollout()
+    logps = jax.jit(partial(grpo.completion_logps, graphdef=graphdef))
+    base = np.asarray(logps(adapters, rest, *out.batch[:3]))  # lora_b is 0 at init
+    trained = jax.tree.map(lambda x: x + 0.1, adapters)
+    ref = grpo.reference_params(trained, lora=True)
+    assert {x.size for x in jax.tree.leaves(ref)} == {x.size for x in jax.tree.leaves(trained)}
+    np.testing.assert_array_equal(np.asarray(logps(ref, rest, *out.batch[:3])), base)
+    assert not np.allclose(np.asarray(logps(trained, rest, *out.batch[:3])), base)
