@@ -67,7 +67,7 @@ def mesh_rules():
 
 def fixed_rollout() -> grpo.Rollout:
     rows = [p for p in PROMPTS for _ in range(G)]
-    tokens, segments, mask = grpo._layout_rows(rows, COMPLETIONS, SETTINGS.max_new_tokens)
+    tokens, segments, mask = grpo.rollout_arrays(rows, COMPLETIONS, SETTINGS.max_new_tokens)
     batch = grpo.Rollouts(tokens, segments, mask, np.zeros(4, np.float32))
     return grpo.Rollout(batch, COMPLETIONS, STOPPED, 0.0)
 
@@ -235,3 +235,11 @@ def test_lora_reference_is_the_base_model():
     assert {x.size for x in jax.tree.leaves(ref)} == {x.size for x in jax.tree.leaves(trained)}
     np.testing.assert_array_equal(np.asarray(logps(ref, rest, *out.batch[:3])), base)
     assert not np.allclose(np.asarray(logps(trained, rest, *out.batch[:3])), base)
+
+
+def test_prompt_and_completion_must_fit_the_model(model_state):
+    graphdef, state = model_state
+    settings = grpo.GRPOConfig(group_size=G, max_new_tokens=CONFIG.max_seq_len - 2)
+    with pytest.raises(ValueError, match=r"prompt of 5 tokens and max_new_tokens=126 exceed "
+                                         r"the model's max_seq_len 128"):
+        grpo.rollout(graphdef, state, PROMPTS, settings, step=0)

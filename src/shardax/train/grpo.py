@@ -46,7 +46,8 @@ from shardax.train.step import FULL_PRECISION, ONE_DEVICE, TrainState
 from shardax.train.tokenizer import Tokenizer
 
 __all__ = ["GRPOConfig", "Rollout", "Rollouts", "completion_logps", "grpo_step",
-           "reference_params", "rollout", "rollout_seed", "score", "step_prompts", "train_grpo"]
+           "reference_params", "rollout", "rollout_arrays", "rollout_seed", "score",
+           "step_prompts", "train_grpo"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,9 +213,17 @@ def step_prompts(n: int, per_step: int, seed: int, step: int) -> list[int]:
     return picked
 
 
-def _layout_rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+def rollout_arrays(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                  max_new_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(tokens, segment_ids, mask)`` of `Rollouts` for these rows."""
+    """``(tokens, segment_ids, mask)`` of `Rollouts` (numpy) for prompts and their
+    completions (token ids; a row per completion), completions padded to ``max_new_tokens``.
+
+    >>> tokens, segment_ids, mask = rollout_arrays([[5], [6, 7]], [[1, 0], [2]], 3)
+    >>> tokens.tolist(), segment_ids.tolist()
+    ([[0, 5, 1, 0, 0], [6, 7, 2, 0, 0]], [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    >>> mask.tolist()
+    [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+    """
     width = max(map(len, prompts))
     b = len(prompts)
     tokens = np.zeros((b, width + max_new_tokens), np.int32)
@@ -236,7 +245,8 @@ def rollout(graphdef: Any, state: TrainState, prompts: Sequence[Sequence[int]],
     from the policy in ``state`` with the KV-cache decoder (on ``mesh`` under ``rules`` when
     given), with the key `rollout_seed` ``(settings.seed, step)``; rows are the prompts'
     groups in order (``group_size`` consecutive rows per prompt, as TRL's). A completion ends
-    at the first of ``stop_ids`` (kept, and in the mask) or after ``max_new_tokens``.
+    at the first of ``stop_ids`` (kept, and in the mask) or after ``max_new_tokens``; the
+    longest prompt plus ``max_new_tokens`` must fit the model's ``max_seq_len``.
 
     ``logps``: `completion_logps` jitted for the mesh (called as ``logps(params, rest,
     tokens, segment_ids, mask)``; default: ``jax.jit`` of it); it gives ``old_logps`` when
@@ -250,11 +260,15 @@ def rollout(graphdef: Any, state: TrainState, prompts: Sequence[Sequence[int]],
     """
     rows = [list(p) for p in prompts for _ in range(settings.group_size)]
     model = nnx.merge(graphdef, state.params, state.rest)
+    longest, limit = max(map(len, rows)), model.config.max_seq_len
+    if longest + settings.max_new_tokens > limit:
+        raise ValueError(f"a prompt of {longest} tokens and max_new_tokens="
+                         f"{settings.max_new_tokens} exceed the model's max_seq_len {limit}")
     out = decode.generate(model, rows, settings.max_new_tokens,
                           temperature=settings.temperature, top_k=settings.top_k,
                           top_p=settings.top_p, seed=rollout_seed(settings.seed, step),
                           stop_ids=stop_ids, mesh=mesh, rules=rules, attention=attention)
-    arrays = _layout_rows(rows, out.tokens, settings.max_new_tokens)
+    arrays = rollout_arrays(rows, out.tokens, settings.max_new_tokens)
     logps = logps or jax.jit(partial(completion_logps, graphdef=graphdef))
     old = ref = None
     if settings.num_iterations > 1:
