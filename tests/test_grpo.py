@@ -243,3 +243,10 @@ def test_prompt_and_completion_must_fit_the_model(model_state):
     with pytest.raises(ValueError, match=r"prompt of 5 tokens and max_new_tokens=126 exceed "
                                          r"the model's max_seq_len 128"):
         grpo.rollout(graphdef, state, PROMPTS, settings, step=0)
+
+
+def test_resuming_a_full_fine_tune_with_kl_needs_the_reference(model_state):
+    graphdef, state = model_state
+    with pytest.raises(ValueError, match="needs ref_params, the initial parameters"):
+        grpo.train_grpo(graphdef, state._replace(step=jnp.int32(4)), TOK, ["ab="],
+                        RewardSet([digits]), tx=TX, steps=1, settings=SETTINGS)

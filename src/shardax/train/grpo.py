@@ -317,10 +317,14 @@ def train_grpo(graphdef: Any, state: TrainState, tokenizer: Tokenizer,
                tx: optax.GradientTransformation, steps: int,
                settings: GRPOConfig | None = None, mesh: Any = None, rules: Any = None,
                layout: Layout = ONE_DEVICE, policy: Policy = FULL_PRECISION, lora: bool = False,
+               ref_params: Any = None,
                on_step: Callable[[int, TrainState, dict], None] | None = None
                ) -> tuple[TrainState, list[dict]]:
     """``steps`` GRPO steps from ``state`` (a `TrainState` of the model ``graphdef``, sharded
     on ``mesh`` by ``rules`` when given; ``lora``: its parameters are LoRA adapters).
+    With ``beta != 0`` the reference is ``ref_params``, by default `reference_params` of
+    ``state``: a run that resumes a full fine-tune (``state.step > 0``) must pass those of
+    its initial parameters.
 
     Each step takes `step_prompts` of ``prompts`` (strings, or records with ``"prompt"`` and
     other columns for the reward functions), encodes them with ``tokenizer``, samples
@@ -349,7 +353,12 @@ def train_grpo(graphdef: Any, state: TrainState, tokenizer: Tokenizer,
     update = _jit(partial(grpo_step, graphdef=graphdef, tx=tx, layout=layout, policy=policy,
                           epsilon=s.epsilon, epsilon_high=s.epsilon_high, beta=s.beta),
                   mesh, (rules, None), (rules, None), donate_argnums=0)
-    ref = reference_params(state.params, lora) if s.beta != 0.0 else None
+    ref = None
+    if s.beta != 0.0:
+        if ref_params is None and int(state.step) > 0 and not lora:
+            raise ValueError("train_grpo: resuming a full fine-tune with beta != 0 needs "
+                             "ref_params, the initial parameters (reference_params)")
+        ref = reference_params(state.params, lora) if ref_params is None else ref_params
     stop_ids = [tokenizer.eos_id]
     first = int(state.step) // s.num_iterations
     history = []
