@@ -71,6 +71,9 @@ def main():
     last = sum(m["reward"] for m in history[-third:]) / third
     print(f"\n{len(history)} steps in {time.perf_counter() - start:.1f}s; mean reward of the "
           f"first {third} steps {first:.3f}, of the last {third} steps {last:.3f}")
+    final = history[-1]  # the first steps' speeds include compiling
+    print(f"last step: generation {final['tokens_per_s/generation']:.0f} tokens/s, training "
+          f"{final['tokens_per_s/train']:.0f} tokens/s")
 
 
 if __name__ == "__main__":
