@@ -347,6 +347,9 @@ def train_grpo(graphdef: Any, state: TrainState, tokenizer: Tokenizer,
     records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in prompts]
     if not records:
         raise ValueError("train_grpo: no prompts")
+    for i, r in enumerate(records):
+        if not isinstance(r.get("prompt"), str):
+            raise ValueError(f"train_grpo: prompt record {i} has no 'prompt' string")
     s = settings or GRPOConfig()
     logps = _jit(partial(completion_logps, graphdef=graphdef, layout=layout, policy=policy),
                  mesh, (rules, rules, None, None, None), None)
