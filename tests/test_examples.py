@@ -40,6 +40,8 @@ SELF_CHECKING = {
         "all modes agree with each other and with the single-device result"],
 }
 LOSS = re.compile(r"^step\s+(\d+)\s+loss\s+([0-9.]+)", re.MULTILINE)
+REWARD = re.compile(r"^step\s+(\d+)\s+reward\s+([0-9.]+)", re.MULTILINE)
+REWARD_EXAMPLES = {"grpo_toy.py"}  # post-training examples: their mean reward rises
 
 
 def run_example(name: str) -> str:
@@ -74,5 +76,18 @@ def test_example_runs_and_prints_its_check(name):
         assert needle in out, f"{needle!r} not in the output of {name}:\n{out}"
 
 
+@pytest.mark.parametrize("name", sorted(REWARD_EXAMPLES))
+def test_example_reward_rises(name):
+    out = run_example(name)
+    assert "8 devices" in out, out
+    rewards = [(int(s), float(v)) for s, v in REWARD.findall(out)]
+    assert [s for s, _ in rewards] == list(range(STEPS)), out
+    third = STEPS // 3
+    first = sum(v for _, v in rewards[:third]) / third
+    last = sum(v for _, v in rewards[-third:]) / third
+    assert last > 2 * first and last > first + 0.1, f"{name}: reward did not rise: {rewards}"
+
+
 def test_every_example_is_run():
-    assert {p.name for p in (ROOT / "examples").glob("*.py")} == {*EXAMPLES, *SELF_CHECKING}
+    assert {p.name for p in (ROOT / "examples").glob("*.py")} == {
+        *EXAMPLES, *SELF_CHECKING, *REWARD_EXAMPLES}

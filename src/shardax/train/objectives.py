@@ -49,10 +49,21 @@ def sequence_logps(logits: jax.Array, labels: jax.Array,
     (-0.2877, 1.0)
     """
     mask = mask.astype(jnp.float32)
+    return (token_logps(logits, labels, mask) * mask).sum(-1), mask.sum(-1)
+
+
+def token_logps(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
+    """Each label's log-probability ``[batch, seq]`` (float32) under ``logits``; 0 where
+    ``mask`` is 0 (whatever the label there: ``-100`` included). GRPO's per-token input.
+
+    >>> logits = jnp.log(jnp.array([[[0.5, 0.5], [0.25, 0.75]]]))
+    >>> [round(float(x), 4) for x in token_logps(logits, jnp.array([[0, 1]]), jnp.ones((1, 2)))[0]]
+    [-0.6931, -0.2877]
+    """
     logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     safe = jnp.where(mask > 0, labels, 0)
     token = jnp.take_along_axis(logprobs, safe[..., None], axis=-1)[..., 0]
-    return (token * mask).sum(-1), mask.sum(-1)
+    return jnp.where(mask > 0, token, 0.0)
 
 
 def _smoothed_sigmoid(logits: jax.Array, label_smoothing: float) -> jax.Array:
