@@ -153,8 +153,10 @@ def find_dataset(folder: Path, split: str = "train") -> DatasetFiles | None:
     if not data or any(p.suffix != ".parquet" for p in data):
         return None
     splits = _parquet_splits(folder, data)
+    order = list(_KEYWORDS)
+    names = sorted(splits, key=lambda s: (order.index(s) if s in order else len(order), s))
     if not splits:  # no file named for a split: one split (datasets calls it train), whole
         return DatasetFiles("parquet", None, sorted(data, key=lambda p: p.relative_to(folder)
                                                     .as_posix()))
-    _pick(folder, list(splits), split)
+    _pick(folder, names, split)
     return DatasetFiles("parquet", split, splits[split])

@@ -434,3 +434,28 @@ def open_token_file(file: DataFile) -> TokenFile:
                         f"{np.dtype(file.dtype).name} tokens; is --token-dtype / the extension "
                         "right?")
     return TokenFile(file.path, file.dtype, size)
+
+
+def check_dataset_entries(paths: Sequence[str | os.PathLike], split: str, text_field: str,
+                          flag: str = "--data") -> None:
+    """Checks the ``datasets`` folders among ``paths`` without reading their records: the
+    layout, that ``split`` is there and that its first file has ``text_field`` (or
+    ``messages``: chat records). A `DataError` names ``flag`` and the folder; other paths
+    are left to the reader.
+
+    Example::
+
+        check_dataset_entries(["wiki/", "notes.txt"], "train", "text")
+    """
+    for path in map(Path, paths):
+        if not path.is_dir():
+            continue
+        try:
+            found = find_dataset(path, split)
+            have = columns(DataFile(found.files[0], found.kind)) if found else []
+        except DataError as e:
+            raise DataError(str(e).replace("--data", flag, 1)) from None
+        if found and text_field not in have and "messages" not in have:
+            raise DataError(f"{flag} {path}: no column {text_field!r} in its "
+                            f"{found.split or 'records'} (has {have}); choose the text column "
+                            "with --text-field (or give chat records with 'messages')")
