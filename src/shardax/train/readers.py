@@ -273,6 +273,17 @@ def _pyarrow(path: Path, what: str):
     return pyarrow
 
 
+def _parquet_rows(parquet, names: Sequence[str]) -> int:
+    """Rows per batch that hold about `PIECE_BYTES` of the columns ``names`` (at most 256):
+    long documents make small batches, so a batch's memory is bounded in bytes."""
+    meta, size = parquet.metadata, 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        size += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                    if group.column(c).path_in_schema.split(".")[0] in names)
+    return int(np.clip(PIECE_BYTES * max(meta.num_rows, 1) // max(size, 1), 1, 256))
+
+
 def _batches(file: DataFile, names: Sequence[str] | None = None
              ) -> Iterator[tuple[list[str], object]]:
     """``(column names, record batch)`` of a Parquet or Arrow stream file, a batch at a time
@@ -285,10 +296,12 @@ def _batches(file: DataFile, names: Sequence[str] | None = None
         with (contextlib.nullcontext() if kind == "parquet"
               else pa.OSFile(str(path), "rb")) as source:  # a file read, not a memory map
             if kind == "parquet":
-                parquet = pa.parquet.ParquetFile(path)
+                # pre_buffer (pyarrow's default) would cache the whole file's column data
+                parquet = pa.parquet.ParquetFile(path, pre_buffer=False)
                 have = parquet.schema_arrow.names
-                batches = parquet.iter_batches(
-                    batch_size=256, columns=[n for n in have if names is None or n in names])
+                wanted = [n for n in have if names is None or n in names]
+                batches = parquet.iter_batches(batch_size=_parquet_rows(parquet, wanted),
+                                               columns=wanted, use_threads=False)
             else:  # datasets writes Arrow IPC streams
                 batches = pa.ipc.open_stream(source)
                 have = batches.schema.names
