@@ -214,9 +214,10 @@ def render(r: dict) -> str:
         "Shardax reads windows with `os.pread`; through a memory map each touched window maps "
         "a large page-cache folio (up to 2 MiB) into the process, so RSS grows with the part "
         "of the corpus training has visited (row 3). The control shows the measurement sees "
-        "memory that holds the corpus. Hugging Face `datasets` folders (the last rows, at two "
-        "sizes) are read a record batch at a time: the rise is a few batches, the same at "
-        "either size.",
+        "memory that holds the corpus. Hugging Face `datasets` folders (the last rows, one per "
+        "kind and size) are read a record batch at a time (Parquet without pyarrow's "
+        "pre-buffering, which holds a file's column data): the rise does not grow with the "
+        "size.",
         "",
     ])
 
