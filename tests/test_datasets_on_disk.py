@@ -175,6 +175,8 @@ def test_bad_datasets_folders_are_one_line_exit_2(folders, tmp_path, monkeypatch
     cache.mkdir()
     (cache / "wiki-train.arrow").write_bytes(b"\xff" * 64)  # datasets' cache, not save_to_disk
     (cache / "dataset_info.json").write_text("{}")
+    garbled = _save_to_disk(tmp_path / "garbled_dataset", TRAIN[:3])
+    (garbled / "data-00000-of-00001.arrow").write_bytes(b"\x00" * 64)
     proc = subprocess.run(cli_command("train", "--steps", "1", "--out", tmp_path / "run",
                                       "--data", ddict, "--data-split", "test"),
                           env=cli_env(), capture_output=True, text=True, timeout=300)
@@ -187,8 +189,10 @@ def test_bad_datasets_folders_are_one_line_exit_2(folders, tmp_path, monkeypatch
         "val_split": (["--data", hub, "--val-data", hub, "--val-split", "dev"],
                       [f"--val-data {hub}: ", "no split 'dev'", "train, validation"]),
         "field": (["--data", f"{ddict}:0.5,{hub}:0.5", "--text-field", "body"],
-                  [f"--data {ddict}: ", "no column 'body'", "['text', 'id']",
-                   "--text-field"]),
+                  [f"--data {ddict}: ", "no column 'body' in its split 'train'",
+                   "['text', 'id']", "--text-field"]),
+        "garbled": (["--data", garbled], [f"--data {garbled}/data-00000-of-00001.arrow: ",
+                                          "not a readable Arrow stream file"]),
     }
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
     for name, (args, needles) in cases.items():

@@ -469,6 +469,7 @@ def check_dataset_entries(paths: Sequence[str | os.PathLike], split: str, text_f
         except DataError as e:
             raise DataError(str(e).replace("--data", flag, 1)) from None
         if found and text_field not in have and "messages" not in have:
-            raise DataError(f"{flag} {path}: no column {text_field!r} in its "
-                            f"{found.split or 'records'} (has {have}); choose the text column "
-                            "with --text-field (or give chat records with 'messages')")
+            where = f"split {found.split!r}" if found.split else "records"
+            raise DataError(f"{flag} {path}: no column {text_field!r} in its {where} (has "
+                            f"{have}); choose the text column with --text-field (or give chat "
+                            "records with 'messages')")
