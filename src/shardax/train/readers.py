@@ -49,6 +49,7 @@ __all__ = [
     "DataFile",
     "Piece",
     "TokenFile",
+    "check_dataset_entries",
     "columns",
     "is_text",
     "list_data_files",
