@@ -2,6 +2,7 @@
 
     python benchmarks/data_memory.py                         # 2 GB token file, 1 GB jsonl
     python benchmarks/data_memory.py --token-mb 320 --jsonl-mb 160 --json out.json
+    python benchmarks/data_memory.py --dataset-mb 20 80      # datasets folders of 20, 80 MB
 
 Measurements in this process, each from a fresh peak (``/proc/self/clear_refs``), as the
 rise of the peak RSS (``VmHWM``) over the RSS before it:
@@ -14,7 +15,11 @@ rise of the peak RSS (``VmHWM``) over the RSS before it:
 - **memory map** (why shardax reads windows with ``pread``): the same windows read through
   ``np.memmap``; with large page-cache folios each window maps up to 2 MiB into the process;
 - **control**: the first quarter of the token file read into memory: must rise by about a
-  quarter of the file, which shows the measurement sees a pipeline that holds the corpus.
+  quarter of the file, which shows the measurement sees a pipeline that holds the corpus;
+- **datasets folders**, at each ``--dataset-mb`` size: a ``save_to_disk`` ``DatasetDict``
+  (Arrow stream shards, read with pyarrow) and a hub-layout folder of Parquet shards, each
+  tokenized into the cache as the jsonl corpus is, then sampled: the rise must not grow with
+  the size.
 
 Files go to a temporary directory (``--dir`` to choose), the token cache too.
 """
@@ -67,6 +72,49 @@ def _write_jsonl(path: Path, mb: int) -> None:
             f.write(line)
 
 
+def _documents(mb: int, rows: int = 16):
+    """Lists of ``rows`` documents of ~64 KB, at least ``mb`` MiB in all."""
+    words = "the data pipeline reads record batches of a datasets folder".split()
+    doc = " ".join(words[i % len(words)] for i in range(11_000))
+    for _ in range(-(-mb * (1 << 20) // (len(doc) * rows))):
+        yield [doc] * rows
+
+
+def _write_dataset_folders(directory: Path, mb: int) -> tuple[Path, Path]:
+    """A save_to_disk DatasetDict (train split in 4 Arrow stream shards) and a hub-layout
+    Parquet-shard folder (4 train shards), each about ``mb`` MiB, written batch by batch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    saved, hub = directory / f"saved_{mb}", directory / f"hub_{mb}"
+    (saved / "train").mkdir(parents=True)
+    (hub / "data").mkdir(parents=True)
+    schema = pa.schema([("text", pa.string())])
+    batches = list(_documents(mb))
+    shards = [batches[i::4] for i in range(4)]
+    names = [f"data-{i:05d}-of-00004.arrow" for i in range(4)]
+    for name, shard in zip(names, shards):
+        with pa.OSFile(str(saved / "train" / name), "wb") as sink, \
+                pa.ipc.new_stream(sink, schema) as writer:
+            for docs in shard:
+                writer.write_batch(pa.record_batch([pa.array(docs)], schema=schema))
+    (saved / "train" / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": n} for n in names], "_split": None}))
+    (saved / "train" / "dataset_info.json").write_text(json.dumps(
+        {"features": {"text": {"dtype": "string", "_type": "Value"}}}))
+    (saved / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    for i, shard in enumerate(shards):
+        with pq.ParquetWriter(hub / "data" / f"train-{i:05d}-of-00004.parquet", schema,
+                              compression="none", use_dictionary=False) as w:  # MB = text MB
+            for docs in shard:
+                w.write_batch(pa.record_batch([pa.array(docs)], schema=schema))
+    return saved, hub
+
+
+def _folder_mb(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
+
+
 def _sample(stream, data) -> int:
     batches = data.TokenBatches(stream, seq_len=1024, batch_size=32, seed=0)
     steps = np.linspace(0, max(batches.windows // 32 - 1, 0), 50).astype(int)
@@ -82,7 +130,7 @@ def _memmap_windows(path: Path) -> int:
     return sum(int(tokens[s:s + 1025].max()) for s in starts)
 
 
-def measure(directory: Path, token_mb: int, jsonl_mb: int) -> dict:
+def measure(directory: Path, token_mb: int, jsonl_mb: int, dataset_mb: list[int] = ()) -> dict:
     os.environ["SHARDAX_CACHE_DIR"] = str(directory / "cache")
     from shardax.train import data
 
@@ -101,7 +149,15 @@ def measure(directory: Path, token_mb: int, jsonl_mb: int) -> dict:
     file = data.open_data([tokens]).segments[0]
     control_rise, _, _ = _peak_rise(lambda: int(file[: len(file) // 4].sum(dtype=np.int64)))
     token_bytes, jsonl_bytes = tokens.stat().st_size, jsonl.stat().st_size
+    datasets = []
+    for mb in dataset_mb:
+        for kind, folder in zip(("save_to_disk", "parquet shards"),
+                                _write_dataset_folders(directory, mb)):
+            rise, seconds, _ = _peak_rise(lambda f=folder: _sample(_encode(f), data))
+            datasets.append({"kind": kind, "mb": _folder_mb(folder), "peak_rise_mb": rise,
+                             "mb_per_s": _folder_mb(folder) / seconds})
     return {
+        "datasets": datasets,
         "token_file_mb": token_bytes / 2**20,
         "jsonl_mb": jsonl_bytes / 2**20,
         "token_file_peak_rise_mb": token_rise,
@@ -117,7 +173,8 @@ def measure(directory: Path, token_mb: int, jsonl_mb: int) -> dict:
 
 
 def _encode(jsonl: Path):
-    """`open_data` of a jsonl file with 2 encoding threads (whatever the core count)."""
+    """`open_data` of a jsonl file (or a datasets folder's train split) with 2 encoding
+    threads (whatever the core count)."""
     from shardax.train.data import TokenStream
     from shardax.train.encode import encode_files
     from shardax.train.readers import list_data_files
@@ -137,6 +194,9 @@ def render(r: dict) -> str:
          r["memmap_peak_rise_mb"]),
         ("control: a quarter of the token file read into memory", r["token_file_mb"],
          r["control_peak_rise_mb"]),
+        *((f"datasets {d['kind']} folder tokenized into the cache ({d['mb_per_s']:.0f} MB/s, "
+           "2 threads), then sampled", d["mb"], d["peak_rise_mb"])
+          for d in r.get("datasets", [])),
     ]
     return "\n".join([
         "## 8. Data pipeline: host memory against corpus size",
@@ -154,7 +214,10 @@ def render(r: dict) -> str:
         "Shardax reads windows with `os.pread`; through a memory map each touched window maps "
         "a large page-cache folio (up to 2 MiB) into the process, so RSS grows with the part "
         "of the corpus training has visited (row 3). The control shows the measurement sees "
-        "memory that holds the corpus.",
+        "memory that holds the corpus. Hugging Face `datasets` folders (the last rows, one per "
+        "kind and size) are read a record batch at a time (Parquet without pyarrow's "
+        "pre-buffering, which holds a file's column data): the rise does not grow with the "
+        "size.",
         "",
     ])
 
@@ -167,20 +230,41 @@ def summary(r: dict) -> list[dict]:
             for what, size, rise in (("token file", r["token_file_mb"],
                                       r["token_file_peak_rise_mb"]),
                                      ("jsonl corpus (tokenizing)", r["jsonl_mb"],
-                                      r["encode_peak_rise_mb"]))]
+                                      r["encode_peak_rise_mb"]))] + _flat_rows(r)
+
+
+def _flat_rows(r: dict) -> list[dict]:
+    """Per datasets folder kind: the peak RSS rise's growth over the corpus's growth from the
+    smallest to the largest size (flat: ~0)."""
+    from _common import goal_row
+
+    rows = []
+    for kind in dict.fromkeys(d["kind"] for d in r.get("datasets", [])):
+        sizes = sorted((d for d in r["datasets"] if d["kind"] == kind), key=lambda d: d["mb"])
+        if len(sizes) >= 2:
+            small, large = sizes[0], sizes[-1]
+            growth = (large["peak_rise_mb"] - small["peak_rise_mb"]) / (large["mb"] - small["mb"])
+            rows.append(goal_row("8 data memory", f"peak RSS rise growth / corpus growth, "
+                                 f"datasets {kind} folder ({small['mb']:.0f} to "
+                                 f"{large['mb']:.0f} MB)", growth, "≤ 0.1", growth <= 0.1))
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--token-mb", type=int, default=2048)
     parser.add_argument("--jsonl-mb", type=int, default=1024)
+    parser.add_argument("--dataset-mb", type=int, nargs="*", default=[20, 80],
+                        help="sizes of the datasets folders (none: no datasets rows)")
     parser.add_argument("--dir", default=None, help="where to write the generated corpus")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="shardax-data-memory-") as tmp:
-        result = measure(Path(tmp), args.token_mb, args.jsonl_mb)
+        result = measure(Path(tmp), args.token_mb, args.jsonl_mb, args.dataset_mb)
     for key, value in result.items():
-        print(f"{key:>26}: {value:,.1f}")
+        print(f"{key:>26}: {value:,.1f}" if key != "datasets" else
+              "\n".join(f"{d['kind']:>17} {d['mb']:6,.0f} MB: {d['peak_rise_mb']:,.1f}"
+                        for d in value))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -515,7 +515,7 @@ def test_host_memory_does_not_grow_with_the_corpus(tmp_path):
     out = tmp_path / "memory.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "data_memory.py"), "--token-mb", "256",
-         "--jsonl-mb", "160", "--dir", str(tmp_path), "--json", str(out)],
+         "--jsonl-mb", "160", "--dataset-mb", "--dir", str(tmp_path), "--json", str(out)],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
         timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

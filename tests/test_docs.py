@@ -59,6 +59,8 @@ COVERED: dict[tuple[str, str], str] = {
     ("docs/data.md", "shardax train --resume --out runs/mix --data "
                      "web/:0.5,code.jsonl:0.3,math/:0.2"):
         "tests/test_mixture_train.py::test_resume_with_other_weights_keeps_every_source_position",
+    ("docs/data.md", "shardax train --data wiki/ --val-data wiki/ --out runs/wiki"):
+        "tests/test_datasets_on_disk.py::test_train_on_a_save_to_disk_folder",
     ("docs/data.md", "shardax train --data corpus/ notes.jsonl"):
         "tests/test_data.py::test_train_on_jsonl_with_a_hf_tokenizer_checkpoints_its_position",
     ("docs/data.md", "shardax train --model llama-small --tokenizer models/llama2 --data shards/ "

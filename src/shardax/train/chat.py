@@ -40,6 +40,8 @@ import numpy as np
 
 from shardax.filecheck import parse_json, read_text
 from shardax.train.chat_source import find_template
+from shardax.train.dataset_dirs import find_dataset
+from shardax.train.readers import DataFile, columns, list_data_files, read_records
 from shardax.train.tokenizer import MAX_TOKENIZER_BYTES, read_tokenizer_config, special_token
 
 __all__ = ["LOSS_ON", "ChatTemplate", "chat_messages", "chat_records", "is_chat_file",
@@ -255,10 +257,14 @@ def render_chat(tokenizer_dir: str | Path, messages: Sequence[dict],
     return ids.tolist(), mask.tolist()
 
 
-def is_chat_file(path: str | Path) -> bool:
+def is_chat_file(path: str | Path, split: str = "train") -> bool:
     """Whether ``path`` is a ``.jsonl`` file whose first record has a ``messages`` list (a
-    first line that is not JSON says no: reading the file as text data then names it)."""
+    first line that is not JSON says no: reading the file as text data then names it), or a
+    ``datasets`` folder whose ``split`` has a ``messages`` column."""
     path = Path(path)
+    if path.is_dir():
+        found = find_dataset(path, split)
+        return bool(found) and "messages" in columns(DataFile(found.files[0], found.kind))
     if path.suffix != ".jsonl" or not path.is_file():
         return False
     with path.open("rb") as f:
@@ -272,15 +278,22 @@ def is_chat_file(path: str | Path) -> bool:
     return False
 
 
-def chat_records(path: str | Path, flag: str = "--data"
+def chat_records(path: str | Path, flag: str = "--data", split: str = "train"
                  ) -> Iterator[tuple[str, list[dict]]]:
-    """``("FILE:LINE", messages)`` of every record of a ``.jsonl`` file, each checked by
-    `chat_messages` (errors start with ``flag``).
+    """``("FILE:LINE", messages)`` of every record of a ``.jsonl`` file, or ``("FILE:ROW",
+    messages)`` of a ``datasets`` folder's ``split``, each checked by `chat_messages`
+    (errors start with ``flag``).
 
     Example::
 
         for where, messages in chat_records("chat.jsonl"): ...   # where: 'chat.jsonl:1'
     """
+    if Path(path).is_dir():
+        for file in list_data_files([path], split=split):
+            for n, record in enumerate(read_records(file, ["messages"]), 1):
+                where = f"{file.path}:{n}"
+                yield where, chat_messages(record, f"{flag} {where}")
+        return
     with Path(path).open("rb") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():

@@ -38,6 +38,7 @@ from shardax.precision import Policy
 from shardax.train.mixture import weighted_entries
 from shardax.train.optimizers import defaults as optimizer_defaults
 from shardax.train.profiler import parse_profile_steps
+from shardax.train.readers import check_dataset_entries
 from shardax.train.tokenizer import has_tokenizer
 from shardax.train.trackers import check_installed, parse_log_to
 
@@ -206,6 +207,10 @@ class TrainConfig:
     one, else bytes)"""
     text_field: str = "text"
     """the text field of .jsonl records and column of .parquet files"""
+    data_split: str = "train"
+    """the split of a Hugging Face datasets folder in --data (save_to_disk, or Parquet shards)"""
+    val_split: str = "validation"
+    """the split of a Hugging Face datasets folder in --val-data"""
     loss_on: Literal["assistant", "all"] = "assistant"
     """chat data (.jsonl records with 'messages', rendered with the tokenizer's chat
     template): learn the assistant turns only, or every token"""
@@ -244,7 +249,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                   "clip_grad_norm", "offload_optimizer"),
     "parallelism": ("mesh", "rules", "tp_mode", "sequence_parallel", "fsdp_mode",
                     "pp_schedule", "microbatches", "virtual_stages"),
-    "data": ("data", "val_data", "tokenizer", "text_field", "loss_on", "token_dtype", "pack"),
+    "data": ("data", "val_data", "tokenizer", "text_field", "data_split", "val_split", "loss_on",
+             "token_dtype", "pack"),
     "checkpoint": ("out", "ckpt_every", "resume", "resume_step"),
     "metrics": ("log_every", "eval_every", "log_to", "profile_steps", "peak_tflops"),
 }
@@ -550,7 +556,11 @@ def check(config: TrainConfig) -> TrainConfig:
     _usage(not config.val_data or config.eval_every > 0,
            "--val-data with --eval-every 0: the validation data would never be read")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
-    weighted_entries(config.data)  # a bad PATH:WEIGHT entry is a UsageError naming it
+    entries = weighted_entries(config.data)  # a bad PATH:WEIGHT entry is a UsageError naming it
+    # a datasets folder's layout, split and field, before the backend starts
+    check_dataset_entries([p for p, _ in entries] if entries else config.data,
+                          config.data_split, config.text_field)
+    check_dataset_entries(config.val_data, config.val_split, config.text_field, "--val-data")
     _usage(math.isfinite(config.peak_tflops) and config.peak_tflops >= 0,
            f"--peak-tflops {config.peak_tflops}: must be a finite number >= 0 (0: from the "
            "device table)")

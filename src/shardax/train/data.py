@@ -1,11 +1,11 @@
 """Language-model batches: documents packed into a token stream on disk, sampled by step.
 
 **Formats.** ``--data`` takes text files and directories, ``.jsonl`` (``--text-field``),
-Parquet and pre-tokenized token files (``.u8``/``.u16``/``.u32``, or ``.bin`` with
-``--token-dtype``); see `shardax.train.readers`. Text-like files are tokenized once, ahead of
-training and in parallel, into a token cache (`shardax.train.encode`); token files are read as
-they are. With no ``--data``, the corpus is the Python standard library's own
-sources (`default_corpus`).
+Parquet, Hugging Face ``datasets`` folders (``--data-split``) and pre-tokenized token files
+(``.u8``/``.u16``/``.u32``, or ``.bin`` with ``--token-dtype``); see `shardax.train.readers`.
+Text-like files are tokenized once, ahead of training and in parallel, into a token cache
+(`shardax.train.encode`); token files are read as they are. With no ``--data``, the corpus is
+the Python standard library's own sources (`default_corpus`).
 
 **Packing.** Every document becomes ``prefix + tokens + suffix + [eos]`` (the tokenizer's own
 special tokens, then the end-of-text id; with the byte tokenizer: the bytes, then NUL), and the
@@ -228,9 +228,10 @@ def _check_ids(tokens: TokenFile, file: DataFile, vocab_size: int) -> None:
 
 def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = None,
               text_field: str = "text", token_dtype: str | None = None,
-              log: Callable[[str], None] | None = None) -> TokenStream:
+              log: Callable[[str], None] | None = None, split: str = "train") -> TokenStream:
     """``--data`` paths as one packed `TokenStream`, in order: token files read as they are,
-    each run of consecutive text/jsonl/Parquet files encoded into the cache (`encode_files`).
+    each run of consecutive text/jsonl/Parquet/Arrow files encoded into the cache
+    (`encode_files`); of a ``datasets`` folder, the files of ``split``.
 
     Raises `DataError` (one line naming the file) for anything unusable.
 
@@ -239,7 +240,7 @@ def open_data(paths: Sequence[str | os.PathLike], tokenizer: Tokenizer | None = 
         stream = open_data(["shards/", "extra.u16"], load_tokenizer("hf:models/llama"))
     """
     tokenizer = tokenizer or ByteTokenizer()
-    files = list_data_files(paths, token_dtype or None)
+    files = list_data_files(paths, token_dtype or None, split)
     try:
         empty = all(f.path.stat().st_size == 0 for f in files)
     except OSError as e:

@@ -1,8 +1,9 @@
 """Encoding text into a token cache ahead of training, in parallel, with bounded memory.
 
-`encode_files` tokenizes text / jsonl / Parquet files once into a token file
+`encode_files` tokenizes text / jsonl / Parquet / Arrow files once into a token file
 (``<cache>/tokens/<key>/tokens.u8|u16|u32`` + ``meta.json``) and opens it; later runs
-with the same files (path, size, modification time), tokenizer and ``--text-field`` reuse it.
+with the same files (path, size, modification time, and the split of a ``datasets`` folder),
+tokenizer and ``--text-field`` reuse it.
 Files are read piece by piece (`readers.read_pieces`) and pieces are grouped into chunks of
 about 1 MiB that worker threads encode (the Hugging Face tokenizer releases the GIL and is
 itself multi-threaded); chunks are written in order as they finish, at most ``2 * workers``
@@ -109,8 +110,10 @@ def _key(files: Sequence[DataFile], tokenizer: Tokenizer, text_field: str) -> st
     sources = []
     for f in files:
         st = f.path.stat()
-        sources.append([str(f.path.resolve()), f.kind, st.st_size, st.st_mtime_ns])
-    uses_field = any(f.kind in ("jsonl", "parquet") for f in files)
+        # a datasets folder's split is part of the key (a changed split is a new cache)
+        sources.append([str(f.path.resolve()), f.kind, st.st_size, st.st_mtime_ns]
+                       + ([f.split] if f.split is not None else []))
+    uses_field = any(f.kind in ("jsonl", "parquet", "arrow") for f in files)
     blob = json.dumps([_FORMAT, tokenizer.fingerprint, text_field if uses_field else None,
                        sources])
     return hashlib.sha256(blob.encode()).hexdigest()[:24]

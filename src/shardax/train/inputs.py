@@ -109,8 +109,10 @@ def _open(paths: list[str], config: TrainConfig, tokenizer: Tokenizer, log: Any,
     """All tokens of ``paths`` (no split); the built-in corpus's train files without paths."""
     if not paths:
         return data_lib.load_splits([], tokenizer, log=log)[0]
+    split = config.data_split if name == "--data" else config.val_split
     try:
-        return data_lib.open_data(paths, tokenizer, config.text_field, config.token_dtype, log)
+        return data_lib.open_data(paths, tokenizer, config.text_field, config.token_dtype, log,
+                                  split)
     except data_lib.DataError as e:
         raise data_lib.DataError(str(e).replace("--data", name, 1)) from None
 
@@ -214,7 +216,8 @@ def _chat_inputs(config: TrainConfig, tokenizer: Tokenizer, part: int, parts: in
     log = print if jax.process_index() == 0 else (lambda *a: None)
     try:
         template = ChatTemplate(directory)
-        records = [r for path in config.data for r in chat_records(path)]
+        records = [r for path in config.data
+                   for r in chat_records(path, split=config.data_split)]
         held = records[9::10] if len(records) >= 10 else []
         train = [r for i, r in enumerate(records) if i % 10 != 9] if held else records
         rows = pack_chats([m for _, m in train], template, config.seq_len, tokenizer.eos_id,
@@ -244,13 +247,14 @@ def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
     config, mesh = run.config, run.mesh
     tokenizer = _tokenizer(config, run_dir, run.model_config.vocab_size)
     entries = weighted_entries(config.data)
-    if entries is None and config.data and all(is_chat_file(p) for p in config.data):
+    if entries is None and config.data and all(is_chat_file(p, config.data_split)
+                                               for p in config.data):
         sharding = jax.sharding.NamedSharding(
             mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))
         part, parts = batch_part(sharding, (config.batch_size, config.seq_len))
         train, val = _chat_inputs(config, tokenizer, part, parts)
         return Inputs(tokenizer, train, val, sharding, config.batch_size)
-    chat = [p for p, _ in entries or [] if is_chat_file(p)]
+    chat = [p for p, _ in entries or [] if is_chat_file(p, config.data_split)]
     if chat:
         raise UsageError(f"--data {chat[0]}: chat records ('messages') are not mixed by weight; "
                          "give text or token files with weights, or chat files without")

@@ -1,4 +1,4 @@
-"""What ``--data`` accepts, read piece by piece: text, ``.jsonl``, Parquet and token files.
+"""What ``--data`` accepts, read piece by piece: text, ``.jsonl``, Parquet, Arrow and token files.
 
 `list_data_files` turns ``--data`` paths (files and directories) into typed `DataFile` s;
 `read_pieces` yields a text-like file's documents as bounded pieces (so no file is ever held in
@@ -11,6 +11,9 @@ Formats, by file name:
 - ``*.jsonl``: one JSON object per line; the document is its ``text_field`` (``--text-field``,
   default ``"text"``). Blank lines are skipped.
 - ``*.parquet``: the ``text_field`` column, read a record batch at a time (needs ``pyarrow``).
+- a Hugging Face ``datasets`` folder (``save_to_disk``'s Arrow files, or a folder of Parquet
+  shards; `shardax.train.dataset_dirs`): the files of one split (``--data-split``), each read
+  a record batch at a time; ``text_field`` as above, or ``messages`` records as chat data.
 - ``*.u8`` / ``*.u16`` / ``*.u32``: token ids, that unsigned little-endian integer type.
   ``*.bin`` too, with ``--token-dtype uint16|uint32`` (as nanoGPT writes them).
 - anything else: a text file (UTF-8, no NUL bytes in its first 8 KiB), one document per file.
@@ -27,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -37,6 +41,7 @@ import numpy as np
 
 from shardax.errors import DataError
 from shardax.filecheck import parse_json
+from shardax.train.dataset_dirs import find_dataset
 
 __all__ = [
     "TOKEN_DTYPES",
@@ -44,10 +49,13 @@ __all__ = [
     "DataFile",
     "Piece",
     "TokenFile",
+    "check_dataset_entries",
+    "columns",
     "is_text",
     "list_data_files",
     "open_token_file",
     "read_pieces",
+    "read_records",
 ]
 
 #: Token file extensions and their integer types.
@@ -62,11 +70,13 @@ _SNIFF = 8192
 
 @dataclass(frozen=True)
 class DataFile:
-    """One input file and how to read it: ``kind`` is text, jsonl, parquet or tokens."""
+    """One input file and how to read it: ``kind`` is text, jsonl, parquet, arrow or tokens;
+    ``split``: the split of a ``datasets`` folder it was chosen for (None: not chosen)."""
 
     path: Path
     kind: str
     dtype: type | None = None  # token files only
+    split: str | None = None
 
     def __str__(self) -> str:
         return str(self.path)
@@ -151,10 +161,11 @@ def _scan(directory: Path, token_dtype: str | None) -> list[DataFile]:
     return files
 
 
-def list_data_files(paths: Sequence[str | os.PathLike],
-                    token_dtype: str | None = None) -> list[DataFile]:
+def list_data_files(paths: Sequence[str | os.PathLike], token_dtype: str | None = None,
+                    split: str = "train") -> list[DataFile]:
     """``--data`` paths -> typed files, in order; a directory contributes its data files
-    recursively, sorted by relative path, hidden entries and binaries skipped.
+    recursively, sorted by relative path, hidden entries and binaries skipped; a ``datasets``
+    folder (`find_dataset`) the files of ``split``.
 
     Example::
 
@@ -174,7 +185,9 @@ def list_data_files(paths: Sequence[str | os.PathLike],
         except OSError as e:
             raise DataError(f"--data {path}: cannot read it ({e.strerror})") from None
         if stat.S_ISDIR(mode):
-            out += _scan(path, token_dtype)
+            found = find_dataset(path, split)
+            out += ([DataFile(f, found.kind, split=found.split) for f in found.files] if found
+                    else _scan(path, token_dtype))
         elif stat.S_ISREG(mode):
             out.append(_classify(path, token_dtype, explicit=True))
         else:
@@ -250,32 +263,110 @@ def _jsonl_pieces(path: Path, text_field: str) -> Iterator[Piece]:
             yield Piece(text, True, True)
 
 
-def _parquet_pieces(path: Path, text_field: str) -> Iterator[Piece]:
+def _pyarrow(path: Path, what: str):
     try:
-        import pyarrow.parquet as pq
+        import pyarrow  # optional: extra "data"
+        import pyarrow.ipc
+        import pyarrow.parquet
     except ImportError:
-        raise DataError(f"--data {path}: reading Parquet needs pyarrow: "
+        raise DataError(f"--data {path}: reading {what} needs pyarrow: "
                         "pip install 'shardax[data]'") from None
+    return pyarrow
+
+
+def _parquet_rows(parquet, names: Sequence[str]) -> int:
+    """Rows per batch that hold about `PIECE_BYTES` of the columns ``names`` (at most 256):
+    long documents make small batches, so a batch's memory is bounded in bytes."""
+    meta, size = parquet.metadata, 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        size += sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                    if group.column(c).path_in_schema.split(".")[0] in names)
+    return int(np.clip(PIECE_BYTES * max(meta.num_rows, 1) // max(size, 1), 1, 256))
+
+
+def _batches(file: DataFile, names: Sequence[str] | None = None
+             ) -> Iterator[tuple[list[str], object]]:
+    """``(column names, record batch)`` of a Parquet or Arrow stream file, a batch at a time
+    (Parquet: only the columns ``names``, when given); a file with no batch yields its names
+    once with None."""
+    path, kind = file.path, file.kind
+    pa = _pyarrow(path, "Parquet" if kind == "parquet" else "Arrow files")
+    what = "Parquet file" if kind == "parquet" else "Arrow stream file (datasets' format)"
     try:
-        parquet = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid (and others) for a bad file
-        raise DataError(f"--data {path}: not a readable Parquet file "
+        with (contextlib.nullcontext() if kind == "parquet"
+              else pa.OSFile(str(path), "rb")) as source:  # a file read, not a memory map
+            if kind == "parquet":
+                # pre_buffer (pyarrow's default) would cache the whole file's column data
+                parquet = pa.parquet.ParquetFile(path, pre_buffer=False)
+                have = parquet.schema_arrow.names
+                wanted = [n for n in have if names is None or n in names]
+                batches = parquet.iter_batches(batch_size=_parquet_rows(parquet, wanted),
+                                               columns=wanted, use_threads=False)
+            else:  # datasets writes Arrow IPC streams
+                batches = pa.ipc.open_stream(source)
+                have = batches.schema.names
+            empty = True
+            for batch in batches:
+                empty = False
+                yield have, batch
+            if empty:
+                yield have, None
+    except pa.ArrowException as e:  # ArrowInvalid (and others) for a bad file
+        raise DataError(f"--data {path}: not a readable {what} "
                         f"({str(e).splitlines()[0]})") from None
-    names = parquet.schema_arrow.names
-    if text_field not in names:
-        raise DataError(f"--data {path}: no column {text_field!r} (has {names}); choose "
-                        "the column with --text-field")
-    for batch in parquet.iter_batches(batch_size=256, columns=[text_field]):
-        for text in batch.column(0).to_pylist():
-            if text is not None and not isinstance(text, (str, bytes)):
-                raise DataError(f"--data {path}: column {text_field!r} holds "
-                                f"{type(text).__name__}, not text; choose it with --text-field")
-            if text is not None:
-                yield Piece(text, True, True)
+
+
+def columns(file: DataFile) -> list[str]:
+    """The column names of a Parquet or Arrow file, from its schema alone.
+
+    Example::
+
+        columns(DataFile(Path("wiki/data-00000-of-00001.arrow"), "arrow"))  # ['id', 'text']
+    """
+    pa = _pyarrow(file.path, "Parquet" if file.kind == "parquet" else "Arrow files")
+    try:
+        if file.kind == "parquet":
+            return pa.parquet.read_schema(file.path).names
+        with pa.OSFile(str(file.path), "rb") as source:
+            return pa.ipc.open_stream(source).schema.names
+    except pa.ArrowException as e:
+        raise DataError(f"--data {file.path}: not a readable "
+                        f"{'Parquet' if file.kind == 'parquet' else 'Arrow stream'} file "
+                        f"({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise DataError(f"--data {file.path}: cannot read it ({e.strerror})") from None
+
+
+def read_records(file: DataFile, names: Sequence[str]) -> Iterator[dict]:
+    """The records of a Parquet or Arrow file as dicts of the columns ``names``, in order,
+    read a record batch at a time; a missing column is a DataError naming the columns there.
+
+    Example::
+
+        next(read_records(DataFile(Path("chat/train-0.parquet"), "parquet"), ["messages"]))
+    """
+    for have, batch in _batches(file, names):
+        missing = [n for n in names if n not in have]
+        if missing:
+            raise DataError(f"--data {file.path}: no column {missing[0]!r} (has {have}); "
+                            "choose the column with --text-field")
+        if batch is not None:
+            yield from batch.select(list(names)).to_pylist()
+
+
+def _table_pieces(file: DataFile, text_field: str) -> Iterator[Piece]:
+    for record in read_records(file, [text_field]):
+        text = record[text_field]
+        if text is not None and not isinstance(text, (str, bytes)):
+            raise DataError(f"--data {file.path}: column {text_field!r} holds "
+                            f"{type(text).__name__}, not text; choose it with --text-field")
+        if text is not None:
+            yield Piece(text, True, True)
 
 
 def read_pieces(file: DataFile, text_field: str = "text") -> Iterator[Piece]:
-    """The documents of a text, jsonl or Parquet file, as `Piece` s of bounded size.
+    """The documents of a text, jsonl, Parquet or Arrow file, as `Piece` s of bounded size.
 
     Example::
 
@@ -286,10 +377,11 @@ def read_pieces(file: DataFile, text_field: str = "text") -> Iterator[Piece]:
             yield from _text_pieces(file.path)
         elif file.kind == "jsonl":
             yield from _jsonl_pieces(file.path, text_field)
-        elif file.kind == "parquet":
-            yield from _parquet_pieces(file.path, text_field)
+        elif file.kind in ("parquet", "arrow"):
+            yield from _table_pieces(file, text_field)
         else:
-            raise ValueError(f"read_pieces reads text, jsonl and parquet files, not {file.kind}")
+            raise ValueError(f"read_pieces reads text, jsonl, parquet and arrow files, not "
+                             f"{file.kind}")
     except OSError as e:
         raise DataError(f"--data {file.path}: cannot read it ({e.strerror})") from None
 
@@ -356,3 +448,29 @@ def open_token_file(file: DataFile) -> TokenFile:
                         f"{np.dtype(file.dtype).name} tokens; is --token-dtype / the extension "
                         "right?")
     return TokenFile(file.path, file.dtype, size)
+
+
+def check_dataset_entries(paths: Sequence[str | os.PathLike], split: str, text_field: str,
+                          flag: str = "--data") -> None:
+    """Checks the ``datasets`` folders among ``paths`` without reading their records: the
+    layout, that ``split`` is there and that its first file has ``text_field`` (or
+    ``messages``: chat records). A `DataError` names ``flag`` and the folder; other paths
+    are left to the reader.
+
+    Example::
+
+        check_dataset_entries(["wiki/", "notes.txt"], "train", "text")
+    """
+    for path in map(Path, paths):
+        if not path.is_dir():
+            continue
+        try:
+            found = find_dataset(path, split)
+            have = columns(DataFile(found.files[0], found.kind)) if found else []
+        except DataError as e:
+            raise DataError(str(e).replace("--data", flag, 1)) from None
+        if found and text_field not in have and "messages" not in have:
+            where = f"split {found.split!r}" if found.split else "records"
+            raise DataError(f"{flag} {path}: no column {text_field!r} in its {where} (has "
+                            f"{have}); choose the text column with --text-field (or give chat "
+                            "records with 'messages')")

@@ -53,8 +53,8 @@ _WRITTEN_DIRS = (CHECKPOINT_DIR, SET_ASIDE_DIR, PROFILE_DIR, TOKENIZER_DIR, "ten
 # lower --lr after a divergence, more --steps; the resumed run says what its lr becomes
 # (`resolve.schedule_change`).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
-                   "precision", "tokenizer", "text_field", "token_dtype", "scan_layers", "pack",
-                   "loss_on", "lora_rank", "lora_alpha", "lora_targets")
+                   "precision", "tokenizer", "text_field", "data_split", "token_dtype",
+                   "scan_layers", "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets")
 
 
 @dataclass
