@@ -1,18 +1,19 @@
 """Auxiliary-loss-free balancing (DeepSeek-V3's router bias) and the expert load metrics.
 
-The bias update is checked against numpy with the routing recomputed from the router logits;
-the sigmoid router against a hand-computed case; a `shardax train` run of
-``llama-moe-aux-free-tiny`` on dp=2,fsdp=4 against the same steps on one device (bias
-included), its resume against the straight run (bit-identical), and its metrics.jsonl.
+One `shardax train` run of ``llama-moe-aux-free-tiny`` (two microbatches a step) on
+dp=2,fsdp=4 is checked against the same steps on one device (bias included); the one-device
+run's last bias update against numpy with the routing recomputed from the router logits; its
+resume against the straight run (bit-identical); its metrics.jsonl. The sigmoid router against
+a hand-computed case, the capacity MoE's load and drops against a recount.
 """
 
 import dataclasses
 import shutil
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from _cli import committed_steps, read_metrics
 from _reference import TINY_TRAIN, assert_trained_alike, init_train_state, train_one_device
@@ -22,14 +23,15 @@ from shardax import models
 from shardax.models.llama_moe import MoE
 from shardax.models.moe import route
 from shardax.models.protocol import MoEStats
-from shardax.train import balance
+from shardax.train import balance, packing
 from shardax.train.checkpoint import Checkpointer, flat
 from shardax.train.loop import TrainConfig, prepare, train
-from shardax.train.step import train_step
 
 MODEL = "llama-moe-aux-free-tiny"
 STEPS = 5
-TINY = {**TINY_TRAIN, "model": MODEL, "steps": STEPS, "lr": 0.05}
+# Two microbatches: the load (and so the bias update) sums over them.
+TINY = {**TINY_TRAIN, "model": MODEL, "steps": STEPS, "lr": 0.05, "eval_every": 0,
+        "batch_size": 16, "grad_accum": 2}
 RTOL = 2e-5  # float32, the same math in another reduction order (as test_parallel_train)
 
 
@@ -55,47 +57,49 @@ def test_sigmoid_router_picks_by_biased_scores_and_weighs_by_unbiased():
     np.testing.assert_array_equal(route(logits, 2, True, score="sigmoid")[1], [[0, 1], [3, 2]])
 
 
-def _routed_counts(model, tokens) -> np.ndarray:
-    """Each layer's top-k assignments per expert [layers, E], routing recomputed in numpy
-    from each layer's router logits and bias."""
-    c = model.config
-    h, extras = model.embed_inputs(tokens)
-    counts = []
+@nnx.jit
+def _router_inputs(model, tokens, end_id):
+    """Each layer's router logits [layers, tokens, E] and bias [layers, E] for packed
+    documents (ending in ``end_id``), through the model's own layers."""
+    segments, positions, _ = packing.documents(tokens, end_id)
+    h, extras = model.embed_inputs(tokens, positions, segments)
+    cos, sin = extras["cos"], extras["sin"]
+    logits, bias = [], []
     for layer in model.layers:
-        x = layer.attn_residual(h, layer.attn(layer.attn_norm(h), extras["cos"],
-                                              extras["sin"]))
-        logits = np.asarray(layer.mlp_norm(x) @ layer.mlp.router[...], np.float32)
-        picked = 1 / (1 + np.exp(-logits.reshape(-1, c.n_experts))) + np.asarray(
-            layer.mlp.router_bias[...])
-        top = np.argsort(-picked, axis=-1, kind="stable")[:, :c.top_k]
-        counts.append(np.bincount(top.ravel(), minlength=c.n_experts))
-        h = layer(h, extras["cos"], extras["sin"])[0]
-    return np.array(counts, np.float32)
+        x = layer.attn_residual(h, layer.attn(layer.attn_norm(h), cos, sin, segments))
+        logits.append((layer.mlp_norm(x) @ layer.mlp.router[...]).reshape(-1, 4))
+        bias.append(layer.mlp.router_bias[...])
+        h = layer(h, cos, sin, segments)[0]
+    return jnp.stack(logits), jnp.stack(bias)
 
 
-def test_bias_update_equals_numpy_from_the_routed_counts():
-    c = dataclasses.replace(models.CONFIGS[MODEL], n_layers=2, router_bias_update=0.01)
-    tx = optax.sgd(0.1)
-    graphdef, state = init_train_state(c, tx)
-    # A bias that already moves the choice: the update must count the biased routing.
-    bias = [0.3 * jax.random.normal(jax.random.key(i), (c.n_experts,)) for i in range(2)]
-    rest = nnx.merge(graphdef, state.params, state.rest)
-    for layer, b in zip(rest.layers, bias):
-        layer.mlp.router_bias[...] = b
-    state = state._replace(rest=nnx.split(rest, nnx.Param, ...)[2])
-    tokens = jax.random.randint(jax.random.key(5), (4, 17), 0, c.vocab_size)
-    counts = _routed_counts(nnx.merge(graphdef, state.params, state.rest), tokens[:, :-1])
-    # Two microbatches: the update counts the whole batch.
-    step = jax.jit(lambda s, b: train_step(s, b, graphdef=graphdef, tx=tx, grad_accum=2))
-    new, metrics = step(state, (tokens[:, :-1], tokens[:, 1:]))
+def _routed_counts(model, tokens, end_id) -> np.ndarray:
+    """Each layer's top-k assignments per expert [layers, E], the routing recomputed in numpy
+    from the router logits: sigmoid scores plus the bias, top-k."""
+    logits, bias = (np.asarray(a, np.float32) for a in _router_inputs(model, tokens, end_id))
+    picked = 1 / (1 + np.exp(-logits)) + bias[:, None, :]
+    top = np.argsort(-picked, axis=-1, kind="stable")[..., :model.config.top_k]
+    n = model.config.n_experts
+    return np.array([np.bincount(t.ravel(), minlength=n) for t in top], np.float32)
+
+
+def test_bias_update_equals_numpy_from_the_routed_counts(reference, straight):
+    """The last step of the one-device reference (two microbatches): the bias after it is
+    the bias before it plus 0.001 * sign(mean - load), load counted in numpy."""
+    run = reference.run
+    before = run.before_last
+    model = nnx.merge(reference.graphdef, before.params, before.rest)
+    counts = _routed_counts(model, jnp.asarray(reference.batches[-1][0]), reference.end_id)
     mean = counts.mean(-1, keepdims=True)
-    want = np.stack(bias) + np.float32(0.01) * np.sign(mean - counts)
-    np.testing.assert_array_equal(_bias(new.rest), want.astype(np.float32))
     assert np.any(counts != mean)  # some expert was off the mean: the bias moved
-    np.testing.assert_array_equal(metrics["moe/expert_tokens"], counts.sum(0))
-    np.testing.assert_allclose(metrics["moe/load_max_over_mean"],
+    rate = np.float32(models.CONFIGS[MODEL].router_bias_update)
+    want = _bias(before.rest) + rate * np.sign(mean - counts)
+    np.testing.assert_array_equal(_bias(run.state.rest), want)
+    # The sharded run's last step routed the same: its logged load is this one.
+    last = straight[1][-1]
+    assert last["moe/expert_tokens"] == counts.sum(0).astype(int).tolist()
+    np.testing.assert_allclose(last["moe/load_max_over_mean"],
                                np.mean(counts.max(-1) / counts.mean(-1)), rtol=1e-6)
-    assert "moe/dropped_fraction" not in metrics  # dropless
 
 
 def test_capacity_moe_reports_its_load_and_drops():
@@ -103,7 +107,7 @@ def test_capacity_moe_reports_its_load_and_drops():
     moe = MoE(c, nnx.Rngs(0))
     moe.router[...] = 3.0 * jax.random.normal(jax.random.key(1), moe.router.shape)
     x = jax.random.normal(jax.random.key(2), (2, 8, c.dim))
-    _, stats = moe(x)
+    _, stats = nnx.jit(lambda m, x: m(x))(moe, x)
     probs = jax.nn.softmax(x.reshape(-1, c.dim) @ moe.router[...])
     counts = np.bincount(np.asarray(jax.lax.top_k(probs, c.top_k)[1]).ravel(),
                          minlength=c.n_experts)
@@ -116,15 +120,24 @@ def test_capacity_moe_reports_its_load_and_drops():
     assert float(metrics["moe/load_max_over_mean"]) == counts.max() / counts.mean()
 
 
+class Reference(NamedTuple):
+    run: Any  # OneDeviceRun
+    graphdef: Any
+    batches: list
+    end_id: int
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The run's steps on one device with no mesh (the plain program), batches as the run's."""
     prepared = prepare(TrainConfig(**{**TINY, "mesh": "dp=-1",
                                       "out": str(tmp_path_factory.mktemp("ref") / "run")}))
-    run = prepared.run
+    run, end_id = prepared.run, prepared.inputs.tokenizer.eos_id
     batches = [prepared.inputs.train.batch(i) for i in range(STEPS)]
-    return train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
-                            policy=run.policy, end_id=prepared.inputs.tokenizer.eos_id)
+    one = train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
+                           policy=run.policy, end_id=end_id, grad_accum=TINY["grad_accum"])
+    graphdef = init_train_state(run.model_config, run.tx, abstract=True)[0]
+    return Reference(one, graphdef, batches, end_id)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +156,7 @@ def _restore(out, step) -> dict:
 
 def test_sharded_run_with_bias_equals_one_device(reference, straight):
     out, records = straight
+    reference = reference.run
     losses = [r["loss"] for r in records]
     np.testing.assert_allclose(losses, reference.losses, rtol=RTOL)
     assert losses[-1] < losses[0]

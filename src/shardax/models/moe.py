@@ -8,7 +8,10 @@ capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in O(tokens
 per token, so the output never depends on the batch, the mesh or the other tokens.
 
 Router: softmax over all experts in float32, top-k, optionally renormalised over the k
-(``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE). ``shared_expert_dim > 0`` adds
+(``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE); or DeepSeek-V3's sigmoid scores
+(``router_score='sigmoid'``) with a `RouterBias` that picks the top-k but does not weigh them
+(auxiliary-loss-free balancing: training moves it, `shardax.train.balance`), the weights
+times ``routed_scaling_factor``. ``shared_expert_dim > 0`` adds
 Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
 carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices
 (expert parallelism through the rules, `shardax.layout.presets`; XLA moves rows or weights as
@@ -21,7 +24,7 @@ and ``p_e`` its mean router probability (``top_k`` when perfectly balanced).
 Example::
 
     cfg = LlamaConfig(n_experts=4, top_k=2, moe_impl='dropless', mlp_dim=32)
-    y, aux = DroplessMoE(cfg, nnx.Rngs(0))(x)      # x [b, s, dim]
+    y, stats = DroplessMoE(cfg, nnx.Rngs(0))(x)    # x [b, s, dim]; stats: MoEStats
 """
 
 from __future__ import annotations
