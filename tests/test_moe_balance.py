@@ -29,9 +29,10 @@ from shardax.train.loop import TrainConfig, prepare, train
 
 MODEL = "llama-moe-aux-free-tiny"
 STEPS = 5
-# Two microbatches: the load (and so the bias update) sums over them.
+# Two microbatches: the load (and so the bias update) sums over them. Stacked layers: one
+# [layers, E] bias, and one layer body to compile.
 TINY = {**TINY_TRAIN, "model": MODEL, "steps": STEPS, "lr": 0.05, "eval_every": 0,
-        "batch_size": 16, "grad_accum": 2}
+        "batch_size": 16, "grad_accum": 2, "scan_layers": True}
 RTOL = 2e-5  # float32, the same math in another reduction order (as test_parallel_train)
 
 
@@ -60,12 +61,14 @@ def test_sigmoid_router_picks_by_biased_scores_and_weighs_by_unbiased():
 @nnx.jit
 def _router_inputs(model, tokens, end_id):
     """Each layer's router logits [layers, tokens, E] and bias [layers, E] for packed
-    documents (ending in ``end_id``), through the model's own layers."""
+    documents (ending in ``end_id``), through the model's own (stacked) layers."""
     segments, positions, _ = packing.documents(tokens, end_id)
     h, extras = model.embed_inputs(tokens, positions, segments)
     cos, sin = extras["cos"], extras["sin"]
     logits, bias = [], []
-    for layer in model.layers:
+    graphdef, stacked = nnx.split(model.layers)
+    for i in range(model.config.n_layers):
+        layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
         x = layer.attn_residual(h, layer.attn(layer.attn_norm(h), cos, sin, segments))
         logits.append((layer.mlp_norm(x) @ layer.mlp.router[...]).reshape(-1, 4))
         bias.append(layer.mlp.router_bias[...])
@@ -135,8 +138,9 @@ def reference(tmp_path_factory):
     run, end_id = prepared.run, prepared.inputs.tokenizer.eos_id
     batches = [prepared.inputs.train.batch(i) for i in range(STEPS)]
     one = train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
-                           policy=run.policy, end_id=end_id, grad_accum=TINY["grad_accum"])
-    graphdef = init_train_state(run.model_config, run.tx, abstract=True)[0]
+                           policy=run.policy, end_id=end_id, grad_accum=TINY["grad_accum"],
+                           scan_layers=True)
+    graphdef = init_train_state(run.model_config, run.tx, abstract=True, scan_layers=True)[0]
     return Reference(one, graphdef, batches, end_id)
 
 
