@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cli import committed_steps, read_metrics
+from _cli import assert_one_line_error, committed_steps, read_metrics, run_cli
 from _reference import TINY_TRAIN, assert_trained_alike, init_train_state, train_one_device
 from flax import nnx
 
@@ -206,3 +206,11 @@ def test_load_metrics_in_metrics_jsonl(straight):
         assert sum(tokens) == batch_tokens * c.top_k * c.n_layers
         assert r["moe/load_max_over_mean"] >= 1.0
         assert "moe/dropped_fraction" not in r
+
+
+def test_bias_on_a_pipeline_is_refused(tmp_path):
+    out = tmp_path / "run"
+    proc = run_cli("train", "--model", MODEL, "--mesh", "pp=2,fsdp=4", "--batch-size", "8",
+                   "--steps", "1", "--out", out)
+    assert_one_line_error(proc, "train", f"--model {MODEL}", "'pp'")
+    assert not out.exists()
