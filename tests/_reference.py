@@ -135,6 +135,7 @@ class OneDeviceRun(NamedTuple):
     losses: list[float]
     start: Any  # the parameters before the first step (host arrays)
     state: Any  # the train state after the last step (host arrays)
+    before_last: Any = None  # the train state before the last step (host arrays)
 
 
 def train_one_device(model_config: Any, tx: Any, batches: Any, *, seed: int = 0,
@@ -149,10 +150,12 @@ def train_one_device(model_config: Any, tx: Any, batches: Any, *, seed: int = 0,
         start = jax.device_get(state.params)
         step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, **step_options))
         losses = []
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if i == len(batches) - 1:
+                before_last = jax.device_get(state)
             state, metrics = step(state, tuple(jnp.asarray(x) for x in batch))
             losses.append(float(metrics["loss"]))
-    return OneDeviceRun(losses, start, jax.device_get(state))
+    return OneDeviceRun(losses, start, jax.device_get(state), before_last)
 
 
 def documents_alone_loss(params: Any, rest: Any, graphdef: Any, docs: list, length: int

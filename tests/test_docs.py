@@ -52,6 +52,9 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_checkpoint.py::test_resharding_restore_to_other_mesh_and_single_device",
     ("docs/context_parallel.md", 'cp = mesh.shape["cp"]'):
         "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
+    ("docs/expert_parallel.md", "shardax train --model llama-moe-aux-free-tiny --mesh "
+                                "dp=2,fsdp=4 --batch-size 16 --grad-accum 2"):
+        "tests/test_moe_balance.py::test_sharded_run_with_bias_equals_one_device",
     ("docs/context_parallel.md", "shardax train --mesh cp=4,fsdp=2"):
         "tests/test_parallel_train.py::test_context_parallel_matches_one_device",
     ("docs/data.md", "shardax train --data web/:0.7,code.jsonl:0.2,math/:0.1 --out runs/mix"):

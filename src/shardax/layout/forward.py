@@ -36,7 +36,7 @@ from shardax.logical import with_logical_constraint
 from shardax.models import embedding
 from shardax.models.attention import attention
 from shardax.models.loss import chunked_cross_entropy
-from shardax.models.protocol import LanguageModel, run_blocks
+from shardax.models.protocol import LanguageModel, MoEStats, aux_loss, run_blocks
 from shardax.models.remat import remat_policy
 from shardax.parallel import fsdp, to_microbatches
 from shardax.parallel.axes import axis_size
@@ -77,10 +77,12 @@ def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.A
          positions: jax.Array | None = None, *, segment_ids: jax.Array | None = None,
          load_balanced: bool = False, cast: Callable[[jax.Array], jax.Array] = _identity,
          loss_weights: jax.Array | None = None, stack: Callable | None = None,
-         lookup: Callable | None = None, head_after_pipeline: bool = False
-         ) -> tuple[jax.Array, jax.Array]:
+         lookup: Callable | None = None, head_after_pipeline: bool = False,
+         stats: bool = False) -> tuple[jax.Array, Any]:
     """``(cross-entropy, aux)``: the mean token cross-entropy of ``targets`` under
     ``cast(logits)`` and the model's auxiliary loss (an MoE's load balancing; 0 without one).
+    ``stats``: ``aux`` is the stack's `MoEStats` (with the expert load) where the layers run
+    unpipelined in the plain scan or loop; the loss alone elsewhere.
     ``loss_weights`` [b, s]: each token's cross-entropy is multiplied by its weight before the
     mean (``shardax.models.loss.chunked_cross_entropy``).
 
@@ -106,7 +108,7 @@ def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.A
         if piped:
             x, aux = run.pipeline(x, extras)
         else:
-            x, aux = run.stack(x, extras, stack)
+            x, aux = run.stack(x, extras, stack, stats=stats)
         return run.cross_entropy(x, targets, *model.head_params(), weights=loss_weights), aux
     labels = _labels(targets, loss_weights)
 
@@ -133,10 +135,11 @@ def loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.A
 
 def training_loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targets: jax.Array,
                   positions: jax.Array | None = None, **kwargs: Any
-                  ) -> tuple[jax.Array, jax.Array]:
+                  ) -> tuple[jax.Array, Any]:
     """``(objective, cross-entropy)``: what training differentiates, the cross-entropy plus
     ``model.aux_weight`` times the auxiliary loss (the cross-entropy alone without one), and
-    the cross-entropy, to report. Arguments as for `loss`.
+    the cross-entropy, to report. Arguments as for `loss`; with ``stats=True`` the second is
+    ``(cross-entropy, MoEStats or None)``: the stack's expert load where `loss` has it.
 
     Under the '1f1b' schedule a model with an auxiliary loss needs this form: the pipeline
     takes the gradient of one scalar per microbatch (the objective) and reports the
@@ -146,10 +149,16 @@ def training_loss(model: LanguageModel, layout: Layout, tokens: jax.Array, targe
 
         objective, ce = training_loss(model, Layout(), tokens[:, :-1], tokens[:, 1:])
     """
+    stats = kwargs.pop("stats", False)
     if not (model.has_aux and axis_size(PIPELINE_AXIS) > 1 and layout.pp_schedule == "1f1b"
             and not kwargs.get("head_after_pipeline")):
-        ce, aux = loss(model, layout, tokens, targets, positions, **kwargs)
-        return (ce + model.aux_weight * aux if model.has_aux else ce), ce
+        ce, aux = loss(model, layout, tokens, targets, positions, stats=stats, **kwargs)
+        load = aux if isinstance(aux, MoEStats) else None
+        objective = ce + model.aux_weight * aux_loss(aux) if model.has_aux else ce
+        return objective, ((ce, load) if stats else ce)
+    if stats:
+        objective, ce = training_loss(model, layout, tokens, targets, positions, **kwargs)
+        return objective, (ce, None)
     run = _Run(model, layout, kwargs.get("load_balanced", False), kwargs.get("cast", _identity))
 
     def objective(out, labels, *head):
@@ -185,11 +194,13 @@ class _Run:
         """The auxiliary loss from the pipeline's outputs (summed over layers per row)."""
         return jnp.mean(out[2]) / self.model.config.n_layers
 
-    def stack(self, x, extras, stack=None):
-        """The layer stack without a pipeline (through ``stack`` when given): ``(x, aux)``."""
+    def stack(self, x, extras, stack=None, stats=False):
+        """The layer stack without a pipeline (through ``stack`` when given): ``(x, aux)``,
+        ``aux`` the stack's `MoEStats` with ``stats`` (plain scan or loop only)."""
         model, c = self.model, self.model.config
         if stack is None:
-            return run_blocks(model, x, extras, self.block, self.attend, self.layout.remat)
+            return run_blocks(model, x, extras, self.block, self.attend, self.layout.remat,
+                              stats=stats)
         if getattr(c, "mixed_layers", False):
             raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
                              "(no global_every)")
@@ -203,7 +214,7 @@ class _Run:
 
         def aux_layer_fn(state, h):  # h: (x, the auxiliary losses so far)
             y, a = self.block(nnx.merge(graphdef, state), h[0], extras, self.attend)
-            return y, h[1] + a
+            return y, h[1] + aux_loss(a)
 
         x, aux = stack(aux_layer_fn, (x, jnp.zeros((), jnp.float32)))
         return x, aux / c.n_layers
@@ -234,7 +245,7 @@ class _Run:
         def layer_fn(params, h):
             ex = {k: a.astype(jnp.int32) if k in ints else a for k, a in h[1].items()}
             y, aux = self.block(nnx.merge(graphdef, params), h[0], ex, self.attend)
-            return (y, h[1], h[2] + aux)
+            return (y, h[1], h[2] + aux_loss(aux))
 
         carried = {k: a.astype(jnp.float32) if k in ints else a for k, a in extras.items()}
         h = (x, carried, jnp.zeros(x.shape[:1], jnp.float32))
@@ -384,11 +395,14 @@ def params_loss(params: Any, rest: Any, graphdef: Any, layout: Layout, policy: P
 
 def value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
                    batch: tuple[jax.Array, ...], with_kwargs: Callable[..., tuple], *,
-                   policy: Policy, param_rules: Any = None, grad_accum: int = 1
-                   ) -> tuple[jax.Array, Any]:
+                   policy: Policy, param_rules: Any = None, grad_accum: int = 1,
+                   stats: bool = False) -> tuple:
     """``(training loss, grads)`` of `params_loss` under ``layout``: explicit FSDP's
     (`fsdp_value_and_grad`) or ``jax.value_and_grad``'s, in ``grad_accum`` microbatches
-    summed in the parameter dtype (sharded by ``param_rules`` when given). ``batch`` is
+    summed in the parameter dtype (sharded by ``param_rules`` when given). ``stats``:
+    ``(training loss, grads, MoEStats or None)``, the batch's expert load (tokens summed over
+    the microbatches, losses and dropped fractions their mean); None where the layers run in
+    a pipeline or explicit FSDP's stack. ``batch`` is
     ``(inputs, targets, *extra)``; ``with_kwargs(*rows)`` turns rows of it into ``(inputs,
     targets, kwargs)`` (positions, segments, loss weights): per microbatch, and under explicit
     FSDP once on the whole sequence, outside its region (with 'cp' it splits the sequence,
@@ -401,31 +415,40 @@ def value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
     """
     if layout.fsdp_mode == "explicit":
         inputs, targets, kwargs = with_kwargs(*batch)
-        return fsdp_value_and_grad(graphdef, params, rest, layout, inputs, targets, kwargs,
-                                   param_rules=param_rules, policy=policy,
-                                   grad_accum=grad_accum)
+        out = fsdp_value_and_grad(graphdef, params, rest, layout, inputs, targets, kwargs,
+                                  param_rules=param_rules, policy=policy,
+                                  grad_accum=grad_accum)
+        return (*out, None) if stats else out
 
     def objective(params, *rows):
-        return params_loss(params, rest, graphdef, layout, policy, *with_kwargs(*rows))
+        inputs, targets, kwargs = with_kwargs(*rows)
+        return params_loss(params, rest, graphdef, layout, policy, inputs, targets,
+                           dict(kwargs, stats=True) if stats else kwargs)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
     if grad_accum == 1:
-        (loss, _), grads = grad_fn(params, *batch)
-        return loss, grads
+        (loss, reported), grads = grad_fn(params, *batch)
+        return (loss, grads, reported[1]) if stats else (loss, grads)
 
     def accumulate(carry, micro):
         loss_sum, grad_sum = carry
         micro = [with_logical_constraint(a, ("batch", "length")) for a in micro]
-        (loss, _), grads = grad_fn(params, *micro)
+        (loss, reported), grads = grad_fn(params, *micro)
         grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
         if param_rules is not None:
             grad_sum = with_sharding_constraint(grad_sum, param_rules)
-        return (loss_sum + loss, grad_sum), None
+        return (loss_sum + loss, grad_sum), (reported[1] if stats else None)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     micro = tuple(to_microbatches(a, grad_accum) for a in batch)
-    (loss, grads), _ = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
-    return loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
+    (loss, grads), load = jax.lax.scan(accumulate, (jnp.float32(0), zeros), micro)
+    out = loss / grad_accum, jax.tree.map(lambda g: g / grad_accum, grads)
+    if not stats:
+        return out
+    if load is not None:  # per microbatch: tokens add up, the loss and fraction average
+        load = MoEStats(jnp.mean(load.loss), jnp.sum(load.expert_tokens, axis=0),
+                        jnp.mean(load.dropped_fraction))
+    return (*out, load)
 
 
 def _key(path) -> str:

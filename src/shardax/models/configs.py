@@ -22,6 +22,7 @@ __all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrid
 LAYOUT_FIELDS = ("remat", "attention", "scan_layers")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_IMPLS = ("capacity", "dropless")
+ROUTER_SCORES = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,11 @@ class LlamaConfig:
     overflowing tokens dropped) or 'dropless' (``moe.DroplessMoE``: sorted tokens and grouped
     matmuls, Mixtral / Qwen-MoE); ``moe_norm_topk`` renormalises the top-k router weights
     (dropless); ``shared_expert_dim > 0`` adds Qwen2-MoE's gated shared expert.
+    DeepSeek-V3's router (dropless): ``router_score`` 'sigmoid' (else 'softmax'), a per-layer
+    bias added to the scores to pick the top-k (not to weigh them), moved by
+    ``router_bias_update`` (gamma; 0: fixed, DeepSeek-V3 used 0.001) after each step towards
+    equal load (auxiliary-loss-free balancing, `shardax.train.balance`), and the weights
+    times ``routed_scaling_factor``.
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
     Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
     """
@@ -89,6 +95,9 @@ class LlamaConfig:
     moe_impl: str = "capacity"
     moe_norm_topk: bool = True
     shared_expert_dim: int = 0
+    router_score: str = "softmax"
+    router_bias_update: float = 0.0
+    routed_scaling_factor: float = 1.0
     lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
@@ -108,6 +117,15 @@ class LlamaConfig:
         if self.shared_expert_dim and self.moe_impl != "dropless":
             raise ValueError(f"shared_expert_dim={self.shared_expert_dim} needs "
                              "moe_impl='dropless'")
+        if self.router_score not in ROUTER_SCORES:
+            raise ValueError(f"router_score must be one of {ROUTER_SCORES}, got "
+                             f"{self.router_score!r}")
+        if self.router_bias_update < 0:
+            raise ValueError(f"router_bias_update={self.router_bias_update} must be >= 0")
+        if self.n_experts and self.moe_impl != "dropless" and (
+                self.router_bias or self.routed_scaling_factor != 1.0):
+            raise ValueError("router_score='sigmoid', router_bias_update and "
+                             "routed_scaling_factor need moe_impl='dropless'")
         if self.global_every < 0:
             raise ValueError(f"global_every={self.global_every} must be >= 0")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -119,6 +137,12 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def router_bias(self) -> bool:
+        """Whether the MoE router has a balancing bias (sigmoid scores, or one that moves)."""
+        return bool(self.n_experts) and (self.router_score == "sigmoid"
+                                         or self.router_bias_update > 0)
 
     @property
     def mixed_layers(self) -> bool:
@@ -193,6 +217,11 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     ),
     # llama-tiny with a 4-expert, top-2 mixture-of-experts MLP in every layer.
     "llama-moe-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2),
+    # DeepSeek-V3's routing on llama-moe-tiny: dropless, sigmoid scores, auxiliary-loss-free
+    # balancing (a bias moved by 0.001 per step, no load-balancing loss).
+    "llama-moe-aux-free-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2,
+                                           moe_impl="dropless", router_score="sigmoid",
+                                           router_bias_update=0.001, moe_aux_weight=0.0),
 }
 
 

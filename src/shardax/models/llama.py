@@ -202,7 +202,7 @@ class Block(nnx.Module):
     """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with
     ``post_norms`` (Gemma 2/3) the attention and MLP outputs are normed again before each add.
 
-    Returns ``(x, aux)``: ``aux`` is the MoE load-balancing loss (0 for a dense MLP).
+    Returns ``(x, aux)``: ``aux`` is the MoE's `MoEStats` (0 for a dense MLP).
     """
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
@@ -235,7 +235,7 @@ class Block(nnx.Module):
         return self.mlp_add(x, self.mlp(self.mlp_norm(x)))
 
     def mlp_add(self, x: jax.Array, y: Any) -> tuple[jax.Array, jax.Array]:
-        """``(x + y, aux)`` for the MLP output ``y`` (or ``(y, aux)`` of a mixture of
+        """``(x + y, aux)`` for the MLP output ``y`` (or ``(y, stats)`` of a mixture of
         experts), post-normed with ``post_norms``."""
         y, aux = y if isinstance(y, tuple) else (y, jnp.zeros((), jnp.float32))
         if self.config.post_norms:
@@ -309,7 +309,7 @@ class Llama(LanguageModel):
         return x, extras
 
     def block(self, layer, h, extras, attend=attention):
-        """One decoder layer: ``(h, aux)``, aux the MoE load-balancing loss (0 if dense)."""
+        """One decoder layer: ``(h, aux)``, aux the MoE's `MoEStats` (0 if dense)."""
         return layer(h, extras["cos"], extras["sin"], extras.get("segment_ids"), attend)
 
     def head_params(self):

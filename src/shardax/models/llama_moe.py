@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.models._layers import param
+from shardax.models.protocol import MoEStats
 from shardax.parallel.moe_kernel import capacity_moe
 
 if TYPE_CHECKING:
@@ -49,23 +50,28 @@ def init_experts(module: nnx.Module, c: LlamaConfig, rngs: nnx.Rngs) -> None:
 
 
 class MoE(nnx.Module):
-    """``moe(x [b, s, dim]) -> (y, load_balancing_loss)``; ``y`` excludes the residual."""
+    """``moe(x [b, s, dim]) -> (y, stats)``; ``y`` excludes the residual, ``stats`` a
+    `MoEStats` (load-balancing loss, tokens per expert, dropped fraction)."""
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         self.config = c
         init_experts(self, c, rngs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         return self.run(x, capacity_moe)
 
     def run(self, x: jax.Array, moe: Callable = capacity_moe, **kwargs
-            ) -> tuple[jax.Array, jax.Array]:
-        """``(y, load_balancing_loss)`` through ``moe`` (``capacity_moe``, or the layout's
-        ``moe_mlp`` with its ``kwargs``), groups the batch rows."""
+            ) -> tuple[jax.Array, MoEStats]:
+        """``(y, stats)`` through ``moe`` (``capacity_moe``, or the layout's ``moe_mlp`` with
+        its ``kwargs``), groups the batch rows."""
         c, dt = self.config, self.config.dtype
         y, aux = moe(
             x, self.router[...], self.w_up[...].astype(dt), self.w_down[...].astype(dt),
             self.w_gate[...].astype(dt), top_k=c.top_k, capacity_factor=c.capacity_factor,
             num_groups=x.shape[0], activation=jax.nn.silu, **kwargs,
         )
-        return y.astype(x.dtype), aux["load_balancing_loss"].astype(jnp.float32)
+        # The global top-k assignments per expert, from their (exact) fraction of all of them.
+        assigned = x.size // x.shape[-1] * c.top_k
+        tokens = jnp.round(aux["expert_fraction"].astype(jnp.float32) * assigned)
+        return y.astype(x.dtype), MoEStats(aux["load_balancing_loss"].astype(jnp.float32),
+                                           tokens, aux["dropped_fraction"].astype(jnp.float32))

@@ -8,7 +8,10 @@ capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in O(tokens
 per token, so the output never depends on the batch, the mesh or the other tokens.
 
 Router: softmax over all experts in float32, top-k, optionally renormalised over the k
-(``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE). ``shared_expert_dim > 0`` adds
+(``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE); or DeepSeek-V3's sigmoid scores
+(``router_score='sigmoid'``) with a `RouterBias` that picks the top-k but does not weigh them
+(auxiliary-loss-free balancing: training moves it, `shardax.train.balance`), the weights
+times ``routed_scaling_factor``. ``shared_expert_dim > 0`` adds
 Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
 carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices
 (expert parallelism through the rules, `shardax.layout.presets`; XLA moves rows or weights as
@@ -21,7 +24,7 @@ and ``p_e`` its mean router probability (``top_k`` when perfectly balanced).
 Example::
 
     cfg = LlamaConfig(n_experts=4, top_k=2, moe_impl='dropless', mlp_dim=32)
-    y, aux = DroplessMoE(cfg, nnx.Rngs(0))(x)      # x [b, s, dim]
+    y, stats = DroplessMoE(cfg, nnx.Rngs(0))(x)    # x [b, s, dim]; stats: MoEStats
 """
 
 from __future__ import annotations
@@ -35,42 +38,69 @@ from flax import nnx
 from shardax.models._annotate import constrain
 from shardax.models._layers import param
 from shardax.models.llama_moe import init_experts
+from shardax.models.protocol import MoEStats
 from shardax.models.remat import checkpoint_name
 
 if TYPE_CHECKING:
     from shardax.models.configs import LlamaConfig
 
-__all__ = ["DroplessMoE", "route"]
+__all__ = ["DroplessMoE", "RouterBias", "route"]
 
 _normal = nnx.initializers.normal
 
 
-def route(logits: jax.Array, top_k: int, normalize: bool
+def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softmax",
+          bias: jax.Array | None = None, scale: float = 1.0
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(weights [t, k], experts [t, k], aux)`` from router logits [t, n_experts]: softmax in
-    float32, top-k, renormalised over the k when ``normalize``; ``aux`` the load-balancing
-    loss.
+    """``(weights [t, k], experts [t, k], aux)`` from router logits [t, n_experts]: scores in
+    float32 (``score`` 'softmax' over the experts, or 'sigmoid' per expert as DeepSeek-V3),
+    top-k of ``scores + bias`` (the auxiliary-loss-free balancing bias: it picks the experts
+    only), weights the unbiased scores of those k, renormalised over the k when
+    ``normalize``, times ``scale`` (DeepSeek's ``routed_scaling_factor``); ``aux`` the
+    load-balancing loss (sigmoid scores normalised per token for it).
 
     Example::
 
         w, e, aux = route(x @ router, top_k=2, normalize=True)
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)
+    logits = logits.astype(jnp.float32)
+    if score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    if bias is None:
+        weights, experts = jax.lax.top_k(scores, top_k)
+    else:
+        experts = jax.lax.top_k(scores + bias.astype(jnp.float32), top_k)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if scale != 1.0:
+        weights = weights * scale
     n = logits.shape[-1]
     counts = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
     aux = n * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
     return weights, experts, aux
 
 
+class RouterBias(nnx.Variable):
+    """The auxiliary-loss-free balancing bias of one MoE layer's router ([n_experts],
+    float32): not a parameter (no gradient, no optimizer state); training moves it after each
+    step (`shardax.train.balance`) and checkpoints save it with the model's other state."""
+
+
 class DroplessMoE(nnx.Module):
-    """``moe(x [b, s, dim]) -> (y, load_balancing_loss)``; ``y`` excludes the residual."""
+    """``moe(x [b, s, dim]) -> (y, stats)``; ``y`` excludes the residual, ``stats`` a
+    `MoEStats` (load-balancing loss, tokens per expert, nothing dropped). A sigmoid router or
+    ``router_bias_update > 0`` gives it a `RouterBias` (zeros) that picks the experts."""
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         self.config = c
         init_experts(self, c, rngs)
+        if c.router_bias:
+            self.router_bias = RouterBias(jnp.zeros((c.n_experts,), jnp.float32),
+                                          out_sharding=(None,), eager_sharding=False)
         if c.shared_expert_dim:
             std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
             f, pd = c.shared_expert_dim, c.param_dtype
@@ -82,12 +112,14 @@ class DroplessMoE(nnx.Module):
             self.shared_router = param(rngs.params(), _normal(std), (c.dim, 1), ("embed", None),
                                        pd)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         c, dt = self.config, self.config.dtype
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
         logits = tokens @ self.router[...].astype(dt)
-        weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk)
+        bias = self.router_bias[...] if c.router_bias else None
+        weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk, score=c.router_score,
+                                      bias=bias, scale=c.routed_scaling_factor)
         # Sort the (token, expert) pairs by expert: each expert's rows are contiguous.
         flat = experts.reshape(-1)
         order = jnp.argsort(flat, stable=True)
@@ -106,4 +138,5 @@ class DroplessMoE(nnx.Module):
             shared = hs @ self.shared_down[...].astype(dt)
             y = y + jax.nn.sigmoid(tokens @ self.shared_router[...].astype(dt)) * shared
         y = constrain(y.reshape(b, s, d), ("batch", "length", "embed"))
-        return checkpoint_name(y, "mlp_out"), aux
+        stats = MoEStats(aux, sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
+        return checkpoint_name(y, "mlp_out"), stats

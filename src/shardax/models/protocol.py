@@ -12,7 +12,8 @@ torchtitan's ``parallelize_*`` applies parallelism from outside the model:
 * ``layers``: the layer stack (stacked on a leading 'layers' axis, or an ``nnx.List``), and
   ``scan_layers``: which of the two (the constructor's choice; scanned when stacked).
 * ``block(layer, h, extras, attend=attention) -> (h, aux)``: one layer; ``aux`` its
-  auxiliary loss (a mixture of experts' load balancing; 0 otherwise); ``attend`` the attention
+  auxiliary loss (a mixture of experts' load balancing; 0 otherwise), or a mixture of
+  experts' `MoEStats` (the loss with the layer's expert load); ``attend`` the attention
   function (a layout may pass another, e.g. ring attention).
 * ``head_params() -> tuple`` and ``head(h, *head_params) -> logits`` (float32): the final norm
   and vocabulary projection, from the parameters passed in (a pipeline's output stage receives
@@ -29,7 +30,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,25 @@ from shardax.models._layers import run_layers
 from shardax.models.attention import attention
 from shardax.models.loss import chunked_cross_entropy
 
-__all__ = ["LanguageModel", "run_blocks"]
+__all__ = ["LanguageModel", "MoEStats", "aux_loss", "run_blocks"]
+
+
+class MoEStats(NamedTuple):
+    """A mixture-of-experts layer's auxiliary outputs (a block's ``aux``), or, from
+    `run_blocks` with ``stats=True``, those of the whole stack."""
+
+    #: the load-balancing loss (the stack's: the mean over layers)
+    loss: jax.Array
+    #: float32 top-k assignments per expert, before any drop: [n_experts] (the stack's:
+    #: [n_layers, n_experts])
+    expert_tokens: jax.Array
+    #: the fraction of assignments dropped (capacity routing; 0 dropless; the stack's: mean)
+    dropped_fraction: jax.Array
+
+
+def aux_loss(aux: Any) -> jax.Array:
+    """The auxiliary loss of a block's ``aux`` (a scalar, or `MoEStats`)."""
+    return aux.loss if isinstance(aux, MoEStats) else aux
 
 
 class LanguageModel(nnx.Module):
@@ -111,22 +130,35 @@ class LanguageModel(nnx.Module):
 
 
 def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block: Callable,
-               attend: Callable = attention, remat: str = "none"
-               ) -> tuple[jax.Array, jax.Array]:
+               attend: Callable = attention, remat: str = "none", *, stats: bool = False
+               ) -> tuple[jax.Array, Any]:
     """``(h, aux)``: ``block(layer, h, extras, attend)`` through ``model.layers`` (scan or
     loop, ``model.scan_layers``) under the remat policy ``remat``
     (``shardax.models.remat``); ``aux`` the auxiliary losses' mean over layers (0 without
-    them)."""
+    them). ``stats``: ``aux`` is the stack's `MoEStats` instead (per-layer expert tokens
+    [n_layers, n_experts]; zeros for a model without experts)."""
     c = model.config
     if not model.has_aux:
         x = run_layers(model.layers, x, lambda layer, h: block(layer, h, extras, attend)[0],
                        model.scan_layers, remat)
-        return x, jnp.zeros((), jnp.float32)
+        zero = jnp.zeros((), jnp.float32)
+        return x, (MoEStats(zero, jnp.zeros((c.n_layers, 0), jnp.float32), zero) if stats
+                   else zero)
 
     def call(layer, h):
         y, a = block(layer, h[0], extras, attend)
-        return y, h[1] + a
+        s, i = h[1], h[2]
+        if isinstance(a, MoEStats):
+            s = MoEStats(s.loss + a.loss, s.expert_tokens.at[i].set(a.expert_tokens),
+                         s.dropped_fraction + a.dropped_fraction)
+        else:
+            s = s._replace(loss=s.loss + a)
+        return y, s, i + 1
 
-    x, aux = run_layers(model.layers, (x, jnp.zeros((), jnp.float32)), call,
-                        model.scan_layers, remat)
-    return x, aux / c.n_layers
+    zero = jnp.zeros((), jnp.float32)
+    start = MoEStats(zero, jnp.zeros((c.n_layers, getattr(c, "n_experts", 0)), jnp.float32),
+                     zero)
+    x, s, _ = run_layers(model.layers, (x, start, jnp.int32(0)), call, model.scan_layers,
+                         remat)
+    s = s._replace(loss=s.loss / c.n_layers, dropped_fraction=s.dropped_fraction / c.n_layers)
+    return x, (s if stats else s.loss)

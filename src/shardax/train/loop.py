@@ -35,7 +35,7 @@ from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
 from shardax.rulecheck import rule_findings
-from shardax.train import build, report
+from shardax.train import balance, build, report
 from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
 from shardax.train.config import TrainConfig, check
@@ -299,7 +299,7 @@ class _Steps:
             record = {"step": done, **self.clock.measure(done, metrics),
                       "lr": float(self.run.schedule(step)), **self.watch.record(),
                       "data_hash": fingerprints({"inputs": batch[0]})["inputs"],
-                      **report.memory_in_use()}
+                      **balance.load_record(metrics), **report.memory_in_use()}
         if self.inputs.val and config.eval_every and (done % config.eval_every == 0
                                                       or done == config.steps):
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]

@@ -164,9 +164,11 @@ class Trackers:
             raise UsageError(str(e)) from None
 
     def log(self, record: dict[str, Any]) -> None:
-        """Sends one metrics record (its ``step`` is the tracker's step)."""
+        """Sends one metrics record (its ``step`` is the tracker's step; list fields, e.g.
+        ``moe/expert_tokens``, stay in ``metrics.jsonl``)."""
         for tracker in self.trackers:
-            tracker.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+            tracker.log(record["step"], {k: v for k, v in record.items()
+                                         if k != "step" and not isinstance(v, list)})
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -577,6 +577,9 @@ def resolve(config: TrainConfig, device_memory: float | None = None, *,
         lay, rule_list = _layout(config, mesh.shape, base)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if getattr(base, "router_bias_update", 0) and mesh.shape.get("pp", 1) > 1:
+        raise UsageError(f"--model {config.model} moves its router bias by each step's expert "
+                         "load, which a 'pp' pipeline does not return; use a mesh without 'pp'")
     memory = _device_memory() if device_memory is None else int(device_memory)
     mode, recompute, why = fsdp_mode(config, mesh.shape, base, policy, memory,
                                      lay)  # UsageError if it cannot run

@@ -36,7 +36,7 @@ from shardax.layout.spec import Layout
 from shardax.models.lora import trainable
 from shardax.parallel import axis_size, load_balance
 from shardax.precision import Policy
-from shardax.train import packing
+from shardax.train import balance, packing
 
 __all__ = ["TrainState", "eval_loss", "init_state", "train_step"]
 
@@ -138,11 +138,23 @@ def train_step(
 
     ``offload_optimizer``: the optimizer state comes in (and, by the caller's
     ``out_shardings``, goes back) in pinned host memory; it is moved to the device for the
-    update."""
-    loss, grads = forward.value_and_grad(
+    update.
+
+    A mixture of experts reports its expert load (``moe/...``: `shardax.train.balance`) and,
+    with ``router_bias_update``, moves its router bias after the optimizer step (in ``rest``;
+    not under a 'pp' pipeline or explicit FSDP, which do not return the load)."""
+    loss, grads, load = forward.value_and_grad(
         graphdef, state.params, state.rest, layout, _with_weights(batch, end_id),
         partial(_with_positions, end_id=end_id), policy=policy, param_rules=param_rules,
-        grad_accum=grad_accum)
+        grad_accum=grad_accum, stats=True)
+    config = getattr(nnx.merge(graphdef, state.params, state.rest), "config", None)
+    rest = state.rest
+    if getattr(config, "router_bias_update", 0):
+        if load is None:
+            raise ValueError("router_bias_update needs the expert load of each step, which a "
+                             "'pp' pipeline and fsdp_mode='explicit' do not return")
+        rest = balance.update_router_bias(graphdef, state.params, rest, load.expert_tokens,
+                                          config)
     old_opt_state = state.opt_state
     if offload_optimizer:
         old_opt_state = jax.device_put(old_opt_state, jax.memory.Space.Device)
@@ -153,8 +165,13 @@ def train_step(
     if skip_nonfinite:  # a select, not a branch: the step's program stays one
         params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                          (params, opt_state), (state.params, old_opt_state))
-    new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
+        if rest is not state.rest:  # the moved router bias
+            rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old), rest,
+                                state.rest)
+    new_state = state._replace(params=params, rest=rest, opt_state=opt_state,
+                               step=state.step + 1)
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+                       **balance.load_metrics(load, config)}
 
 
 def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
