@@ -234,6 +234,9 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
                        lay: Layout) -> list[str]:
     """Why explicit FSDP cannot run here, one phrase each (none: it can)."""
     blockers = []
+    if config.objective != "sft":
+        blockers.append(f"--objective {config.objective} (explicit FSDP computes the "
+                        "cross-entropy only)")
     if mesh_shape.get("fsdp", 1) == 1:
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
     if getattr(model_config, "n_experts", 0) and model_config.moe_impl == "dropless":

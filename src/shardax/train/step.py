@@ -38,7 +38,7 @@ from shardax.parallel import axis_size, load_balance
 from shardax.precision import Policy
 from shardax.train import packing
 
-__all__ = ["TrainState", "eval_loss", "init_state", "train_step"]
+__all__ = ["TrainState", "apply_gradients", "eval_loss", "init_state", "train_step"]
 
 FULL_PRECISION = Policy()
 ONE_DEVICE = Layout()  # the default layout: the rules and XLA decide everything
@@ -143,6 +143,23 @@ def train_step(
         graphdef, state.params, state.rest, layout, _with_weights(batch, end_id),
         partial(_with_positions, end_id=end_id), policy=policy, param_rules=param_rules,
         grad_accum=grad_accum)
+    return apply_gradients(state, loss, grads, tx=tx, skip_nonfinite=skip_nonfinite,
+                           offload_optimizer=offload_optimizer)
+
+
+def apply_gradients(state: TrainState, loss: jax.Array, grads: Any, *,
+                    tx: optax.GradientTransformation, skip_nonfinite: bool = False,
+                    offload_optimizer: bool = False) -> tuple[TrainState, dict]:
+    """The tail of every objective's step: the optimizer update of ``grads``, the gradient
+    norm and the ``finite`` flag (with ``skip_nonfinite`` a non-finite step leaves the
+    parameters and optimizer state as they were), the optimizer state moved from host
+    memory first under ``offload_optimizer``. Returns ``(new state, {"loss", "grad_norm",
+    "finite"})``.
+
+    Example::
+
+        state, metrics = apply_gradients(state, loss, grads, tx=optax.sgd(0.1))
+    """
     old_opt_state = state.opt_state
     if offload_optimizer:
         old_opt_state = jax.device_put(old_opt_state, jax.memory.Space.Device)
