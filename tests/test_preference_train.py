@@ -26,7 +26,8 @@ from shardax.cli import main
 from shardax.errors import UsageError
 from shardax.train import build, preference_step
 from shardax.train.checkpoint import Checkpointer, flat
-from shardax.train.config import check
+from shardax.train.config import ExportConfig, check, check_export
+from shardax.train.export import export_run
 from shardax.train.loop import TrainConfig, train
 from shardax.train.objectives import dpo_loss, sequence_logps
 from shardax.train.preference_batches import REFERENCE_FILE, PreferenceBatches
@@ -55,14 +56,14 @@ def prefs(tmp_path_factory) -> Path:
 def _config(out: Path, prefs: Path, **overrides) -> TrainConfig:
     return TrainConfig(**{**dict(
         out=str(out), objective="dpo", data=[str(prefs)], mesh="fsdp=4,tp=2", steps=STEPS,
-        batch_size=PAIRS, seq_len=SEQ, lr=LR, optimizer="sgd", log_every=1, ckpt_every=1,
+        batch_size=PAIRS, seq_len=SEQ, lr=LR, optimizer="sgd", log_every=1, ckpt_every=3,
         scan_layers=True),
         **overrides})
 
 
 @pytest.fixture(scope="module")
 def dpo_run(prefs, tmp_path_factory):
-    """5 SGD steps of DPO on fsdp=4,tp=2, a checkpoint every step (the newest 3 kept)."""
+    """5 SGD steps of DPO on fsdp=4,tp=2, checkpoints at steps 3 and 5."""
     out = tmp_path_factory.mktemp("dpo") / "run"
     return out, train(_config(out, prefs))
 
@@ -239,3 +240,13 @@ def test_bad_preference_input_is_one_line(prefs, tmp_path, capsys):
     assert code == 2 and len(err) == 1, err
     assert "--dpo-loss ipo" in err[0] and "--objective orpo" in err[0]
     assert not out.exists()
+
+
+def test_a_dpo_run_exports_as_any_fine_tune(dpo_run, tmp_path):
+    from safetensors.numpy import load_file
+
+    out = dpo_run[0]
+    files = export_run(check_export(ExportConfig(out=str(out), to=str(tmp_path / "hf"))))
+    tensors = {k: v for f in files for k, v in load_file(f).items()}
+    embed = _params(out, STEPS)["params.embed.value"]
+    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], embed)
