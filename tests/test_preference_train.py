@@ -250,3 +250,23 @@ def test_a_dpo_run_exports_as_any_fine_tune(dpo_run, tmp_path):
     tensors = {k: v for f in files for k, v in load_file(f).items()}
     embed = _params(out, STEPS)["params.embed.value"]
     np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], embed)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (dict(objective="orpo", dpo_loss="ipo"), "--dpo-loss ipo: --objective orpo"),
+    (dict(objective="sft", beta=0.5), "--beta 0.5: --objective sft"),
+    (dict(objective="dpo", simpo_gamma=1.0), "--simpo-gamma 1.0: --objective dpo"),
+    (dict(objective="dpo", dpo_loss="ipo", label_smoothing=0.1), "--label-smoothing"),
+    (dict(objective="dpo", label_smoothing=0.5), "--label-smoothing 0.5: must be in [0, 0.5)"),
+    (dict(objective="dpo", beta=0.0), "--beta 0.0: must be"),
+    (dict(objective="dpo", pack="concat"), "--pack concat: --objective dpo"),
+    (dict(objective="simpo", grad_accum=2), "--grad-accum 2: --objective simpo"),
+    (dict(objective="dpo", fsdp_mode="explicit"), "--fsdp-mode explicit does not run with "
+                                                  "--objective dpo"),
+    (dict(objective="orpo", mesh="pp=2,fsdp=-1"), "'pp' axis"),
+    (dict(objective="dpo", data=[]), "--objective dpo trains on preference pairs"),
+])
+def test_settings_a_preference_objective_does_not_use_are_refused(flags, needle, prefs):
+    with pytest.raises(UsageError) as e:
+        check(TrainConfig(**{"data": [str(prefs)], **flags}))
+    assert needle in str(e.value) and "\n" not in str(e.value)
