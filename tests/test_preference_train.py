@@ -270,3 +270,25 @@ def test_settings_a_preference_objective_does_not_use_are_refused(flags, needle,
     with pytest.raises(UsageError) as e:
         check(TrainConfig(**{"data": [str(prefs)], **flags}))
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_each_objective_gets_the_log_probabilities_trl_gives_it():
+    """Sums for DPO, per-token averages for IPO (the reference's too), SimPO and ORPO, and
+    ORPO's NLL the token mean over the chosen completions (TRL's batch cross-entropy)."""
+    rng = np.random.default_rng(0)
+    logps, ref = (jnp.asarray(-rng.uniform(5, 20, 6), jnp.float32) for _ in range(2))
+    counts = jnp.asarray([3.0, 4.0, 5.0, 2.0, 6.0, 7.0])
+    avg, ref_avg = logps / counts, ref / counts
+    c, r = slice(0, 3), slice(3, 6)
+    config = check(TrainConfig(objective="dpo", data=["x"], dpo_loss="ipo", beta=0.2))
+    want = ((avg[c] - ref_avg[c]) - (avg[r] - ref_avg[r]) - 1 / 0.4) ** 2
+    got = preference_step.PREFERENCE_LOSSES["dpo"](logps, counts, ref, config)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    config = check(TrainConfig(objective="simpo", data=["x"], beta=2.0, simpo_gamma=0.3))
+    want = -jax.nn.log_sigmoid(2.0 * (avg[c] - avg[r]) - 0.3)
+    got = preference_step.PREFERENCE_LOSSES["simpo"](logps, counts, ref, config)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    config = check(TrainConfig(objective="orpo", data=["x"], beta=0.5))
+    _, metrics = preference_step.PREFERENCE_LOSSES["orpo"](logps, counts, ref, config)
+    np.testing.assert_allclose(metrics["nll_loss"], -logps[c].sum() / counts[c].sum(), rtol=1e-6)
+    np.testing.assert_allclose(metrics["logps/chosen"], avg[c].mean(), rtol=1e-6)

@@ -6,12 +6,13 @@ predicts it), ``checkpoints/`` and the trackers' and profiler's folders. Everyth
 the numbers (model, seed, data order, optimizer state, step) is in the checkpoint, so
 ``--resume`` continues bit for bit, on the same mesh or, resharded, on another one.
 
-`prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`,
-`prepare_inputs`; a `UsageError` names the flag or file, nothing is written); `train` runs the
-loop. SIGTERM or a first Ctrl-C finishes the current step, saves it and raises `Stopped` (the
-CLI exits with 128 + the signal number); a second Ctrl-C aborts at once. A step whose loss
-is not finite is handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite`
-is raised without saving it (the CLI exits with 3).
+`prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`, the
+``--objective``'s inputs: `shardax.train.objective_steps`; a `UsageError` names the flag or
+file, nothing is written); `train` runs the loop with the objective's step. SIGTERM or a
+first Ctrl-C finishes the current step, saves it and raises `Stopped` (the CLI exits with
+128 + the signal number); a second Ctrl-C aborts at once. A step whose loss is not finite is
+handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite` is raised without
+saving it (the CLI exits with 3).
 
 >>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
 """
