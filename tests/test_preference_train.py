@@ -265,6 +265,7 @@ def test_a_dpo_run_exports_as_any_fine_tune(dpo_run, tmp_path):
                                                   "--objective dpo"),
     (dict(objective="orpo", mesh="pp=2,fsdp=-1"), "'pp' axis"),
     (dict(objective="dpo", data=[]), "--objective dpo trains on preference pairs"),
+    (dict(objective="dpo", data=["a.jsonl:0.5", "b.jsonl:0.5"]), "weighted mixtures"),
 ])
 def test_settings_a_preference_objective_does_not_use_are_refused(flags, needle, prefs):
     with pytest.raises(UsageError) as e:

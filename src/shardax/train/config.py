@@ -635,6 +635,9 @@ def _check_objective(config: TrainConfig) -> None:
     why = f"--objective {objective}"
     _usage(bool(config.data), f"{why} trains on preference pairs: give --data PREFS.jsonl "
                               "(records with prompt, chosen, rejected)")
+    _usage(weighted_entries(config.data) is None,
+           f"--data {' '.join(config.data)}: {why} reads its pairs as they are; weighted "
+           "mixtures (PATH:WEIGHT) are for sft")
     _usage(not config.val_data, f"--val-data: {why} has no validation loss; leave it out")
     _usage(config.pack == plain.pack, f"--pack {config.pack}: {why} keeps each sequence in a "
                                       "row of its own; leave --pack out")
