@@ -44,6 +44,7 @@ from shardax.train.trackers import check_installed, parse_log_to
 
 __all__ = [
     "LAYOUT_FLAGS",
+    "PREFERENCE_OBJECTIVES",
     "SECTIONS",
     "STEP_FIELDS",
     "EvalConfig",
@@ -224,6 +225,20 @@ class TrainConfig:
     10:13 (steps count from 1)"""
     peak_tflops: float = 0.0
     """peak TFLOP/s per device for MFU (0: from the device table; MFU is n/a on CPU)"""
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    """what training minimises: sft (next-token cross-entropy on --data), or a preference
+    objective on --data records with prompt / chosen / rejected: dpo (against the reference
+    log-probabilities of the initial model, computed once), simpo or orpo (reference-free);
+    --batch-size counts pairs"""
+    beta: float = 0.1
+    """β of --objective dpo and simpo (the reward scale) and λ of orpo (the weight of its
+    odds-ratio term), as TRL's DPOConfig / CPOConfig / ORPOConfig name it"""
+    dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """--objective dpo's loss: sigmoid (DPO; conservative DPO with --label-smoothing) or ipo"""
+    label_smoothing: float = 0.0
+    """ε in [0, 0.5): the assumed rate of flipped preference labels (dpo sigmoid, simpo)"""
+    simpo_gamma: float = 0.5
+    """γ of --objective simpo: the target reward margin"""
     lora_rank: int = 0
     """LoRA: train rank-R adapters on the --lora-targets weights, the rest frozen (no
     gradient, no optimizer state); 0: train every parameter"""
@@ -244,7 +259,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "init_from", "precision", "remat", "attention", "scan_layers",
               "lora_rank", "lora_alpha", "lora_targets"),
     "training": ("steps", "batch_size", "per_device_batch_size", "seq_len", "grad_accum",
-                 "seed", "on_nan"),
+                 "seed", "on_nan", "objective", "beta", "dpo_loss", "label_smoothing",
+                 "simpo_gamma"),
     "optimizer": ("optimizer", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
                   "clip_grad_norm", "offload_optimizer"),
     "parallelism": ("mesh", "rules", "tp_mode", "sequence_parallel", "fsdp_mode",
@@ -572,6 +588,7 @@ def check(config: TrainConfig) -> TrainConfig:
             LoRA(config.lora_rank, config.lora_alpha, config.lora_targets)
         except ValueError as e:
             raise UsageError(f"--lora-targets: {e}") from None
+    _check_objective(config)
     _usage(config.model in models.CONFIGS,
            f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
     _usage(config.rules in layout.PRESETS,
@@ -597,6 +614,52 @@ def check(config: TrainConfig) -> TrainConfig:
     except (ValueError, MissingExtra) as e:
         raise UsageError(str(e)) from None
     return with_defaults(config)
+
+
+#: The objectives trained on preference pairs, and the settings each one reads.
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
+_OBJECTIVE_FLAGS = {"beta": ("dpo", "simpo", "orpo"), "dpo_loss": ("dpo",),
+                    "label_smoothing": ("dpo", "simpo"), "simpo_gamma": ("simpo",)}
+
+
+def _check_objective(config: TrainConfig) -> None:
+    """``--objective`` and its settings: in range, and given only where the objective reads
+    them; what a preference objective does not run with is named."""
+    _usage(math.isfinite(config.beta) and config.beta > 0,
+           f"--beta {config.beta}: must be a finite number > 0")
+    _usage(math.isfinite(config.label_smoothing) and 0 <= config.label_smoothing < 0.5,
+           f"--label-smoothing {config.label_smoothing}: must be in [0, 0.5)")
+    _usage(math.isfinite(config.simpo_gamma),
+           f"--simpo-gamma {config.simpo_gamma}: must be a finite number")
+    plain = TrainConfig()
+    for name, users in _OBJECTIVE_FLAGS.items():
+        value = getattr(config, name)
+        _usage(value == getattr(plain, name) or config.objective in users,
+               f"{flag(name)} {value}: --objective {config.objective} does not use it (it is "
+               f"for --objective {' / '.join(users)})")
+    _usage(not (config.dpo_loss == "ipo" and config.label_smoothing),
+           "--label-smoothing: --dpo-loss ipo has no label smoothing (it is for sigmoid)")
+    objective = config.objective
+    if objective not in PREFERENCE_OBJECTIVES:
+        return
+    why = f"--objective {objective}"
+    _usage(bool(config.data), f"{why} trains on preference pairs: give --data PREFS.jsonl "
+                              "(records with prompt, chosen, rejected)")
+    _usage(weighted_entries(config.data) is None,
+           f"--data {' '.join(config.data)}: {why} reads its pairs as they are; weighted "
+           "mixtures (PATH:WEIGHT) are for sft")
+    _usage(not config.val_data, f"--val-data: {why} has no validation loss; leave it out")
+    _usage(config.pack == plain.pack, f"--pack {config.pack}: {why} keeps each sequence in a "
+                                      "row of its own; leave --pack out")
+    _usage(config.grad_accum == 1, f"--grad-accum {config.grad_accum}: {why} runs one "
+                                   "microbatch per step; raise --batch-size instead")
+    _usage(config.fsdp_mode != "explicit",
+           f"--fsdp-mode explicit does not run with {why} (explicit FSDP computes the "
+           "cross-entropy only); use --fsdp-mode xla or auto")
+    axes = parse_mesh(config.mesh)
+    for axis in ("pp", "cp"):
+        _usage(axes.get(axis, 1) == 1, f"--mesh {config.mesh!r}: {why} does not run on a "
+                                       f"{axis!r} axis; use dp, fsdp, tp (and ep)")
 
 
 def hf_dir(spec: str, name: str) -> Path:

@@ -36,7 +36,7 @@ from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
-__all__ = ["Inputs", "prepare_inputs"]
+__all__ = ["Inputs", "checked_tokenizer", "prepare_inputs"]
 
 #: validation batches per evaluation (fewer if the validation split is short)
 VAL_BATCHES = 4
@@ -48,16 +48,21 @@ class Inputs:
     empty: no evaluation)."""
 
     tokenizer: Tokenizer
-    train: data_lib.TokenBatches | ChatBatches | MixtureBatches
+    # TokenBatches, ChatBatches, MixtureBatches or (shardax.train.preference_batches)
+    # PreferenceBatches: batch(step), state(), restore()
+    train: Any
     val: list
     sharding: jax.sharding.NamedSharding
     rows: int
 
     def global_batch(self, local: tuple) -> tuple[jax.Array, ...]:
         """This process's rows of a batch -> one global array per field, ``rows`` rows,
-        sharded like the train step's batch."""
+        sharded like the train step's batch (a field of one value per row by its rows)."""
+        row_only = jax.sharding.NamedSharding(self.sharding.mesh,
+                                              jax.sharding.PartitionSpec(*self.sharding.spec[:1]))
         return tuple(jax.make_array_from_process_local_data(
-            self.sharding, x, (self.rows, *x.shape[1:])) for x in local)
+            self.sharding if x.ndim > 1 else row_only, x, (self.rows, *x.shape[1:]))
+            for x in local)
 
     def batch(self, step: int) -> tuple[jax.Array, ...]:
         """The global ``(inputs, targets)`` batch of ``step`` (0-based)."""
@@ -78,7 +83,7 @@ class Inputs:
         return self.train.tokens_taken(step) if isinstance(self.train, MixtureBatches) else {}
 
 
-def _tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokenizer:
+def checked_tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokenizer:
     """``--tokenizer`` (resuming: the run's copy of it, if any), checked to fit the model: the
     model's vocabulary (its preset's ``vocab_size``) must hold every id of the tokenizer."""
     try:
@@ -245,7 +250,7 @@ def _chat_inputs(config: TrainConfig, tokenizer: Tokenizer, part: int, parts: in
 def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
     """The tokenizer and batches of a resolved run (nothing is written but the token cache)."""
     config, mesh = run.config, run.mesh
-    tokenizer = _tokenizer(config, run_dir, run.model_config.vocab_size)
+    tokenizer = checked_tokenizer(config, run_dir, run.model_config.vocab_size)
     entries = weighted_entries(config.data)
     if entries is None and config.data and all(is_chat_file(p, config.data_split)
                                                for p in config.data):

@@ -6,12 +6,13 @@ predicts it), ``checkpoints/`` and the trackers' and profiler's folders. Everyth
 the numbers (model, seed, data order, optimizer state, step) is in the checkpoint, so
 ``--resume`` continues bit for bit, on the same mesh or, resharded, on another one.
 
-`prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`,
-`prepare_inputs`; a `UsageError` names the flag or file, nothing is written); `train` runs the
-loop. SIGTERM or a first Ctrl-C finishes the current step, saves it and raises `Stopped` (the
-CLI exits with 128 + the signal number); a second Ctrl-C aborts at once. A step whose loss
-is not finite is handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite`
-is raised without saving it (the CLI exits with 3).
+`prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`, the
+``--objective``'s inputs: `shardax.train.objective_steps`; a `UsageError` names the flag or
+file, nothing is written); `train` runs the loop with the objective's step. SIGTERM or a
+first Ctrl-C finishes the current step, saves it and raises `Stopped` (the CLI exits with
+128 + the signal number); a second Ctrl-C aborts at once. A step whose loss is not finite is
+handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite` is raised without
+saving it (the CLI exits with 3).
 
 >>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
 """
@@ -40,10 +41,11 @@ from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
 from shardax.train.config import TrainConfig, check
 from shardax.train.fingerprint import fingerprints
-from shardax.train.inputs import Inputs, prepare_inputs
+from shardax.train.inputs import Inputs
 from shardax.train.mfu import flops_per_token
 from shardax.train.nonfinite import NonFinite, NonFiniteWatch
 from shardax.train.notes import note
+from shardax.train.objective_steps import objective_of
 from shardax.train.profiler import StepProfiler, parse_profile_steps
 from shardax.train.resolve import Resolved, resolve, schedule_change
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
@@ -79,10 +81,13 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
         raise UsageError(f"--resume: {run.batch_why} differs from the run being resumed "
                          f"(--batch-size {saved.batch_size})")  # see check_resume
     with report.phase("preparing the data and tokenizer"):
-        return Prepared(run, run_dir, prepare_inputs(run, run_dir))
+        return Prepared(run, run_dir, objective_of(config).inputs(run, run_dir))
 
 
 _note = partial(note, "train")  # also handed to the run lock, the NaN watch, the clean-up
+#: What every step reports (`report.StepClock` logs them); an objective's other metrics are
+#: logged as they are.
+_STEP_METRICS = ("loss", "grad_norm", "finite")
 
 
 def _check_extra(restored: Restored) -> None:
@@ -297,6 +302,7 @@ class _Steps:
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
             self.watch.settle()
             record = {"step": done, **self.clock.measure(done, metrics),
+                      **{k: float(v) for k, v in metrics.items() if k not in _STEP_METRICS},
                       "lr": float(self.run.schedule(step)), **self.watch.record(),
                       "data_hash": fingerprints({"inputs": batch[0]})["inputs"],
                       **balance.load_record(metrics), **report.memory_in_use()}
@@ -363,8 +369,10 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     if is_main:
         metrics_log.start(records)
 
+    objective = objective_of(config)
+    objective.setup(run, run_dir, inputs, graphdef, state, start)
     end_id = inputs.tokenizer.eos_id if config.pack == "documents" else None
-    step_fn = build.step_function(run, graphdef, end_id=end_id)
+    step_fn = objective.step(run, graphdef, end_id=end_id)
     evaluate = mesh.sjit(partial(eval_loss, graphdef=graphdef, policy=run.policy, end_id=end_id,
                                  layout=run.layout),
                          in_shardings=(run.state_rules, inputs.sharding.spec))
@@ -375,7 +383,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     if is_main:  # what the compiled step holds and moves per device (`shardax plan` predicts it)
         write_text(run_dir.plan, plan.to_json() + "\n")
         _banner(p, state_shape, plan, per_token, peak)
-    clock = report.StepClock(config.batch_size * config.seq_len, start, per_token, peak,
+    clock = report.StepClock(inputs.rows * config.seq_len, start, per_token, peak,
                              jax.device_count())
     steps = _Steps(p, start, records, evaluate, metrics_log, clock, skipped)
     profiler = StepProfiler(parse_profile_steps(config.profile_steps), run_dir.profile)

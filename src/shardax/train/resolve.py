@@ -234,6 +234,9 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
                        lay: Layout) -> list[str]:
     """Why explicit FSDP cannot run here, one phrase each (none: it can)."""
     blockers = []
+    if config.objective != "sft":
+        blockers.append(f"--objective {config.objective} (explicit FSDP computes the "
+                        "cross-entropy only)")
     if mesh_shape.get("fsdp", 1) == 1:
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
     if getattr(model_config, "n_experts", 0) and model_config.moe_impl == "dropless":
@@ -449,13 +452,16 @@ class Resolved:
         (``chat``: conversations packed whole, whatever ``--pack`` says)."""
         c, config, asked = self.model_config, self.config, self.layout.attention
         q = jax.ShapeDtypeStruct((1, config.seq_len, c.n_heads, c.dim // c.n_heads), c.dtype)
-        packed = chat or config.pack == "documents"
+        pairs = config.objective != "sft"  # a preference row holds one sequence, unpacked
+        packed = not pairs and (chat or config.pack == "documents")
         impl = resolve_implementation(asked, q, q, custom_mask=packed)
         if self.mesh.shape.get("cp", 1) > 1:
             impl = f"ring attention over 'cp' (blockwise steps; --attention {asked})"
         elif impl != asked:
             impl += f" (--attention {asked})"
-        pack = (f"conversations (whole, into rows; attention and RoPE positions restart at "
+        pack = ("one sequence per row (prompt + chosen or rejected; the objective on the "
+                "completion's tokens)" if pairs else
+                f"conversations (whole, into rows; attention and RoPE positions restart at "
                 f"each one; loss on the {config.loss_on} tokens)" if chat else
                 "documents (attention and RoPE positions restart at each end-of-text, no loss "
                 "across it)" if packed else "concat (one stream)")

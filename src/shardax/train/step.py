@@ -38,7 +38,7 @@ from shardax.parallel import axis_size, load_balance
 from shardax.precision import Policy
 from shardax.train import balance, packing
 
-__all__ = ["TrainState", "eval_loss", "init_state", "train_step"]
+__all__ = ["TrainState", "apply_gradients", "eval_loss", "init_state", "train_step"]
 
 FULL_PRECISION = Policy()
 ONE_DEVICE = Layout()  # the default layout: the rules and XLA decide everything
@@ -155,6 +155,27 @@ def train_step(
                              "'pp' pipeline and fsdp_mode='explicit' do not return")
         rest = balance.update_router_bias(graphdef, state.params, rest, load.expert_tokens,
                                           config)
+    state, metrics = apply_gradients(state, loss, grads, tx=tx, skip_nonfinite=skip_nonfinite,
+                                     offload_optimizer=offload_optimizer, rest=rest)
+    return state, {**metrics, **balance.load_metrics(load, config)}
+
+
+def apply_gradients(state: TrainState, loss: jax.Array, grads: Any, *,
+                    tx: optax.GradientTransformation, skip_nonfinite: bool = False,
+                    offload_optimizer: bool = False, rest: Any = None
+                    ) -> tuple[TrainState, dict]:
+    """The tail of every objective's step: the optimizer update of ``grads``, the gradient
+    norm and the ``finite`` flag (with ``skip_nonfinite`` a non-finite step leaves the
+    parameters, the optimizer state and ``rest`` as they were), the optimizer state moved
+    from host memory first under ``offload_optimizer``. ``rest``: the non-trained state after
+    the step (a moved router bias), default unchanged. Returns ``(new state, {"loss",
+    "grad_norm", "finite"})``.
+
+    Example::
+
+        state, metrics = apply_gradients(state, loss, grads, tx=optax.sgd(0.1))
+    """
+    rest = state.rest if rest is None else rest
     old_opt_state = state.opt_state
     if offload_optimizer:
         old_opt_state = jax.device_put(old_opt_state, jax.memory.Space.Device)
@@ -170,8 +191,7 @@ def train_step(
                                 state.rest)
     new_state = state._replace(params=params, rest=rest, opt_state=opt_state,
                                step=state.step + 1)
-    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                       **balance.load_metrics(load, config)}
+    return new_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite}
 
 
 def eval_loss(state: TrainState, batch: tuple[jax.Array, jax.Array], *, graphdef: Any,
