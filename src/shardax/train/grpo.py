@@ -42,7 +42,7 @@ from shardax.models import decode
 from shardax.precision import Policy
 from shardax.train import objectives, packing
 from shardax.train.rewards import RewardSet, reward_metrics
-from shardax.train.step import FULL_PRECISION, ONE_DEVICE, TrainState
+from shardax.train.step import FULL_PRECISION, ONE_DEVICE, TrainState, apply_gradients
 from shardax.train.tokenizer import Tokenizer
 
 __all__ = ["GRPOConfig", "Rollout", "Rollouts", "completion_logps", "grpo_step",
@@ -172,10 +172,8 @@ def grpo_step(state: TrainState, batch: Rollouts, *, graphdef: Any,
                                     beta=beta)
 
     (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    new_state = state._replace(params=params, opt_state=opt_state, step=state.step + 1)
-    return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **metrics}
+    new_state, applied = apply_gradients(state, loss, grads, tx=tx)
+    return new_state, {**applied, **metrics}
 
 
 def reference_params(params: Any, lora: bool) -> Any:

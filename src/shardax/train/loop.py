@@ -302,7 +302,8 @@ class _Steps:
         if done % config.log_every == 0 or done in (config.steps, self.start + 1):
             self.watch.settle()
             record = {"step": done, **self.clock.measure(done, metrics),
-                      **{k: float(v) for k, v in metrics.items() if k not in _STEP_METRICS},
+                      **{k: float(v) for k, v in metrics.items()  # the objective's own
+                         if k not in _STEP_METRICS and not k.startswith("moe/")},
                       "lr": float(self.run.schedule(step)), **self.watch.record(),
                       "data_hash": fingerprints({"inputs": batch[0]})["inputs"],
                       **balance.load_record(metrics), **report.memory_in_use()}
