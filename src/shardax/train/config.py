@@ -227,6 +227,32 @@ class TrainConfig:
     lora_targets: str = DEFAULT_TARGETS
     """LoRA: regular expression over parameter paths; the default matches the attention and
     MLP projections"""
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
+    """what to minimise: sft (next-token loss on --data), grpo (group relative policy
+    optimisation on the prompts of --data with the rewards of --reward; see
+    docs/post_training.md)"""
+    reward: list[str] = field(default_factory=list)
+    """grpo: a reward function, path/to/file.py:function or package.module:function, called as
+    function(prompts, completions, **fields) -> list[float]; repeat for several (summed)"""
+    reward_weights: Annotated[list[float], _SAYS_DEFAULT] = field(default_factory=list)
+    """grpo: one weight per --reward (default: 1.0 each)"""
+    group_size: int = 8
+    """grpo: completions sampled per prompt (TRL's num_generations); --batch-size counts
+    completions, so a step takes --batch-size / --group-size prompts"""
+    max_new_tokens: int = 256
+    """grpo: the longest completion, in tokens (TRL's max_completion_length)"""
+    temperature: float = 1.0
+    """grpo: sampling temperature of the rollouts"""
+    top_p: float = 1.0
+    """grpo: nucleus sampling of the rollouts (1: off)"""
+    epsilon: float = 0.2
+    """grpo: the policy ratio is clipped to [1 - epsilon, 1 + epsilon]"""
+    beta: Annotated[float | None, _SAYS_DEFAULT] = None
+    """grpo: weight of the KL term to the reference policy, the initial model (default: the
+    objective's own, TRL's 0.0 for grpo: no reference is held or run)"""
+    num_iterations: int = 1
+    """grpo: optimizer steps per batch of rollouts (TRL's num_iterations; --steps counts
+    rollout batches)"""
 
     def to_json(self) -> dict[str, Any]:
         """The config as a JSON-ready dict (what ``config.json`` holds)."""
@@ -239,7 +265,9 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model", "init_from", "precision", "remat", "attention", "scan_layers",
               "lora_rank", "lora_alpha", "lora_targets"),
     "training": ("steps", "batch_size", "per_device_batch_size", "seq_len", "grad_accum",
-                 "seed", "on_nan"),
+                 "seed", "on_nan", "objective"),
+    "grpo": ("reward", "reward_weights", "group_size", "max_new_tokens", "temperature",
+             "top_p", "epsilon", "beta", "num_iterations"),
     "optimizer": ("optimizer", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
                   "clip_grad_norm", "offload_optimizer"),
     "parallelism": ("mesh", "rules", "tp_mode", "sequence_parallel", "fsdp_mode",
@@ -403,9 +431,9 @@ def coerce(name: str, tp: Any, value: Any, where: str) -> Any:
                              + ", ".join(map(str, args)))
         return value
     if origin is list:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        if not isinstance(value, (list, tuple)):
             raise bad
-        return list(value)
+        return [coerce(name, args[0], v, where) for v in value]
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
@@ -586,7 +614,46 @@ def check(config: TrainConfig) -> TrainConfig:
         check_installed(parse_log_to(config.log_to))
     except (ValueError, MissingExtra) as e:
         raise UsageError(str(e)) from None
+    if config.objective == "grpo":
+        _check_grpo(config)
+    _usage(config.objective in ("sft", "grpo"),
+           f"--objective {config.objective}: not implemented yet (sft, grpo)")
     return with_defaults(config)
+
+
+def _check_grpo(config: TrainConfig) -> None:
+    """The flags of ``--objective grpo``; the reward functions are loaded (their modules
+    imported: a reward is the user's code) and the prompts read in `shardax.train.grpo_run`."""
+    _usage(bool(config.reward), "--objective grpo needs --reward FILE.py:FUNCTION (or "
+                                "package.module:function), the reward of each completion")
+    _usage(not config.reward_weights or len(config.reward_weights) == len(config.reward),
+           f"--reward-weights: {len(config.reward_weights)} weights for "
+           f"{len(config.reward)} --reward")
+    _usage(all(math.isfinite(w) for w in config.reward_weights),
+           "--reward-weights: must be finite numbers")
+    _usage(config.group_size >= 2, f"--group-size {config.group_size}: GRPO needs at least 2 "
+                                   "completions per prompt (advantages are relative to the group)")
+    _usage(config.batch_size % config.group_size == 0,
+           f"--batch-size {config.batch_size} counts completions: must be a multiple of "
+           f"--group-size {config.group_size}")
+    for name in ("max_new_tokens", "num_iterations"):
+        _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
+    _usage(math.isfinite(config.temperature) and config.temperature >= 0,
+           f"--temperature {config.temperature}: must be a finite number >= 0")
+    _usage(math.isfinite(config.top_p) and 0 < config.top_p <= 1,
+           f"--top-p {config.top_p}: must be in (0, 1] (1: no limit)")
+    _usage(math.isfinite(config.epsilon) and config.epsilon > 0,
+           f"--epsilon {config.epsilon}: must be a finite number > 0")
+    _usage(config.beta is None or (math.isfinite(config.beta) and config.beta >= 0),
+           f"--beta {config.beta}: must be a finite number >= 0")
+    _usage(config.pack == "documents", f"--pack {config.pack}: --objective grpo packs nothing "
+                                       "(each completion is its own row); leave --pack out")
+    _usage(len(config.data) == 1 and Path(config.data[0]).suffix == ".jsonl",
+           "--objective grpo needs --data PROMPTS.jsonl (records with a 'prompt' string or "
+           "'messages')")
+    _usage(not config.val_data, "--val-data: --objective grpo has no validation loss")
+    _usage(config.grad_accum == 1 and parse_mesh(config.mesh).get("pp", 1) == 1,
+           "--objective grpo: --grad-accum and a 'pp' mesh axis are not supported")
 
 
 def hf_dir(spec: str, name: str) -> Path:
