@@ -98,3 +98,25 @@ def test_bad_grpo_input_is_one_line(case, tmp_path):
         needles = ["prompts.jsonl:1", "'prompt'"]
     assert_one_line_error(run_cli(*args, cwd=tmp_path), "train", *needles)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_chat_prompts_are_the_templates_generation_prompts(name, tmp_path):
+    """``messages`` (and TRL's conversational ``prompt``, a list of messages) become the
+    text whose ids are ``apply_chat_template(..., add_generation_prompt=True)``'s; other
+    columns stay for the rewards."""
+    pytest.importorskip("jinja2")
+    from shardax.train.chat import ChatTemplate
+    from shardax.train.grpo_run import read_prompts
+    from shardax.train.tokenizer import load_tokenizer
+
+    chat = Path(__file__).parent / "fixtures" / "chat" / name
+    convs = [json.loads(line)["messages"][:-1] for line in
+             (chat.parent / "chat.jsonl").read_text().splitlines()[:2]]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": convs[0], "answer": "4"}) + "\n"
+                    + json.dumps({"prompt": convs[1]}) + "\n")
+    records, tok = read_prompts(str(path), str(chat)), load_tokenizer(chat)
+    assert records[0]["answer"] == "4"
+    for record, messages in zip(records, convs):
+        assert tok.encode(record["prompt"]) == ChatTemplate(chat).prompt(messages)

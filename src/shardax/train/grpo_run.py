@@ -32,13 +32,13 @@ from shardax.train.chat import ChatTemplate, chat_messages
 from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
 from shardax.train.config import TrainConfig, check
 from shardax.train.grpo import GRPOConfig, reference_params, train_grpo
-from shardax.train.inputs import _tokenizer as run_tokenizer_checked
+from shardax.train.inputs import checked_tokenizer
 from shardax.train.notes import note
 from shardax.train.resolve import Resolved, resolve
 from shardax.train.rewards import RewardSet
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
 from shardax.train.stop import Stopped, StopRequests
-from shardax.train.tokenizer import BYTES
+from shardax.train.tokenizer import BYTES, load_tokenizer
 
 __all__ = ["check_inputs", "grpo_settings", "read_prompts", "train_grpo_run"]
 
@@ -60,13 +60,14 @@ def grpo_settings(config: TrainConfig) -> GRPOConfig:
 
 def read_prompts(path: str, tokenizer: str | None) -> list[dict]:
     """The records of a prompts ``.jsonl`` file, each with its prompt text under
-    ``"prompt"`` (``messages`` rendered with the chat template of the ``tokenizer``
-    directory); a one-line `UsageError` naming ``--data FILE:LINE`` otherwise."""
-    records = []
+    ``"prompt"``: a string as it is; chat ``messages`` (or TRL's conversational ``prompt``, a
+    list of messages) rendered with the chat template of the ``tokenizer`` directory and the
+    generation prompt. A one-line `UsageError` naming ``--data FILE:LINE`` otherwise."""
     try:
         lines = Path(path).read_bytes().splitlines()
     except OSError as e:
         raise UsageError(f"--data {path}: cannot read it ({e.strerror or e})") from None
+    records = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -74,16 +75,9 @@ def read_prompts(path: str, tokenizer: str | None) -> list[dict]:
         record = parse_json(line, where)
         if not isinstance(record, dict):
             raise UsageError(f"{where}: not a JSON object")
-        if "messages" in record and "prompt" not in record:
-            if tokenizer in (None, BYTES):
-                raise UsageError(f"{where}: 'messages' need a chat template: pass --tokenizer "
-                                 "DIR (or --init-from hf:DIR) with one")
-            try:
-                messages = chat_messages(record, where)
-                text = ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-            record = {**record, "prompt": text}
+        messages = record.get("prompt", record.get("messages"))
+        if isinstance(messages, list):
+            record = {**record, "prompt": _render(messages, tokenizer, where)}
         if not isinstance(record.get("prompt"), str):
             raise UsageError(f"{where}: a GRPO prompt record needs a 'prompt' string or chat "
                              f"'messages' (keys {sorted(record)})")
@@ -91,6 +85,23 @@ def read_prompts(path: str, tokenizer: str | None) -> list[dict]:
     if not records:
         raise UsageError(f"--data {path}: no prompt records")
     return records
+
+
+def _render(messages: list, tokenizer: str | None, where: str) -> str:
+    """A conversation as the prompt text of its next assistant turn."""
+    if tokenizer in (None, BYTES):
+        raise UsageError(f"{where}: chat messages need a chat template: pass --tokenizer DIR "
+                         "(or --init-from hf:DIR) with one")
+    try:
+        messages = chat_messages({"messages": messages}, where)
+        text = ChatTemplate(tokenizer).render(messages, add_generation_prompt=True)
+        tok = load_tokenizer(tokenizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    # Tokenizer.encode puts its prefix (BOS) first: drop the template's, so the ids are
+    # apply_chat_template's, with one BOS.
+    lead = tok.decode(list(tok.prefix), skip_special_tokens=False) if tok.prefix else ""
+    return text[len(lead):] if lead and text.startswith(lead) else text
 
 
 def check_inputs(config: TrainConfig) -> tuple[list[dict], RewardSet]:
@@ -149,7 +160,7 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
     with report.phase("starting the backend and resolving the run"):
         # the schedule counts optimizer steps: --num-iterations per GRPO step
         run = resolve(dataclasses.replace(config, steps=config.steps * settings.num_iterations))
-    tokenizer = run_tokenizer_checked(config, run_dir, run.model_config.vocab_size)
+    tokenizer = checked_tokenizer(config, run_dir, run.model_config.vocab_size)
     longest = max(len(tokenizer.encode(r["prompt"])) for r in records)
     limit = run.model_config.max_seq_len
     if longest + settings.max_new_tokens > limit:

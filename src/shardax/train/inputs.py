@@ -36,7 +36,7 @@ from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
-__all__ = ["Inputs", "prepare_inputs"]
+__all__ = ["Inputs", "checked_tokenizer", "prepare_inputs"]
 
 #: validation batches per evaluation (fewer if the validation split is short)
 VAL_BATCHES = 4
@@ -78,7 +78,7 @@ class Inputs:
         return self.train.tokens_taken(step) if isinstance(self.train, MixtureBatches) else {}
 
 
-def _tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokenizer:
+def checked_tokenizer(config: TrainConfig, run_dir: RunDir, model_vocab: int) -> Tokenizer:
     """``--tokenizer`` (resuming: the run's copy of it, if any), checked to fit the model: the
     model's vocabulary (its preset's ``vocab_size``) must hold every id of the tokenizer."""
     try:
@@ -242,7 +242,7 @@ def _chat_inputs(config: TrainConfig, tokenizer: Tokenizer, part: int, parts: in
 def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
     """The tokenizer and batches of a resolved run (nothing is written but the token cache)."""
     config, mesh = run.config, run.mesh
-    tokenizer = _tokenizer(config, run_dir, run.model_config.vocab_size)
+    tokenizer = checked_tokenizer(config, run_dir, run.model_config.vocab_size)
     entries = weighted_entries(config.data)
     if entries is None and config.data and all(is_chat_file(p) for p in config.data):
         sharding = jax.sharding.NamedSharding(
