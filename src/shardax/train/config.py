@@ -83,6 +83,15 @@ def _arg(name: str | None = None, help: str | None = None, hint: str | None = No
 _SAYS_DEFAULT = _arg(hint="")
 
 
+def _repeatable() -> Any:
+    """tyro's marker of a list flag given once per value (``--reward a --reward b``)."""
+    try:
+        import tyro  # optional, as in `_arg`
+    except ImportError:
+        return None
+    return tyro.conf.UseAppendAction
+
+
 # The Hugging Face model types the importer reads (`shardax.hf.configs`), for the help texts.
 _HF_TYPES = ", ".join(HF_MODEL_TYPES)
 
@@ -231,7 +240,7 @@ class TrainConfig:
     """what to minimise: sft (next-token loss on --data), grpo (group relative policy
     optimisation on the prompts of --data with the rewards of --reward; see
     docs/post_training.md)"""
-    reward: list[str] = field(default_factory=list)
+    reward: Annotated[list[str], _repeatable()] = field(default_factory=list)
     """grpo: a reward function, path/to/file.py:function or package.module:function, called as
     function(prompts, completions, **fields) -> list[float]; repeat for several (summed)"""
     reward_weights: Annotated[list[float], _SAYS_DEFAULT] = field(default_factory=list)

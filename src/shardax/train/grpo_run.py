@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from shardax import _compat
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import parse_json
 from shardax.train import build, report
@@ -174,14 +175,18 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
     metrics_log = report.MetricsLog(run_dir.metrics)
     if config.resume:
         start, state = _restore(config, run_dir, state_shape, run.shardings(state_shape))
-        if settings.beta != 0.0 and not lora:  # the KL reference is the initial policy
-            ref_params = reference_params(_fresh(run).params, lora=False)
         kept = metrics_log.read(up_to=start, quiet=not is_main)
+        if is_main:
+            print(f"shardax train: resumed from step {start} (checkpoint "
+                  f"{run_dir.checkpoints / str(start)})", flush=True)
         if start >= config.steps:
             _note(f"the run is already at step {start} = --steps; nothing to do")
             return kept
         if is_main:
             tidy_checkpoints(run_dir, start, _note)
+        _compat.sync_processes("shardax-tidy-checkpoints")
+        if settings.beta != 0.0 and not lora:  # the KL reference is the initial policy
+            ref_params = reference_params(_fresh(run).params, lora=False)
     else:
         with report.phase(f"loading {config.init_from}" if config.init_from is not None
                           else "initialising the model"):
@@ -189,6 +194,12 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
     write_config(run_dir, config, tokenizer, main=is_main)
     if is_main:
         metrics_log.start(kept)
+        n_params = sum(x.size for x in jax.tree.leaves(state_shape.params))
+        print(f"shardax train: GRPO of {config.init_from or config.model} ({n_params:,} "
+              f"trainable parameters{', LoRA' if lora else ''}) on mesh {run.mesh.shape}: "
+              f"{settings.prompts_per_step} of {len(records)} prompts x {settings.group_size} "
+              f"completions of <= {settings.max_new_tokens} tokens per step, "
+              f"{settings.num_iterations} update(s) each, beta {settings.beta:g}", flush=True)
     out = list(kept)
     trackers = report.Trackers(config.log_to, run_dir.out, config.to_json()) if is_main else None
     ckpt = Checkpointer(run_dir.checkpoints, max_to_keep=3)
@@ -225,5 +236,7 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
         if trackers is not None:
             trackers.close()
     if is_main:
-        print(f"wrote {metrics_log.path} and checkpoints in {run_dir.checkpoints}")
+        png = report.plot(run_dir.out, out)
+        print(f"wrote {metrics_log.path}{f', {png}' if png else ''} and checkpoints in "
+              f"{run_dir.checkpoints}")
     return out
