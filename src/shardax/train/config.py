@@ -661,8 +661,10 @@ def _check_grpo(config: TrainConfig) -> None:
            "--objective grpo needs --data PROMPTS.jsonl (records with a 'prompt' string or "
            "'messages')")
     _usage(not config.val_data, "--val-data: --objective grpo has no validation loss")
-    _usage(config.grad_accum == 1 and parse_mesh(config.mesh).get("pp", 1) == 1,
-           "--objective grpo: --grad-accum and a 'pp' mesh axis are not supported")
+    _usage(config.grad_accum == 1 and parse_mesh(config.mesh).get("pp", 1) == 1
+           and not config.offload_optimizer,
+           "--objective grpo: --grad-accum, --offload-optimizer and a 'pp' mesh axis are not "
+           "supported")
 
 
 def hf_dir(spec: str, name: str) -> Path:

@@ -227,10 +227,6 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
                    steps=config.steps - start, settings=settings, mesh=run.mesh,
                    rules=run.rules, layout=run.layout, policy=run.policy, lora=lora,
                    ref_params=ref_params, on_step=on_step)
-    except UsageError:  # a reward function that raises or returns no numbers: one line
-        raise
-    except ValueError as e:
-        raise UsageError(f"--objective grpo: {e}") from None
     finally:
         ckpt.close()
         if trackers is not None:
