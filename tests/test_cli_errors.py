@@ -248,6 +248,12 @@ CASES = [
      ["{both_batches.toml}", "per_device_batch_size", "batch_size"]),
     ("per-device batch 0", ["train", "--per-device-batch-size", "0"],
      ["--per-device-batch-size 0", ">= 1"]),
+    ("grpo group of 1", ["train", "--objective", "grpo", "--reward", "r.py:f",
+                         "--group-size", "1"], ["--group-size 1", "at least 2"]),
+    ("grpo packed", ["train", "--objective", "grpo", "--reward", "r.py:f", "--pack", "concat"],
+     ["--pack concat", "--objective grpo"]),
+    ("grpo batch of part groups", ["train", "--objective", "grpo", "--reward", "r.py:f",
+                                   "--batch-size", "12"], ["--batch-size 12", "--group-size 8"]),
 ]
 
 

@@ -398,7 +398,12 @@ def _train_defaults(argv: list[str]) -> Any:
 def _train_check(args: Any) -> Any:
     from shardax.train.config import check
 
-    return dataclasses.replace(args, run=check(args.run))
+    config = check(args.run)
+    if config.objective == "grpo":  # its prompts and rewards, before a backend starts
+        from shardax.train.grpo_run import check_inputs
+
+        check_inputs(config)
+    return dataclasses.replace(args, run=config)
 
 
 def _train_run_dir(args: Any) -> Any:

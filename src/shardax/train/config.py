@@ -85,6 +85,15 @@ def _arg(name: str | None = None, help: str | None = None, hint: str | None = No
 _SAYS_DEFAULT = _arg(hint="")
 
 
+def _repeatable() -> Any:
+    """tyro's marker of a list flag given once per value (``--reward a --reward b``)."""
+    try:
+        import tyro  # optional, as in `_arg`
+    except ImportError:
+        return None
+    return tyro.conf.UseAppendAction
+
+
 # The Hugging Face model types the importer reads (`shardax.hf.configs`), for the help texts.
 _HF_TYPES = ", ".join(HF_MODEL_TYPES)
 
@@ -225,14 +234,16 @@ class TrainConfig:
     10:13 (steps count from 1)"""
     peak_tflops: float = 0.0
     """peak TFLOP/s per device for MFU (0: from the device table; MFU is n/a on CPU)"""
-    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
-    """what training minimises: sft (next-token cross-entropy on --data), or a preference
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
+    """what training minimises: sft (next-token cross-entropy on --data); a preference
     objective on --data records with prompt / chosen / rejected: dpo (against the reference
-    log-probabilities of the initial model, computed once), simpo or orpo (reference-free);
-    --batch-size counts pairs"""
-    beta: float = 0.1
-    """β of --objective dpo and simpo (the reward scale) and λ of orpo (the weight of its
-    odds-ratio term), as TRL's DPOConfig / CPOConfig / ORPOConfig name it"""
+    log-probabilities of the initial model, computed once), simpo or orpo (reference-free),
+    where --batch-size counts pairs; or grpo (group relative policy optimisation on the
+    prompts of --data with the rewards of --reward; see docs/post_training.md)"""
+    beta: Annotated[float | None, _SAYS_DEFAULT] = None
+    """β of --objective dpo and simpo (the reward scale), λ of orpo (the weight of its
+    odds-ratio term), the KL weight of grpo, as TRL's configs name it (default: TRL's, 0.1
+    for dpo / simpo / orpo, 0.0 for grpo: no reference is held or run)"""
     dpo_loss: Literal["sigmoid", "ipo"] = "sigmoid"
     """--objective dpo's loss: sigmoid (DPO; conservative DPO with --label-smoothing) or ipo"""
     label_smoothing: float = 0.0
@@ -247,6 +258,25 @@ class TrainConfig:
     lora_targets: str = DEFAULT_TARGETS
     """LoRA: regular expression over parameter paths; the default matches the attention and
     MLP projections"""
+    reward: Annotated[list[str], _repeatable()] = field(default_factory=list)
+    """grpo: a reward function, path/to/file.py:function or package.module:function, called as
+    function(prompts, completions, **fields) -> list[float]; repeat for several (summed)"""
+    reward_weights: Annotated[list[float], _SAYS_DEFAULT] = field(default_factory=list)
+    """grpo: one weight per --reward (default: 1.0 each)"""
+    group_size: int = 8
+    """grpo: completions sampled per prompt (TRL's num_generations); --batch-size counts
+    completions, so a step takes --batch-size / --group-size prompts"""
+    max_new_tokens: int = 256
+    """grpo: the longest completion, in tokens (TRL's max_completion_length)"""
+    temperature: float = 1.0
+    """grpo: sampling temperature of the rollouts"""
+    top_p: float = 1.0
+    """grpo: nucleus sampling of the rollouts (1: off)"""
+    epsilon: float = 0.2
+    """grpo: the policy ratio is clipped to [1 - epsilon, 1 + epsilon]"""
+    num_iterations: int = 1
+    """grpo: optimizer steps per batch of rollouts (TRL's num_iterations; --steps counts
+    rollout batches)"""
 
     def to_json(self) -> dict[str, Any]:
         """The config as a JSON-ready dict (what ``config.json`` holds)."""
@@ -261,6 +291,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "training": ("steps", "batch_size", "per_device_batch_size", "seq_len", "grad_accum",
                  "seed", "on_nan", "objective", "beta", "dpo_loss", "label_smoothing",
                  "simpo_gamma"),
+    "grpo": ("reward", "reward_weights", "group_size", "max_new_tokens", "temperature",
+             "top_p", "epsilon", "num_iterations"),
     "optimizer": ("optimizer", "lr", "warmup_steps", "min_lr_ratio", "weight_decay",
                   "clip_grad_norm", "offload_optimizer"),
     "parallelism": ("mesh", "rules", "tp_mode", "sequence_parallel", "fsdp_mode",
@@ -425,9 +457,9 @@ def coerce(name: str, tp: Any, value: Any, where: str) -> Any:
                              + ", ".join(map(str, args)))
         return value
     if origin is list:
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        if not isinstance(value, (list, tuple)):
             raise bad
-        return list(value)
+        return [coerce(name, args[0], v, where) for v in value]
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
@@ -518,8 +550,9 @@ def with_defaults(config: TrainConfig) -> TrainConfig:
     given = {"warmup": config.warmup_steps, "min_lr_ratio": config.min_lr_ratio,
              "weight_decay": config.weight_decay, "clip_grad_norm": config.clip_grad_norm}
     filled = {k: default[k] if v is None else v for k, v in given.items()}
+    beta = OBJECTIVE_BETA.get(config.objective) if config.beta is None else config.beta
     return dataclasses.replace(
-        config, lr=lr, tokenizer=tokenizer, warmup_steps=filled["warmup"],
+        config, lr=lr, tokenizer=tokenizer, beta=beta, warmup_steps=filled["warmup"],
         min_lr_ratio=filled["min_lr_ratio"], weight_decay=filled["weight_decay"],
         clip_grad_norm=filled["clip_grad_norm"])
 
@@ -613,19 +646,25 @@ def check(config: TrainConfig) -> TrainConfig:
         check_installed(parse_log_to(config.log_to))
     except (ValueError, MissingExtra) as e:
         raise UsageError(str(e)) from None
+    if config.objective == "grpo":
+        _check_grpo(config)
     return with_defaults(config)
 
 
+#: ``--beta`` left out: TRL's default of each objective (DPOConfig, CPOConfig, ORPOConfig,
+#: GRPOConfig).
+OBJECTIVE_BETA = {"dpo": 0.1, "simpo": 0.1, "orpo": 0.1, "grpo": 0.0}
 #: The objectives trained on preference pairs, and the settings each one reads.
 PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo")
-_OBJECTIVE_FLAGS = {"beta": ("dpo", "simpo", "orpo"), "dpo_loss": ("dpo",),
+_OBJECTIVE_FLAGS = {"beta": ("dpo", "simpo", "orpo", "grpo"), "dpo_loss": ("dpo",),
                     "label_smoothing": ("dpo", "simpo"), "simpo_gamma": ("simpo",)}
 
 
 def _check_objective(config: TrainConfig) -> None:
     """``--objective`` and its settings: in range, and given only where the objective reads
     them; what a preference objective does not run with is named."""
-    _usage(math.isfinite(config.beta) and config.beta > 0,
+    _usage(config.beta is None or config.objective == "grpo"
+           or (math.isfinite(config.beta) and config.beta > 0),
            f"--beta {config.beta}: must be a finite number > 0")
     _usage(math.isfinite(config.label_smoothing) and 0 <= config.label_smoothing < 0.5,
            f"--label-smoothing {config.label_smoothing}: must be in [0, 0.5)")
@@ -660,6 +699,43 @@ def _check_objective(config: TrainConfig) -> None:
     for axis in ("pp", "cp"):
         _usage(axes.get(axis, 1) == 1, f"--mesh {config.mesh!r}: {why} does not run on a "
                                        f"{axis!r} axis; use dp, fsdp, tp (and ep)")
+
+
+def _check_grpo(config: TrainConfig) -> None:
+    """The flags of ``--objective grpo``; the reward functions are loaded (their modules
+    imported: a reward is the user's code) and the prompts read in `shardax.train.grpo_run`."""
+    _usage(bool(config.reward), "--objective grpo needs --reward FILE.py:FUNCTION (or "
+                                "package.module:function), the reward of each completion")
+    _usage(not config.reward_weights or len(config.reward_weights) == len(config.reward),
+           f"--reward-weights: {len(config.reward_weights)} weights for "
+           f"{len(config.reward)} --reward")
+    _usage(all(math.isfinite(w) for w in config.reward_weights),
+           "--reward-weights: must be finite numbers")
+    _usage(config.group_size >= 2, f"--group-size {config.group_size}: GRPO needs at least 2 "
+                                   "completions per prompt (advantages are relative to the group)")
+    _usage(config.batch_size % config.group_size == 0,
+           f"--batch-size {config.batch_size} counts completions: must be a multiple of "
+           f"--group-size {config.group_size}")
+    for name in ("max_new_tokens", "num_iterations"):
+        _usage(getattr(config, name) >= 1, f"{flag(name)} {getattr(config, name)}: must be >= 1")
+    _usage(math.isfinite(config.temperature) and config.temperature >= 0,
+           f"--temperature {config.temperature}: must be a finite number >= 0")
+    _usage(math.isfinite(config.top_p) and 0 < config.top_p <= 1,
+           f"--top-p {config.top_p}: must be in (0, 1] (1: no limit)")
+    _usage(math.isfinite(config.epsilon) and config.epsilon > 0,
+           f"--epsilon {config.epsilon}: must be a finite number > 0")
+    _usage(config.beta is None or (math.isfinite(config.beta) and config.beta >= 0),
+           f"--beta {config.beta}: must be a finite number >= 0")
+    _usage(config.pack == "documents", f"--pack {config.pack}: --objective grpo packs nothing "
+                                       "(each completion is its own row); leave --pack out")
+    _usage(len(config.data) == 1 and Path(config.data[0]).suffix == ".jsonl",
+           "--objective grpo needs --data PROMPTS.jsonl (records with a 'prompt' string or "
+           "'messages')")
+    _usage(not config.val_data, "--val-data: --objective grpo has no validation loss")
+    _usage(config.grad_accum == 1 and parse_mesh(config.mesh).get("pp", 1) == 1
+           and not config.offload_optimizer,
+           "--objective grpo: --grad-accum, --offload-optimizer and a 'pp' mesh axis are not "
+           "supported")
 
 
 def hf_dir(spec: str, name: str) -> Path:

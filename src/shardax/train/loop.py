@@ -36,7 +36,7 @@ from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
 from shardax.rulecheck import rule_findings
-from shardax.train import balance, build, report
+from shardax.train import balance, build, grpo_run, report
 from shardax.train.chat_data import ChatBatches
 from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
 from shardax.train.config import TrainConfig, check
@@ -166,6 +166,8 @@ def train(config: TrainConfig, prepared: Prepared | None = None, *,
     `prepare` / `check_run_dir` already returned for ``config``. The run directory is
     locked (`shardax.train.runlock`) while it trains: a second trainer on it is refused."""
     with _lock(Path(config.out)), StopRequests() as stop:
+        if config.objective == "grpo" and prepared is None:
+            return grpo_run.train_grpo_run(config, run_dir, stop)
         prepared = prepared or prepare(config, run_dir)
         return _train(prepared, stop)
 

@@ -54,7 +54,8 @@ _WRITTEN_DIRS = (CHECKPOINT_DIR, SET_ASIDE_DIR, PROFILE_DIR, TOKENIZER_DIR, "ten
 # (`resolve.schedule_change`).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
                    "precision", "tokenizer", "text_field", "data_split", "token_dtype",
-                   "scan_layers", "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets")
+                   "scan_layers", "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets",
+                   "objective", "group_size", "num_iterations")
 
 
 @dataclass
