@@ -231,6 +231,8 @@ CASES = [
     ("peak-tflops -1", ["train", "--peak-tflops", "-1"], ["--peak-tflops -1"]),
     ("peak-tflops nan", ["train", "--peak-tflops", "nan"], ["--peak-tflops nan"]),
     ("plan top 0", ["plan", "--top", "0"], ["--top 0"]),
+    ("plan objective", ["plan", "--objective", "orpo", "--data", "{a_file}"],
+     ["--objective orpo", "sft"]),
     ("plan bad model", ["plan", "--model", "llama-huge"], ["llama-huge"]),
     ("plan hbm", ["plan", "--hbm", "lots"], ["--hbm 'lots'"]),
     ("plan target", ["plan", "--target", "abacus"], ["--target 'abacus'"]),

@@ -502,6 +502,9 @@ def _plan_check(args: Any) -> Any:
     from shardax.train.config import check
 
     args = dataclasses.replace(args, run=check(args.run), plan=check_plan(args.plan))
+    if args.run.objective != "sft":  # its step is not the one `plan` compiles
+        raise _Usage(f"--objective {args.run.objective}: shardax plan sizes the sft step "
+                     "(the same state and mesh); leave --objective out")
     check_device_flags(args.plan)  # --hbm and --target, before a backend starts
     return args
 
