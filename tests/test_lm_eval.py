@@ -1,0 +1,183 @@
+"""``shardax eval --tasks`` (issue 37, lm-evaluation-harness): `ShardaxLM`'s log-likelihoods
+equal the model's own per-token log-probabilities computed here from ``model(tokens)`` on one
+device, on dp=8 and on fsdp=4,tp=2; a tiny local multiple-choice task's ``acc`` from
+``simple_evaluate`` equals the accuracy hand-computed from those log-probabilities; a tiny
+generation task gives the repo's own greedy generation; the command prints the table and
+writes ``--output-path``. Uses conftest's shared ``observed_run`` (llama-tiny, byte
+tokenizer: a text's tokens are its UTF-8 bytes, NUL (0) is end-of-text and the prefix token)."""
+
+import json
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _cli import assert_one_line_error, run_cli
+from flax import nnx
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from shardax.train.config import EvalConfig  # noqa: E402
+from shardax.train.evaluate import load_model  # noqa: E402
+from shardax.train.generate import generate, restore_model  # noqa: E402
+from shardax.train.harness import ShardaxLM  # noqa: E402
+from shardax.train.rundir import check_run  # noqa: E402
+
+QUESTIONS = [
+    ("Q: 2 + 2 =\nA:", ["4", "5", "22"], 0),
+    ("Q: the sky is\nA:", ["blue", "green", "loud", "dog"], 0),
+    ("Q: cats say\nA:", ["moo", "meow", "quack"], 1),
+    ("Q: water is\nA:", ["dry", "wet", "solid"], 1),
+    ("Q: the sun rises in the\nA:", ["west", "north", "east"], 2),
+    ("Q: ice is\nA:", ["hot", "warm", "cold", "old"], 2),
+]
+PROMPTS = ["the quick ", "Q: hello\nA:", "ab"]
+MAX_GEN = 6
+LONG = "a much longer context that goes on and on " * 4  # 172 bytes: over max_seq_len 128
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """A directory with the tiny multiple-choice task ``tiny_mc`` and the tiny generation task
+    ``tiny_gen`` (lm-eval YAMLs over jsonl files; the datasets cache stays in it)."""
+    root = tmp_path_factory.mktemp("tasks")
+    with open(root / "mc.jsonl", "w") as f:
+        for q, choices, answer in QUESTIONS:
+            f.write(json.dumps({"question": q, "choices": choices, "answer": answer}) + "\n")
+    with open(root / "gen.jsonl", "w") as f:
+        for p in PROMPTS:
+            f.write(json.dumps({"prompt": p, "target": "x"}) + "\n")
+    for name, kind, rest in (
+            ("tiny_mc", "multiple_choice", """\
+                doc_to_text: "{{question}}"
+                doc_to_choice: "{{choices}}"
+                doc_to_target: "{{answer}}"
+                metric_list:
+                  - metric: acc"""),
+            ("tiny_gen", "generate_until", f"""\
+                doc_to_text: "{{{{prompt}}}}"
+                doc_to_target: "{{{{target}}}}"
+                generation_kwargs:
+                  until: ["\\n"]
+                  max_gen_toks: {MAX_GEN}
+                  do_sample: false
+                metric_list:
+                  - metric: exact_match""")):
+        data = root / ("mc.jsonl" if kind == "multiple_choice" else "gen.jsonl")
+        (root / f"{name}.yaml").write_text(textwrap.dedent(f"""\
+            task: {name}
+            dataset_path: json
+            dataset_kwargs:
+              data_files:
+                test: {data}
+              cache_dir: {root / "hf_cache"}
+            test_split: test
+            output_type: {kind}
+            """) + textwrap.dedent(rest) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def model_1(observed_run):
+    """The run's model on one device, and the log-probability of ``continuation`` after
+    ``context`` (byte strings) from its own logits, the context cut to the last 128 tokens
+    of context + continuation as a model of max_seq_len 128 sees them."""
+    _, out, _ = observed_run
+    _, model, _ = restore_model(check_run(str(out)))
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+
+    def logp(context: bytes, continuation: bytes) -> float:
+        ids = list(context or b"\0") + list(continuation)
+        ids = ids[-129:]
+        logits = model(jnp.asarray([ids[:-1]], jnp.int32))[0]
+        logps = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
+        n = len(continuation)
+        rows = np.arange(len(ids) - 1 - n, len(ids) - 1)
+        return float(logps[rows, ids[-n:]].sum(dtype=np.float64))
+
+    return model, logp
+
+
+def _lm(out, mesh=None, batch_size=4) -> ShardaxLM:
+    return ShardaxLM(*load_model(EvalConfig(out=str(out), mesh=mesh)), batch_size=batch_size)
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+PAIRS = [("Q: 2 + 2 =\nA:", " 4"), ("", "hello"), ("Grüße ", "aus Köln"),
+         (LONG, " end"), ("the sky is ", "blue")]
+
+
+@pytest.mark.parametrize("mesh", [None, "fsdp=4,tp=2"])
+def test_loglikelihood_is_the_models_own_log_probabilities(observed_run, model_1, mesh):
+    _, out, _ = observed_run
+    _, logp = model_1
+    lm = _lm(out, mesh)
+    got = lm.loglikelihood(_requests("loglikelihood", PAIRS))
+    # lm-eval moves a context's trailing spaces to the continuation
+    want = [logp(c.rstrip().encode(), (c[len(c.rstrip()):] + x).encode()) for c, x in PAIRS]
+    np.testing.assert_allclose([g for g, _ in got], want, rtol=1e-5)
+    assert all(isinstance(g, bool) for _, g in got)
+    # is_greedy: the model's likeliest token after a context, and another one
+    context = list(PAIRS[0][0].encode())
+    best = int(jnp.argmax(model_1[0](jnp.asarray([context], jnp.int32))[0, -1]))
+    [(_, greedy), (_, other)] = lm._loglikelihood_tokens(
+        [(None, context, [best]), (None, context, [best ^ 1])])
+    assert greedy and not other
+    # whole texts: after the prefix token (NUL), over rolling windows when over 128 tokens
+    texts = ["Grüße aus Köln", LONG]
+    rolled = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(t,) for t in texts]))
+    short = texts[0].encode()
+    long_ = LONG.encode()  # window 1: NUL + 127 bytes predicts 128; window 2: the rest
+    want = [logp(b"", short), logp(b"", long_[:128]) + logp(long_[:128], long_[128:])]
+    np.testing.assert_allclose(rolled, want, rtol=1e-5)
+
+
+def test_multiple_choice_accuracy_is_the_hand_computed_one(observed_run, model_1, tasks):
+    _, out, _ = observed_run
+    _, logp = model_1
+    results = lm_eval.simple_evaluate(model=_lm(out, "fsdp=4,tp=2"), tasks=["tiny_mc"],
+                                      task_manager=TaskManager(include_path=str(tasks)),
+                                      log_samples=False)
+    # lm-eval's default target delimiter: a space before each choice
+    right = [int(np.argmax([logp(q.encode(), f" {c}".encode()) for c in choices]) == answer)
+             for q, choices, answer in QUESTIONS]
+    assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(np.mean(right), abs=1e-12)
+
+
+def test_generation_task_is_the_repos_greedy_generation(observed_run, tasks):
+    _, out, _ = observed_run
+    results = lm_eval.simple_evaluate(model=_lm(out, "fsdp=4,tp=2", batch_size=2),
+                                      tasks=["tiny_gen"],
+                                      task_manager=TaskManager(include_path=str(tasks)))
+    got = {s["doc"]["prompt"]: s["resps"][0][0] for s in results["samples"]["tiny_gen"]}
+    texts = generate(str(out), PROMPTS, max_tokens=MAX_GEN, temperature=0.0)
+    # the repo's generate returns prompt + new text and keeps the end-of-text byte
+    want = {p: t[len(p):].split("\0")[0].split("\n")[0] for p, t in zip(PROMPTS, texts)}
+    assert got == want
+
+
+def test_eval_tasks_command_prints_the_table_and_writes_results(observed_run, tasks, tmp_path):
+    _, out, _ = observed_run
+    path = tmp_path / "results.json"
+    proc = run_cli("eval", "--out", out, "--tasks", "tiny_mc", "--include-path", tasks,
+                   "--output-path", path, "--batch-size", 8)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    acc = json.loads(path.read_text())["results"]["tiny_mc"]["acc,none"]
+    assert 0 <= acc <= 1
+    row = next(line for line in proc.stdout.splitlines() if "tiny_mc" in line)
+    assert "acc" in row and f"{acc:.4f}" in row
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+
+
+def test_eval_unknown_task_is_one_line(observed_run, tasks):
+    _, out, _ = observed_run
+    proc = run_cli("eval", "--out", out, "--tasks", "no_such_task", "--include-path", tasks)
+    assert_one_line_error(proc, "eval", "--tasks no_such_task", "no such task")
