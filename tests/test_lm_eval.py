@@ -2,7 +2,7 @@
 equal the model's own per-token log-probabilities computed here from ``model(tokens)`` on one
 device, on dp=8 and on fsdp=4,tp=2; a tiny local multiple-choice task's ``acc`` from
 ``simple_evaluate`` equals the accuracy hand-computed from those log-probabilities; a tiny
-generation task gives the repo's own greedy generation; the command prints the table and
+generation task gives the repo's own greedy KV-cache decoding; the command prints the table and
 writes ``--output-path``. Uses conftest's shared ``observed_run`` (llama-tiny, byte
 tokenizer: a text's tokens are its UTF-8 bytes, NUL (0) is end-of-text and the prefix token)."""
 
@@ -23,9 +23,10 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from shardax.errors import UsageError  # noqa: E402
+from shardax.models import decode  # noqa: E402
 from shardax.train.config import EvalConfig, check_eval  # noqa: E402
 from shardax.train.evaluate import load_model  # noqa: E402
-from shardax.train.generate import generate, restore_model  # noqa: E402
+from shardax.train.generate import restore_model  # noqa: E402
 from shardax.train.harness import ShardaxLM  # noqa: E402
 from shardax.train.rundir import check_run  # noqa: E402
 
@@ -104,7 +105,11 @@ def model_1(observed_run):
         rows = np.arange(len(ids) - 1 - n, len(ids) - 1)
         return float(logps[rows, ids[-n:]].sum(dtype=np.float64))
 
-    return model, logp
+    def likeliest(context: list[int]) -> int:
+        return int(np.argmax(forward(jnp.asarray([context + [0] * (128 - len(context))]))[
+            len(context) - 1]))
+
+    return model, logp, likeliest
 
 
 def _lm(out, mesh=None, batch_size=4) -> ShardaxLM:
@@ -127,7 +132,7 @@ PAIRS = [("Q: 2 + 2 =\nA:", " 4"), ("", "hello"), ("Grüße ", "aus Köln"),
 @pytest.mark.parametrize("mesh", [None, "fsdp=4,tp=2"])
 def test_loglikelihood_is_the_models_own_log_probabilities(observed_run, model_1, mesh):
     _, out, _ = observed_run
-    _, logp = model_1
+    _, logp, _ = model_1
     lm = _lm(out, mesh)
     got = lm.loglikelihood(_requests("loglikelihood", PAIRS))
     # lm-eval moves a context's trailing spaces to the continuation
@@ -136,7 +141,7 @@ def test_loglikelihood_is_the_models_own_log_probabilities(observed_run, model_1
     assert all(isinstance(g, bool) for _, g in got)
     # is_greedy: the model's likeliest token after a context, and another one
     context = list(PAIRS[0][0].encode())
-    best = int(jnp.argmax(model_1[0](jnp.asarray([context], jnp.int32))[0, -1]))
+    best = model_1[2](context)
     [(_, greedy), (_, other)] = lm._loglikelihood_tokens(
         [(None, context, [best]), (None, context, [best ^ 1])])
     assert greedy and not other
@@ -151,7 +156,7 @@ def test_loglikelihood_is_the_models_own_log_probabilities(observed_run, model_1
 
 def test_multiple_choice_accuracy_is_the_hand_computed_one(observed_run, model_1, tasks):
     _, out, _ = observed_run
-    _, logp = model_1
+    _, logp, _ = model_1
     results = lm_eval.simple_evaluate(model=_lm(out, "fsdp=4,tp=2"), tasks=["tiny_mc"],
                                       task_manager=_local(tasks),
                                       log_samples=False)
@@ -161,15 +166,17 @@ def test_multiple_choice_accuracy_is_the_hand_computed_one(observed_run, model_1
     assert results["results"]["tiny_mc"]["acc,none"] == pytest.approx(np.mean(right), abs=1e-12)
 
 
-def test_generation_task_is_the_repos_greedy_generation(observed_run, tasks):
+def test_generation_task_is_the_repos_greedy_generation(observed_run, model_1, tasks):
     _, out, _ = observed_run
     results = lm_eval.simple_evaluate(model=_lm(out, "fsdp=4,tp=2"),
                                       tasks=["tiny_gen"],
                                       task_manager=_local(tasks))
     got = {s["doc"]["prompt"]: s["resps"][0][0] for s in results["samples"]["tiny_gen"]}
-    texts = generate(str(out), PROMPTS, max_tokens=MAX_GEN, temperature=0.0)
-    # the repo's generate returns prompt + new text and keeps the end-of-text byte
-    want = {p: t[len(p):].split("\0")[0].split("\n")[0] for p, t in zip(PROMPTS, texts)}
+    # the repo's greedy KV-cache decoding on one device, ending at end-of-text (NUL)
+    new = decode.generate(model_1[0], [list(p.encode()) for p in PROMPTS], MAX_GEN,
+                          stop_ids=[0]).tokens
+    want = {p: bytes(t).decode("utf-8", "replace").split("\0")[0].split("\n")[0]
+            for p, t in zip(PROMPTS, new)}
     assert got == want
 
 

@@ -344,7 +344,7 @@ class EvalConfig:
     seq_len: int = 128
     """tokens the model sees at once; each file is scored in windows of this many"""
     batch_size: int = 8
-    """windows per forward pass"""
+    """windows per forward pass (--tasks: requests per forward pass)"""
     mesh: Annotated[str | None, _SAYS_DEFAULT] = None
     """device mesh to evaluate on, e.g. fsdp=4,tp=2 (default: dp=<all devices>)"""
     step: Annotated[int | None, _SAYS_DEFAULT] = None
@@ -358,7 +358,7 @@ class EvalConfig:
     pip install 'shardax[eval]'"""
     include_path: str | None = None
     """directory of local lm-eval task YAMLs for --tasks"""
-    num_fewshot: int | None = None
+    num_fewshot: Annotated[int | None, _SAYS_DEFAULT] = None
     """few-shot examples per --tasks question (default: each task's own)"""
     limit: float | None = None
     """--tasks: at most this many examples per task (below 1: that fraction of them)"""

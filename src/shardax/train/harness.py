@@ -216,7 +216,7 @@ def _task_manager(config: EvalConfig) -> TaskManager:
 
 def run_tasks(config: EvalConfig, run_dir: RunDir | None = None) -> dict:
     """lm-eval's results (``simple_evaluate``) of ``--tasks`` for a checked config, written
-    as JSON to ``--output-path`` when given (atomically: that file only)."""
+    as JSON to ``--output-path`` when given (atomically, that file only, by process 0)."""
     manager = _task_manager(config)
     for task in config.tasks:
         if not manager.match_tasks([task]):
@@ -230,7 +230,7 @@ def run_tasks(config: EvalConfig, run_dir: RunDir | None = None) -> dict:
                                       num_fewshot=config.num_fewshot, limit=limit,
                                       batch_size=config.batch_size, task_manager=manager,
                                       log_samples=False)
-    if config.output_path is not None:
+    if config.output_path is not None and jax.process_index() == 0:
         write_text(config.output_path, json.dumps(results, indent=2, ensure_ascii=False,
                                                   default=handle_non_serializable) + "\n")
     return results
