@@ -13,7 +13,10 @@ encoded whole and split where the context's tokens end, an empty context is the
 - ``loglikelihood_rolling``: the same over lm-eval's disjoint rolling windows
   (``get_rolling_token_windows`` with ``context_len=1``), added up per text;
 - ``generate_until``: greedy decoding with the KV cache (`shardax.models.decode`), ending at
-  the end-of-text id or ``max_gen_toks`` and cut at the first ``until`` string.
+  the end-of-text id or ``max_gen_toks`` and cut at the first ``until`` string; each batch is
+  ``batch_size - 1`` requests and filler rows, one of them a power-of-two wide, so the prompt
+  shapes are few (the filler rows run to ``max_gen_toks``, as rows that end at an ``until``
+  string, which the decoder does not know, do anyway).
 
 `run_tasks` runs ``--tasks`` (lm-eval names, or tasks from ``--include-path`` YAML files)
 through ``lm_eval.simple_evaluate``. This module imports lm-eval (the optional extra
@@ -183,14 +186,19 @@ class ShardaxLM(TemplateLM):
             prompts = {n: self.tok_encode(requests[n].args[0])[-keep:] or [self.prefix_token_id]
                        for n in indices}
             indices = sorted(indices, key=lambda n: -len(prompts[n]))
-            for first in range(0, len(indices), self.batch_size):
-                batch = indices[first:first + self.batch_size]
-                got = decode.generate(self.model, [prompts[n] for n in batch], new,
+            rows = max(self.batch_size - 1, 1)
+            for first in range(0, len(indices), rows):
+                batch = indices[first:first + rows]
+                ids = [prompts[n] for n in batch]
+                if self.batch_size > 1:  # filler rows, one a power-of-two wide: few shapes
+                    width = min(max(_MIN_WIDTH, 1 << (len(ids[0]) - 1).bit_length()), keep)
+                    ids += [[self.prefix_token_id] * width] * (self.batch_size - len(ids))
+                got = decode.generate(self.model, ids, new,
                                       temperature=temperature, stop_ids=[self.eot_token_id],
                                       mesh=self.mesh, rules=self.rules,
                                       attention=self.layout.attention)
-                for n, ids, stopped in zip(batch, got.tokens, got.stopped):
-                    text = self.tok_decode(ids[:-1] if stopped else ids)
+                for n, new_ids, stopped in zip(batch, got.tokens, got.stopped):
+                    text = self.tok_decode(new_ids[:-1] if stopped else new_ids)
                     for stop in until:
                         text = text.split(stop)[0] if stop else text
                     out[n] = text
