@@ -3,7 +3,7 @@ equal the model's own per-token log-probabilities computed here from ``model(tok
 device, on dp=8 and on fsdp=4,tp=2; a tiny local multiple-choice task's ``acc`` from
 ``simple_evaluate`` equals the accuracy hand-computed from those log-probabilities; a tiny
 generation task gives the repo's own greedy KV-cache decoding; the command prints the table and
-writes ``--output-path``. Uses conftest's shared ``observed_run`` (llama-tiny, byte
+writes ``--output-path``; with torch, lm-eval's ``HFLM`` on the exported model agrees. Uses conftest's shared ``observed_run`` (llama-tiny, byte
 tokenizer: a text's tokens are its UTF-8 bytes, NUL (0) is end-of-text and the prefix token)."""
 
 import importlib.util
@@ -213,3 +213,33 @@ def test_tasks_without_lm_eval_name_the_extra(monkeypatch):
     with pytest.raises(UsageError, match=r"pip install 'shardax\[eval\]'"):
         check_eval(EvalConfig(out="runs/a", tasks=["a,b"]))
     assert check_eval(EvalConfig(out="runs/a", data=["README.md"])).tasks == []
+
+
+def test_hflm_on_the_export_gives_the_same_scores(observed_run, tasks, tmp_path):
+    """lm-eval's own ``HFLM`` (torch, float32) on ``shardax export``'s directory: the same
+    log-likelihoods, rolling log-likelihoods, accuracy and greedy generations (skipped
+    without torch and transformers, which the suite does not install)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from lm_eval.models.huggingface import HFLM
+
+    from shardax.train.config import ExportConfig, check_export
+    from shardax.train.export import export_run
+
+    _, out, _ = observed_run
+    export_run(check_export(ExportConfig(out=str(out), to=str(tmp_path / "hf"))))
+    ours = _lm(out, "fsdp=4,tp=2")
+    theirs = HFLM(pretrained=str(tmp_path / "hf"), dtype="float32", batch_size=4, device="cpu")
+    pairs = _requests("loglikelihood", PAIRS)
+    np.testing.assert_allclose([x for x, _ in ours.loglikelihood(pairs)],
+                               [x for x, _ in theirs.loglikelihood(pairs)], rtol=1e-5)
+    texts = _requests("loglikelihood_rolling", [("Grüße aus Köln",), (LONG,)])
+    np.testing.assert_allclose(ours.loglikelihood_rolling(texts),
+                               theirs.loglikelihood_rolling(texts), rtol=1e-5)
+    kwargs = {"until": ["\n"], "max_gen_toks": MAX_GEN, "do_sample": False}
+    prompts = _requests("generate_until", [(p, dict(kwargs)) for p in PROMPTS])
+    assert ours.generate_until(prompts) == theirs.generate_until(prompts)
+    acc = [lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=_local(tasks),
+                                   log_samples=False)["results"]["tiny_mc"]["acc,none"]
+           for lm in (ours, theirs)]
+    assert acc[0] == acc[1]
