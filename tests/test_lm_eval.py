@@ -2,9 +2,10 @@
 equal the model's own per-token log-probabilities computed here from ``model(tokens)`` on one
 device, on dp=8 and on fsdp=4,tp=2; a tiny local multiple-choice task's ``acc`` from
 ``simple_evaluate`` equals the accuracy hand-computed from those log-probabilities; a tiny
-generation task gives the repo's own greedy KV-cache decoding; the command prints the table and
-writes ``--output-path``; with torch, lm-eval's ``HFLM`` on the exported model agrees. Uses conftest's shared ``observed_run`` (llama-tiny, byte
-tokenizer: a text's tokens are its UTF-8 bytes, NUL (0) is end-of-text and the prefix token)."""
+generation task gives the repo's own greedy KV-cache decoding; the command prints the table
+and writes ``--output-path``; with torch, lm-eval's ``HFLM`` on the exported model agrees.
+Uses conftest's shared ``observed_run`` (llama-tiny, byte tokenizer: a text's tokens are its
+UTF-8 bytes, NUL (0) is end-of-text and the prefix token)."""
 
 import importlib.util
 import json
