@@ -59,6 +59,7 @@ _OPTIONAL = {
     "src/shardax/models": ("flax",),
     "src/shardax/hf": ("flax", "ml_dtypes"),
     "src/shardax/train": _TRAIN,
+    "src/shardax/train/harness.py": (*_TRAIN, "lm_eval"),  # the `eval` extra
     "src/shardax/plan": _TRAIN,
     "tests/reference": ("torch", "transformers"),  # the script that makes tests/fixtures/hf
 }

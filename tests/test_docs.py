@@ -72,6 +72,8 @@ COVERED: dict[tuple[str, str], str] = {
     ("docs/data.md", "shardax train --model gpt2 --tokenizer models/gpt2 --data train.bin "
                      "--token-dtype uint16"):
         "tests/test_data.py::test_token_files",
+    ("docs/evaluation.md", "shardax eval --out runs/a --tasks tiny_mc --include-path tasks/ "):
+        "tests/test_lm_eval.py::test_eval_tasks_command_prints_the_table_and_writes_results",
     ("docs/expert_parallel.md", "from shardax.parallel.expert import moe_mlp, init_moe_params, "
                                 "moe_param_specs, expert_capacity"):
         "tests/test_parallel_expert.py::test_init_and_specs",

@@ -106,7 +106,7 @@ def test_parallel_needs_only_jax_and_compat():
 # library's tomllib before Python 3.11), which a module imports only where it needs them.
 OPTIONAL = {"flax", "optax", "orbax", "grain", "tokenizers", "safetensors", "pyarrow",
             "tensorboardX", "wandb", "matplotlib", "yaml", "tomllib", "tomli", "tyro", "rich",
-            "equinox", "torch", "transformers", "etils", "jinja2", "huggingface_hub"}
+            "equinox", "torch", "transformers", "etils", "jinja2", "huggingface_hub", "lm_eval"}
 # The CLI imports jax and the train/plan modules lazily: ``shardax --help`` and ``launch`` need
 # only the core install, and JAX reads --devices / JAX_PLATFORMS from the environment when it
 # is imported (the module docstring of shardax.cli says so).

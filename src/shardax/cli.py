@@ -8,6 +8,7 @@
     shardax train --init-from hf:models/llama --mesh fsdp=4,tp=2 --out runs/ft
     shardax export --out runs/ft --to export/llama
     shardax eval --out runs/ft --data held_out.txt --mesh fsdp=4,tp=2 --devices 8
+    shardax eval --out runs/ft --tasks arc_easy,hellaswag --limit 100 --output-path r.json
     shardax generate --from hf:export/llama --prompt "def " --prompts "class " "import "
     shardax launch --nproc 2 --devices-per-proc 4 -- shardax train --out runs/b
     shardax launch --nproc 4 --elastic -- shardax train --out runs/c   # survives a lost worker
@@ -53,8 +54,8 @@ COMMANDS = {
     "plan": "compile a train configuration abstractly: memory, collectives, step time; "
             "--search finds the fastest layout that fits",
     "generate": "sample text from a run's newest good checkpoint or a Hugging Face model",
-    "eval": "loss, perplexity and bits per byte of files under a run's checkpoint or a "
-            "Hugging Face model",
+    "eval": "loss, perplexity and bits per byte of files, or lm-evaluation-harness tasks, "
+            "under a run's checkpoint or a Hugging Face model",
     "export": "write a run's checkpoint as a Hugging Face model directory",
     "launch": "run N local processes of a command as one multi-process JAX job",
     "verify": "run your step on one device and on each layout: same losses, gradients and "
@@ -238,9 +239,9 @@ def _eval_args():
 
     @dataclass
     class EvalArgs:
-        """shardax eval: loss, perplexity and bits per byte of each --data file under a
-        run's newest good checkpoint (the run directory is only read) or a Hugging Face
-        model."""
+        """shardax eval: loss, perplexity and bits per byte of each --data file, and the
+        scores of lm-evaluation-harness --tasks, under a run's newest good checkpoint (the
+        run directory is only read) or a Hugging Face model."""
 
         eval: Annotated[EvalConfig, tyro.conf.arg(name="")]
         devices: int = 1
@@ -617,6 +618,10 @@ def _eval_run(args: Any, run_dir: Any) -> int:
         bpb = "n/a (token file)" if r["bits_per_byte"] is None else f"{r['bits_per_byte']:.4f}"
         print(f"{r['data']}: {r['tokens']} tokens, loss {r['loss']:.4f}, perplexity "
               f"{r['perplexity']:.4f}, bits per byte {bpb}")
+    if args.eval.tasks:
+        from shardax.train.harness import make_table, run_tasks
+
+        print(make_table(run_tasks(args.eval, run_dir)))
     return 0
 
 

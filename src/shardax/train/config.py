@@ -18,6 +18,7 @@ shardax.errors.UsageError: --steps 0: must be >= 1
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -397,7 +398,7 @@ class EvalConfig:
     seq_len: int = 128
     """tokens the model sees at once; each file is scored in windows of this many"""
     batch_size: int = 8
-    """windows per forward pass"""
+    """windows per forward pass (--tasks: requests per forward pass)"""
     mesh: Annotated[str | None, _SAYS_DEFAULT] = None
     """device mesh to evaluate on, e.g. fsdp=4,tp=2 (default: dp=<all devices>)"""
     step: Annotated[int | None, _SAYS_DEFAULT] = None
@@ -406,6 +407,17 @@ class EvalConfig:
     """field (jsonl) or column (Parquet) holding the text"""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """dtype of .bin token files"""
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks to run, comma-separated (e.g. arc_easy,hellaswag); needs
+    pip install 'shardax[eval]'"""
+    include_path: str | None = None
+    """directory of local lm-eval task YAMLs for --tasks"""
+    num_fewshot: Annotated[int | None, _SAYS_DEFAULT] = None
+    """few-shot examples per --tasks question (default: each task's own)"""
+    limit: float | None = None
+    """--tasks: at most this many examples per task (below 1: that fraction of them)"""
+    output_path: str | None = None
+    """--tasks: write lm-eval's results JSON to this file"""
 
 
 @dataclass(frozen=True)
@@ -812,7 +824,9 @@ def check_eval(config: EvalConfig) -> EvalConfig:
     """`check` for `EvalConfig`."""
     config = coerce_fields(config)
     _check_model_source(config)
-    _usage(bool(config.data), "--data: give the files to evaluate on")
+    _usage(bool(config.data or config.tasks),
+           "--data / --tasks: give the files or the lm-eval tasks to evaluate on")
+    config = _check_tasks(config)
     for path in config.data:
         _usage(Path(path).exists(), f"--data {path}: no such file or directory")
     _usage(config.seq_len >= 2, f"--seq-len {config.seq_len}: must be >= 2")
@@ -821,4 +835,27 @@ def check_eval(config: EvalConfig) -> EvalConfig:
     if config.mesh is not None:
         parse_mesh(config.mesh)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
+    return config
+
+
+def _check_tasks(config: EvalConfig) -> EvalConfig:
+    """The lm-eval flags of `EvalConfig` (``--tasks`` needs lm-eval installed); returns it
+    with ``--tasks a,b`` split into names."""
+    tasks = [t.strip() for t in ",".join(config.tasks).split(",") if t.strip()]
+    config = dataclasses.replace(config, tasks=tasks)
+    _usage(not config.tasks or importlib.util.find_spec("lm_eval") is not None,
+           "--tasks: lm-evaluation-harness is not installed: pip install 'shardax[eval]'")
+    path = config.include_path
+    _usage(path is None or Path(path).is_dir(), f"--include-path {path}: no such directory")
+    _usage(config.num_fewshot is None or config.num_fewshot >= 0,
+           f"--num-fewshot {config.num_fewshot}: must be >= 0")
+    _usage(config.limit is None or config.limit > 0, f"--limit {config.limit}: must be > 0")
+    out = config.output_path
+    if out is not None:
+        _usage(not Path(out).is_dir(), f"--output-path {out}: is a directory; give a file")
+        _usage(Path(out).resolve().parent.is_dir(),
+               f"--output-path {out}: its directory does not exist")
+    for name in ("include_path", "num_fewshot", "limit", "output_path"):
+        _usage(getattr(config, name) is None or bool(config.tasks),
+               f"{flag(name)}: only with --tasks")
     return config

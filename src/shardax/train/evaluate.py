@@ -28,6 +28,7 @@ from flax import nnx
 
 from shardax import layout
 from shardax.errors import UsageError
+from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train.config import EvalConfig, check_eval
 from shardax.train.data import TokenStream, open_data
@@ -36,9 +37,9 @@ from shardax.train.objectives import sequence_logps
 from shardax.train.readers import list_data_files, read_pieces
 from shardax.train.resolve import make_mesh
 from shardax.train.rundir import RunDir, check_run
-from shardax.train.tokenizer import run_tokenizer
+from shardax.train.tokenizer import Tokenizer, run_tokenizer
 
-__all__ = ["evaluate", "evaluate_files", "windows"]
+__all__ = ["evaluate", "evaluate_files", "load_model", "windows"]
 
 
 def windows(tokens: TokenStream | np.ndarray, seq_len: int, first: int = 0,
@@ -93,11 +94,11 @@ def _nll(graphdef, lay, state, rows, mask):
     return -logps.sum(), counts.sum()
 
 
-def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[dict]:
-    """``shardax eval`` for a checked config: one dict per ``--data`` entry with ``data``,
-    ``tokens`` (scored), ``nll`` (summed, nats), ``loss``, ``perplexity``, ``bytes`` and
-    ``bits_per_byte`` (module docstring). ``run_dir``: what `check_run` returned for
-    ``--out`` (read here if not given)."""
+def load_model(config: EvalConfig, run_dir: RunDir | None = None
+               ) -> tuple[nnx.Module, Tokenizer, MeshShardingHelper, list, layout.Layout]:
+    """``(model, tokenizer, mesh, rules, layout)`` of a checked config: the ``--from`` model or
+    ``--out``'s checkpoint (``--step``) sharded on ``--mesh`` by the fsdp_tp preset's rules,
+    and the `Layout` to run it with (the run's attention implementation)."""
     mesh = make_mesh(config.mesh or f"dp={jax.device_count()}")
     rules = layout.presets.resolve(layout.PRESETS["fsdp_tp"], dict(mesh.mesh.shape))
     lay = layout.Layout()
@@ -108,6 +109,15 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
         tokenizer = run_tokenizer(run_dir.out, run_dir.saved.tokenizer)
         _, model, _ = restore_model(run_dir, config.step, config.mesh, rules)
         lay = layout.Layout(attention=run_dir.saved.attention)  # as the run trained
+    return model, tokenizer, mesh, rules, lay
+
+
+def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[dict]:
+    """``shardax eval --data`` for a checked config: one dict per ``--data`` entry with ``data``,
+    ``tokens`` (scored), ``nll`` (summed, nats), ``loss``, ``perplexity``, ``bytes`` and
+    ``bits_per_byte`` (module docstring). ``run_dir``: what `check_run` returned for
+    ``--out`` (read here if not given)."""
+    model, tokenizer, mesh, rules, lay = load_model(config, run_dir)
     vocab = model.config.vocab_size
     graphdef, state = nnx.split(model)
     batch_spec = LogicalAxisRules(rules).spec_for(("batch", "length"), mesh.mesh)
