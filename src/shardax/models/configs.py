@@ -57,7 +57,17 @@ class LlamaConfig:
     bias added to the scores to pick the top-k (not to weigh them), moved by
     ``router_bias_update`` (gamma; 0: fixed, DeepSeek-V3 used 0.001) after each step towards
     equal load (auxiliary-loss-free balancing, `shardax.train.balance`), and the weights
-    times ``routed_scaling_factor``.
+    times ``routed_scaling_factor``. ``shared_expert_gate=False``: the shared expert is added
+    ungated (DeepSeek-V3's ``n_shared_experts * moe_intermediate_size`` units).
+
+    DeepSeek-V3's multi-head latent attention (``kv_lora_rank > 0``, `shardax.models.mla`):
+    q through a rank-``q_lora_rank`` bottleneck (0: one projection), keys and values
+    decompressed from a normed rank-``kv_lora_rank`` latent, RoPE on the last
+    ``qk_rope_head_dim`` dims of each query head and on one key part shared by all heads;
+    ``head_dim`` (``head_dim_override``) is the query/key head size (nope + rope),
+    ``v_head_dim`` the value head size, ``n_kv_heads == n_heads``; ``rope_interleave``: the
+    rotated dims are stored in pairs (DeepSeek's checkpoints). ``first_k_dense`` layers
+    come first with a dense MLP of ``dense_mlp_dim`` (0: ``mlp_dim``) units.
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
     Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
     """
@@ -98,9 +108,23 @@ class LlamaConfig:
     router_score: str = "softmax"
     router_bias_update: float = 0.0
     routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    first_k_dense: int = 0
+    dense_mlp_dim: int = 0
     lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
+        if self.kv_lora_rank:
+            self._check_mla()
+        if not 0 <= self.first_k_dense <= self.n_layers or (self.first_k_dense
+                                                            and not self.n_experts):
+            raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers="
+                             f"{self.n_layers}] and needs n_experts > 0")
         if self.head_dim_override is None and self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -134,9 +158,33 @@ class LlamaConfig:
             raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
                              "in [1, n_experts]")
 
+    def _check_mla(self) -> None:
+        r, v = self.qk_rope_head_dim, self.v_head_dim
+        if r <= 0 or r % 2 or not 0 < v <= self.head_dim or self.head_dim <= r:
+            raise ValueError(f"multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) "
+                             f"needs an even qk_rope_head_dim={r} > 0 below head_dim="
+                             f"{self.head_dim} (nope + rope) and 0 < v_head_dim={v} <= head_dim")
+        if self.n_kv_heads != self.n_heads or self.qkv_bias or self.qk_norm:
+            raise ValueError("multi-head latent attention needs n_kv_heads == n_heads "
+                             f"({self.n_kv_heads} != {self.n_heads}?), no qkv_bias, no qk_norm")
+
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of q and k that RoPE rotates (MLA: ``qk_rope_head_dim``; else all)."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether layer ``layer`` has a dense MLP (no experts, or one of ``first_k_dense``)."""
+        return not self.n_experts or layer < self.first_k_dense
 
     @property
     def router_bias(self) -> bool:
@@ -146,9 +194,10 @@ class LlamaConfig:
 
     @property
     def mixed_layers(self) -> bool:
-        """Whether layers differ (sliding-window and global ones, or two RoPE bases)."""
-        return self.global_every > 0 and (self.sliding_window is not None
-                                          or self.rope_local_theta is not None)
+        """Whether layers differ (sliding-window and global ones, two RoPE bases, or
+        ``first_k_dense`` dense layers before the experts)."""
+        return self.first_k_dense > 0 or self.global_every > 0 and (
+            self.sliding_window is not None or self.rope_local_theta is not None)
 
     def is_global(self, layer: int) -> bool:
         """Whether layer ``layer`` attends over the whole sequence with the global RoPE base
@@ -180,6 +229,8 @@ class LlamaConfig:
         'qwen3'
         """
         if self.n_experts and self.moe_impl == "dropless":
+            if self.mla:
+                return "deepseek_v3"
             if self.qk_norm:
                 return "qwen3_moe"
             return "qwen2_moe" if self.qkv_bias or self.shared_expert_dim else "mixtral"
