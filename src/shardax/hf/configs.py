@@ -1,5 +1,5 @@
 """Model configs to and from Hugging Face ``config.json`` dicts (Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text, GPT-2).
+Gemma 2, Gemma 3 text, Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-2).
 
 >>> from shardax.models.configs import CONFIGS
 >>> config = config_from_hf(config_to_hf(CONFIGS["llama-tiny"]))

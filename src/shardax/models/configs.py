@@ -69,7 +69,7 @@ class LlamaConfig:
     rotated dims are stored in pairs (DeepSeek's checkpoints). ``first_k_dense`` layers
     come first with a dense MLP of ``dense_mlp_dim`` (0: ``mlp_dim``) units.
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
-    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
+    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3).
     """
 
     vocab_size: int = 256
@@ -222,8 +222,8 @@ class LlamaConfig:
 
     @property
     def family(self) -> str:
-        """The Hugging Face model type this config has the form of: 'mixtral', 'qwen2_moe',
-        'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
+        """The Hugging Face model type this config has the form of: 'deepseek_v3', 'mixtral',
+        'qwen2_moe', 'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
 
         >>> LlamaConfig(qk_norm=True).family
         'qwen3'
