@@ -273,6 +273,15 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "llama-moe-aux-free-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2,
                                            moe_impl="dropless", router_score="sigmoid",
                                            router_bias_update=0.001, moe_aux_weight=0.0),
+    # DeepSeek-V3 shapes (671B without its multi-token-prediction layer; for `shardax plan`):
+    # latent attention, 3 dense layers, 256 routed experts top-8 plus one shared.
+    "deepseek-v3": LlamaConfig(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, mlp_dim=2048,
+        max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8, moe_impl="dropless",
+        router_score="sigmoid", routed_scaling_factor=2.5, moe_aux_weight=0.0,
+        shared_expert_dim=2048, shared_expert_gate=False, first_k_dense=3,
+        dense_mlp_dim=18432, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        head_dim_override=192, v_head_dim=128),
 }
 
 
