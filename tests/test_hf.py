@@ -256,30 +256,24 @@ def test_import_export_import_is_bit_identical(arch, tmp_path):
         assert v.tobytes() == again[k].tobytes(), k
 
 
-def test_lora_on_deepseek_latent_attention_merges_and_exports_peft_shapes(tmp_path):
-    """LoRA's default targets reach MLA's low-rank projections; with non-zero B the adapted
-    forward equals the merged weights' forward, and the PEFT adapter has each projection's
-    [rank, in] / [out, rank] factors."""
+def test_lora_on_deepseek_latent_attention_exports_peft_factors(tmp_path):
+    """LoRA's default targets reach MLA's low-rank projections, and the PEFT adapter holds
+    each projection's [rank, in] / [out, rank] factors (q_b and kv_b read the latent)."""
     import dataclasses
 
     from shardax.hf.peft import save_adapters
-    from shardax.models.lora import LoRA, add_lora, lora_weights, merge_lora
+    from shardax.models.lora import LoRA, add_lora
 
-    ref = reference("deepseek_v3")
     model = hf.load_model(FIXTURES / "deepseek_v3")
     model.config = dataclasses.replace(model.config, lora=LoRA(rank=4))
     paths = add_lora(model, LoRA(rank=4), nnx.Rngs(1))
     assert {f"layers/1/attn/{w}" for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} <= set(paths)
-    for i, w in enumerate(lora_weights(model).values()):
-        w.lora_b[...] = 0.05 * jax.random.normal(jax.random.key(i), w.lora_b.shape)
-    adapted = logits_of(model, ref["tokens"])
-    assert np.abs(adapted - ref["logits"]).max() > 1e-2  # the adapters act
     a = tensor_index(save_adapters(model, tmp_path).parent)
-    name = "base_model.model.model.layers.1.self_attn.{}.lora_{}.weight"
-    assert a[name.format("q_b_proj", "A")].shape(name.format("q_b_proj", "A")) == (4, 16)
-    assert a[name.format("kv_b_proj", "B")].shape(name.format("kv_b_proj", "B")) == (64, 4)
-    np.testing.assert_allclose(logits_of(merge_lora(model), ref["tokens"]), adapted,
-                               rtol=0, atol=1e-5 * np.abs(adapted).max())
+    name = "base_model.model.model.layers.1.self_attn.{}_proj{}.lora_{}.weight"
+    want = {("q_a", "", "A"): (4, 32), ("q_b", "", "A"): (4, 16), ("q_b", "", "B"): (64, 4),
+            ("kv_a", "_with_mqa", "B"): (24, 4), ("kv_b", "", "A"): (4, 16),
+            ("kv_b", "", "B"): (64, 4)}
+    assert {k: a[name.format(*k)].shape(name.format(*k)) for k in want} == want
 
 
 REFERENCE_PYTHON = os.environ.get("SHARDAX_HF_REFERENCE_PYTHON")
