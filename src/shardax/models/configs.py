@@ -273,8 +273,9 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "llama-moe-aux-free-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2,
                                            moe_impl="dropless", router_score="sigmoid",
                                            router_bias_update=0.001, moe_aux_weight=0.0),
-    # DeepSeek-V3 shapes (671B without its multi-token-prediction layer; for `shardax plan`):
-    # latent attention, 3 dense layers, 256 routed experts top-8 plus one shared.
+    # DeepSeek-V3 shapes (671B without its multi-token-prediction layer): latent attention,
+    # 3 dense layers, 256 routed experts top-8 plus one shared. Its layers differ, so they are
+    # listed: `shardax plan` compiles all 61 (over 400 s on 2 CPU cores at ep=8,fsdp=8).
     "deepseek-v3": LlamaConfig(
         vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, mlp_dim=2048,
         max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8, moe_impl="dropless",
