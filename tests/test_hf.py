@@ -158,6 +158,19 @@ def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
         assert out[key] == src[key], key
 
 
+def test_deepseek_layers_cannot_be_stacked_and_megatron_tp_is_refused():
+    """DeepSeek-V3's dense first layer keeps its layers listed; Megatron tp_mode (fused QKV)
+    has no latent-attention form: both refused naming why."""
+    from shardax.layout.spec import check_mesh
+
+    with pytest.raises(ValueError, match="first_k_dense=1 dense layers precede the experts"):
+        hf.load_model(FIXTURES / "deepseek_v3", scan_layers=True)
+    config = hf.load_config(FIXTURES / "deepseek_v3")
+    with pytest.raises(ValueError, match="tp_mode='sync' does not run multi-head latent"):
+        check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
+                   seq_len=16)
+
+
 @pytest.mark.parametrize("mesh_spec", ["fsdp=4,tp=2", "tp=8"])
 def test_qwen2_biases_under_megatron_tensor_parallelism(mesh_spec):
     """tp_mode='sync' adds the q/k/v biases inside the fused column-parallel QKV, also when
