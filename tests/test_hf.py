@@ -7,8 +7,9 @@ GPT-2, Qwen3 (q/k norm, head_dim 16 != hidden/heads), Gemma 2 (alternating windo
 layers, soft-capping, GeGLU, pre+post norms), Gemma 3 text (q/k norm, local/global RoPE bases,
 sliding pattern 3), Mistral with an 8-token window (shorter than the 16-token prompts and the
 48 tokens generated), and the mixtures of experts Mixtral, Qwen2-MoE (shared expert, top-k not
-renormalised) and Qwen3-MoE (4 experts, top 2; shardax's dropless MoE), with transformers'
-float32 logits for fixed tokens and 32 greedy tokens per prompt.
+renormalised), Qwen3-MoE (4 experts, top 2; shardax's dropless MoE) and DeepSeek-V3 (latent
+attention, a first dense layer, sigmoid routing with a correction bias, a shared expert),
+with transformers' float32 logits for fixed tokens and 32 greedy tokens per prompt.
 Tolerance: logits within 1e-4 relative to the largest reference logit (float32; seen <= 1.1e-6);
 greedy tokens, import -> export -> import and exported bytes: exact.
 """
@@ -38,10 +39,11 @@ from shardax.utils import flatten_tree
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 DENSE = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
          "mistral_window"]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
 ARCHS = DENSE + MOE
-# Mixed sliding/global layers cannot be stacked (scan_layers): they load as a list of layers.
-LISTED = ("gpt2", "gemma2", "gemma3")
+# Mixed sliding/global (or dense/MoE) layers cannot be stacked (scan_layers): they load as a
+# list of layers.
+LISTED = ("gpt2", "gemma2", "gemma3", "deepseek_v3")
 REL = 1e-4
 
 
@@ -63,7 +65,9 @@ def assert_logits_close(got, want):
 
 
 def params(model):
-    return {k: np.asarray(v) for k, v in flatten_tree(nnx.state(model, nnx.Param), sep="/").items()}
+    """The parameters and routing biases of ``model``, by '/'-joined path."""
+    state = nnx.state(model, hf.export.EXPORTED)
+    return {k: np.asarray(v) for k, v in flatten_tree(state, sep="/").items()}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -98,17 +102,20 @@ NEW_ARCHS = ["qwen3", "gemma2", "gemma3", "mistral_window"]
 
 @pytest.mark.parametrize("arch", MOE)
 def test_moe_logits_and_greedy_tokens_on_ep2_fsdp2_tp2_equal_transformers(arch):
-    """Stacked layers loaded into ep=2,fsdp=2,tp=2: every expert weight [layers, experts, ...]
-    is split over 'ep' (and fsdp/tp), and the logits and KV-cache greedy tokens are
-    transformers'."""
+    """Stacked layers (listed for DeepSeek-V3's dense first layer) loaded into ep=2,fsdp=2,tp=2:
+    every expert weight [layers, experts, ...] is split over 'ep' (and fsdp/tp), and the logits
+    and KV-cache greedy tokens are transformers'."""
     ref = reference(arch)
     mesh = MeshShardingHelper.from_string("ep=2,fsdp=2,tp=2")
     config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
-    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules, scan_layers=True)
+    stacked = arch not in LISTED
+    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules, scan_layers=stacked)
+    last = state["layers"] if stacked else state["layers"][config.n_layers - 1]  # MoE layer
+    mlp, axis = last["mlp"], int(stacked)
     for name in ("w_gate", "w_up", "w_down"):
-        w = state["layers"]["mlp"][name][...]
-        assert w.sharding.spec[1] == "ep" and w.addressable_shards[0].data.shape[1] == 2, name
+        w = mlp[name][...]
+        assert w.sharding.spec[axis] == "ep" and w.addressable_shards[0].data.shape[axis] == 2, name
     model = nnx.merge(graphdef, state)
     assert_logits_close(logits_of(model, ref["tokens"], mesh, rules), ref["logits"])
     out = decode.generate(model, ref["tokens"].tolist(), 32, mesh=mesh, rules=rules)
@@ -149,6 +156,19 @@ def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
     src = json.loads((FIXTURES / "gemma3" / "config.json").read_text())
     for key in ("layer_types", "rope_parameters", "query_pre_attn_scalar", "sliding_window"):
         assert out[key] == src[key], key
+
+
+def test_deepseek_layers_cannot_be_stacked_and_megatron_tp_is_refused():
+    """DeepSeek-V3's dense first layer keeps its layers listed; Megatron tp_mode (fused QKV)
+    has no latent-attention form: both refused naming why."""
+    from shardax.layout.spec import check_mesh
+
+    with pytest.raises(ValueError, match="first_k_dense=1 dense layers precede the experts"):
+        hf.load_model(FIXTURES / "deepseek_v3", scan_layers=True)
+    config = hf.load_config(FIXTURES / "deepseek_v3")
+    with pytest.raises(ValueError, match="tp_mode='sync' does not run multi-head latent"):
+        check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
+                   seq_len=16)
 
 
 @pytest.mark.parametrize("mesh_spec", ["fsdp=4,tp=2", "tp=8"])
@@ -247,6 +267,26 @@ def test_import_export_import_is_bit_identical(arch, tmp_path):
     again = params(hf.load_model(tmp_path))
     for k, v in params(model).items():
         assert v.tobytes() == again[k].tobytes(), k
+
+
+def test_lora_on_deepseek_latent_attention_exports_peft_factors(tmp_path):
+    """LoRA's default targets reach MLA's low-rank projections, and the PEFT adapter holds
+    each projection's [rank, in] / [out, rank] factors (q_b and kv_b read the latent)."""
+    import dataclasses
+
+    from shardax.hf.peft import save_adapters
+    from shardax.models.lora import LoRA, add_lora
+
+    model = hf.load_model(FIXTURES / "deepseek_v3")
+    model.config = dataclasses.replace(model.config, lora=LoRA(rank=4))
+    paths = add_lora(model, LoRA(rank=4), nnx.Rngs(1))
+    assert {f"layers/1/attn/{w}" for w in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} <= set(paths)
+    a = tensor_index(save_adapters(model, tmp_path).parent)
+    name = "base_model.model.model.layers.1.self_attn.{}_proj{}.lora_{}.weight"
+    want = {("q_a", "", "A"): (4, 32), ("q_b", "", "A"): (4, 16), ("q_b", "", "B"): (64, 4),
+            ("kv_a", "_with_mqa", "B"): (24, 4), ("kv_b", "", "A"): (4, 16),
+            ("kv_b", "", "B"): (64, 4)}
+    assert {k: a[name.format(*k)].shape(name.format(*k)) for k in want} == want
 
 
 REFERENCE_PYTHON = os.environ.get("SHARDAX_HF_REFERENCE_PYTHON")

@@ -78,6 +78,16 @@ MODELS = {
         COMMON, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], tie_word_embeddings=False), None),
+    # DeepSeek-V3: latent attention (q rank 16, kv rank 16, rope 8 interleaved, nope 8, v 8),
+    # a dense layer then one of top-2 of 4 sigmoid-routed experts (a correction bias, scaled
+    # weights) plus 1 shared expert; one group (n_group = topk_group = 1).
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(
+        COMMON, num_key_value_heads=4, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=32, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, rope_interleave=True, tie_word_embeddings=False),
+        None),
     "gpt2": (transformers.GPT2Config, dict(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None), None),
@@ -94,6 +104,9 @@ def make(name: str) -> None:
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname or "ln_" in pname:
                 p.add_(0.1 * torch.randn_like(p))
+        for bname, buf in model.named_buffers():  # DeepSeek-V3's routing bias
+            if bname.endswith("e_score_correction_bias"):
+                buf.add_(0.1 * torch.randn_like(buf))
     out = OUT / name
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(out, safe_serialization=True, **({"max_shard_size": shard}

@@ -1,7 +1,8 @@
 """Hugging Face checkpoints in and out: Llama (2/3, GQA, ``rope_theta``, Llama-3
 ``rope_scaling``, tied or untied embeddings), Mistral (sliding window), Qwen2 (q/k/v biases),
 Qwen3 (q/k norm), Gemma 2 and Gemma 3 text (sliding/global layers, soft-capping, GeGLU),
-Mixtral, Qwen2-MoE and Qwen3-MoE (dropless mixture of experts) and GPT-2.
+Mixtral, Qwen2-MoE and Qwen3-MoE (dropless mixture of experts), DeepSeek-V3 (latent attention,
+first dense layers, sigmoid routing with its correction bias) and GPT-2.
 
 * :func:`load_model` / :func:`load_params`: a model directory (``config.json`` + single or
   sharded ``*.safetensors``) -> shardax NNX model, created in its sharded layout on any mesh;

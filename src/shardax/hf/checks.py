@@ -88,7 +88,10 @@ def check_tensors(config: Any, index: Mapping[str, SafetensorsFile],
                          f"{len(layers)} (layers {extra[0]}..{extra[-1]} would be dropped)")
     if len(layers) < n_layers:
         gap = next(i for i in range(len(layers) + 1) if i not in layers)
-        probe = param_maps(dataclasses.replace(config, n_layers=gap + 1))  # bounded, as above
+        short = {"n_layers": gap + 1}  # bounded, as above
+        if getattr(config, "first_k_dense", 0):
+            short["first_k_dense"] = min(config.first_k_dense, gap + 1)
+        probe = param_maps(dataclasses.replace(config, **short))
         name = next(one.name for one in _leaves(probe)
                     if (hit := _LAYER.match(one.name)) and int(hit.group(1)) == gap)
         raise ValueError(f"{directory}: Hugging Face tensor {name!r} is missing from the "

@@ -1,5 +1,5 @@
 """Model configs to and from Hugging Face ``config.json`` dicts (Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text, GPT-2).
+Gemma 2, Gemma 3 text, Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-2).
 
 >>> from shardax.models.configs import CONFIGS
 >>> config = config_from_hf(config_to_hf(CONFIGS["llama-tiny"]))
@@ -23,14 +23,14 @@ __all__ = ["HF_MODEL_TYPES", "config_from_hf", "config_to_hf"]
 HF_MODEL_TYPES = {"llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig,
                   "qwen3": LlamaConfig, "gemma2": LlamaConfig, "gemma3_text": LlamaConfig,
                   "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig,
-                  "gpt2": GPT2Config}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+                  "deepseek_v3": LlamaConfig, "gpt2": GPT2Config}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # Hugging Face activation name -> LlamaConfig.mlp_activation (the first name is written).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -78,6 +78,8 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
     gemma = mt in GEMMA_TYPES
     dim, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or dim // heads
+    if mt == "deepseek_v3":  # its head_dim is the RoPE part
+        head_dim = hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]
     if head_dim * heads != dim and mt in ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe"):
         raise _unsupported(mt, "head_dim", head_dim, f"must equal hidden_size/heads = "
                            f"{dim // heads}")
@@ -138,7 +140,37 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
         fields["qk_norm"] = True
     if mt in MOE_TYPES:
         fields.update(_moe_from_hf(mt, hf))
+    if mt == "deepseek_v3":
+        fields.update(_deepseek_from_hf(hf, head_dim))
     return LlamaConfig(**{**fields, **overrides})
+
+
+def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
+    """DeepSeek-V3's fields: latent attention, first dense layers, sigmoid routing."""
+    mt = "deepseek_v3"
+    groups = (hf.get("n_group") or 1, hf.get("topk_group") or 1)
+    if groups != (1, 1):
+        raise _unsupported(mt, "n_group/topk_group", groups, "group-limited routing is not "
+                           "implemented: only n_group = topk_group = 1")
+    if hf.get("rope_scaling") or (hf.get("rope_parameters") or {}).get(
+            "rope_type", "default") != "default":
+        raise _unsupported(mt, "rope_scaling", hf.get("rope_scaling") or hf["rope_parameters"],
+                           "YaRN scaling of latent attention is not implemented")
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get(
+            "scoring_func", "sigmoid") != "sigmoid":
+        raise _unsupported(mt, "topk_method/scoring_func", (hf.get("topk_method"),
+                           hf.get("scoring_func")), "only 'noaux_tc' with 'sigmoid' is")
+    return dict(
+        n_experts=hf["n_routed_experts"], mlp_dim=hf["moe_intermediate_size"],
+        moe_norm_topk=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_expert_dim=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
+        shared_expert_gate=False, moe_aux_weight=0.0,
+        first_k_dense=hf.get("first_k_dense_replace", 0), dense_mlp_dim=hf["intermediate_size"],
+        kv_lora_rank=hf["kv_lora_rank"], q_lora_rank=hf.get("q_lora_rank") or 0,
+        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        rope_interleave=bool(hf.get("rope_interleave", True)), n_kv_heads=hf[
+            "num_attention_heads"], head_dim_override=head_dim)
 
 
 def _moe_from_hf(mt: str, hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,6 +180,8 @@ def _moe_from_hf(mt: str, hf: Mapping[str, Any]) -> dict[str, Any]:
             raise _unsupported(mt, "decoder_sparse_step/mlp_only_layers",
                                (hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")),
                                "every layer must be a mixture of experts")
+    if mt == "deepseek_v3":
+        return dict(top_k=hf["num_experts_per_tok"], moe_impl="dropless")
     fields = dict(
         n_experts=hf.get("num_local_experts") or hf["num_experts"],
         top_k=hf["num_experts_per_tok"], moe_impl="dropless",
@@ -202,6 +236,8 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
     mt = c.family
     if mt in GEMMA_TYPES:
         return _gemma_to_hf(c, mt)
+    if mt == "deepseek_v3":
+        return _deepseek_to_hf(c)
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
@@ -248,6 +284,33 @@ def _moe_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
                              f"shared_expert_dim={c.shared_expert_dim}")
         out.update(qkv_bias=True, shared_expert_intermediate_size=c.shared_expert_dim)
     return out
+
+
+def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    shared, m = c.shared_expert_dim, c.mlp_dim
+    if (c.router_score != "sigmoid" or c.shared_expert_gate or shared % m
+            or c.rope_scaling is not None or c.sliding_window is not None or c.tie_embeddings):
+        raise ValueError("a DeepSeek-V3 config (kv_lora_rank > 0 with experts) needs "
+                         "router_score='sigmoid', an ungated shared expert of a multiple of "
+                         "mlp_dim units, no rope_scaling, no sliding_window, untied embeddings")
+    return {
+        "architectures": [_ARCHITECTURES["deepseek_v3"]], "model_type": "deepseek_v3",
+        "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_heads,
+        "intermediate_size": c.dense_mlp_dim or m, "moe_intermediate_size": m,
+        "n_routed_experts": c.n_experts, "n_shared_experts": shared // m,
+        "num_experts_per_tok": c.top_k, "n_group": 1, "topk_group": 1,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": c.moe_norm_topk,
+        "routed_scaling_factor": c.routed_scaling_factor,
+        "first_k_dense_replace": c.first_k_dense,
+        "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": c.q_lora_rank or None,
+        "qk_rope_head_dim": c.qk_rope_head_dim, "qk_nope_head_dim": c.head_dim
+        - c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "head_dim": c.qk_rope_head_dim,
+        "rope_interleave": c.rope_interleave, "max_position_embeddings": c.max_seq_len,
+        "rope_theta": c.rope_theta, "rope_scaling": None, "rms_norm_eps": c.norm_eps,
+        "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": _dtype_name(c.param_dtype),
+    }
 
 
 def _gemma_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:

@@ -34,9 +34,14 @@ from shardax.hf.configs import config_to_hf
 from shardax.hf.files import INDEX_NAME, write_safetensors
 from shardax.hf.mapping import TensorMap, iter_maps, param_maps, to_hf
 from shardax.models.configs import GPT2Config, LlamaConfig
+from shardax.models.moe import RouterBias
 from shardax.utils import tree_path_to_string
 
-__all__ = ["save_model", "save_params", "sync_processes", "to_host"]
+__all__ = ["EXPORTED", "save_model", "save_params", "sync_processes", "to_host"]
+
+#: The model state a Hugging Face checkpoint holds: the parameters and the routers'
+#: balancing biases (DeepSeek-V3's ``e_score_correction_bias``).
+EXPORTED = nnx.Any(nnx.Param, RouterBias)
 
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 # The weights files an export writes (see `_plan`).
@@ -122,7 +127,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
 def save_model(model: nnx.Module, directory: str | os.PathLike, **kwargs: Any) -> list[Path]:
     """Writes ``model`` (a shardax Llama or GPT-2) as a Hugging Face directory; see
     :func:`save_params`."""
-    return save_params(model.config, nnx.state(model, nnx.Param), directory,
+    return save_params(model.config, nnx.state(model, EXPORTED), directory,
                        scan_layers=model.scan_layers, **kwargs)
 
 

@@ -119,11 +119,12 @@ def param_maps(config: LlamaConfig | GPT2Config, scan_layers: bool = False
         raise ValueError(f"no Hugging Face layout for {type(config).__name__}")
     out: dict[str, TensorMap | list] = dict(top)
     per_layer = [layer(i) for i in range(config.n_layers)]
-    for key in per_layer[0] if per_layer else ():
-        if scan_layers:
+    if scan_layers:
+        for key in per_layer[0] if per_layer else ():
             out[f"layers/{key}"] = [p[key] for p in per_layer]
-        else:
-            out.update({f"layers/{i}/{key}": p[key] for i, p in enumerate(per_layer)})
+    else:  # layers may differ (first_k_dense): each its own keys
+        out.update({f"layers/{i}/{key}": m for i, p in enumerate(per_layer)
+                    for key, m in p.items()})
     return out
 
 
@@ -148,6 +149,7 @@ def _moe_maps(c: LlamaConfig, p: str) -> dict[str, TensorMap | list]:
     (and Qwen2-MoE's shared expert)."""
     d, m, e = c.dim, c.mlp_dim, c.n_experts
     mixtral = c.family == "mixtral"
+    deepseek = c.family == "deepseek_v3"
     q = p + ("block_sparse_moe." if mixtral else "mlp.")
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     out: dict[str, TensorMap | list] = {
@@ -156,23 +158,49 @@ def _moe_maps(c: LlamaConfig, p: str) -> dict[str, TensorMap | list]:
                                    ((m, d), (m, d), (d, m))):
         out[f"mlp/{ours}"] = [TensorMap(f"{q}experts.{j}.{theirs}.weight", shape, shape, (1, 0))
                               for j in range(e)]
+    if c.router_bias:  # DeepSeek-V3's auxiliary-loss-free balancing bias
+        out["mlp/router_bias"] = TensorMap(q + "gate.e_score_correction_bias", (e,), (e,), (0,))
     if c.shared_expert_dim:
-        f, s = c.shared_expert_dim, q + "shared_expert."
+        f, s = c.shared_expert_dim, q + ("shared_experts." if deepseek else "shared_expert.")
         out.update({
             "mlp/shared_gate": TensorMap(s + "gate_proj.weight", (f, d), (f, d), (1, 0)),
             "mlp/shared_up": TensorMap(s + "up_proj.weight", (f, d), (f, d), (1, 0)),
             "mlp/shared_down": TensorMap(s + "down_proj.weight", (d, f), (d, f), (1, 0)),
-            "mlp/shared_router": TensorMap(q + "shared_expert_gate.weight", (1, d), (1, d),
-                                           (1, 0)),
         })
+        if c.shared_expert_gate:
+            out["mlp/shared_router"] = TensorMap(q + "shared_expert_gate.weight", (1, d),
+                                                 (1, d), (1, 0))
     return out
+
+
+def _mla_maps(c: LlamaConfig, a: str) -> dict[str, TensorMap]:
+    """DeepSeek-V3's latent attention under the prefix ``a`` ('...self_attn.')."""
+    d, h, hd, r, v = c.dim, c.n_heads, c.head_dim, c.qk_rope_head_dim, c.v_head_dim
+    ql, kl, kvd = c.q_lora_rank, c.kv_lora_rank, hd - r + v
+    maps = {
+        "attn/wkv_a": TensorMap(a + "kv_a_proj_with_mqa.weight", (kl + r, d), (kl + r, d),
+                                (1, 0)),
+        "attn/kv_norm": TensorMap(a + "kv_a_layernorm.weight", (kl,), (kl,), (0,)),
+        "attn/wkv_b": TensorMap(a + "kv_b_proj.weight", (h * kvd, kl), (h, kvd, kl),
+                                (2, 0, 1)),
+        "attn/wo": TensorMap(a + "o_proj.weight", (d, h * v), (d, h, v), (1, 2, 0)),
+    }
+    if not ql:
+        maps["attn/wq"] = TensorMap(a + "q_proj.weight", (h * hd, d), (h, hd, d), (2, 0, 1))
+        return maps
+    maps.update({
+        "attn/wq_a": TensorMap(a + "q_a_proj.weight", (ql, d), (ql, d), (1, 0)),
+        "attn/q_norm": TensorMap(a + "q_a_layernorm.weight", (ql,), (ql,), (0,)),
+        "attn/wq_b": TensorMap(a + "q_b_proj.weight", (h * hd, ql), (h, hd, ql), (2, 0, 1)),
+    })
+    return maps
 
 
 def _llama_maps(c: LlamaConfig):
     if c.n_experts and c.moe_impl != "dropless":
         raise ValueError("a capacity-based mixture-of-experts Llama has no Hugging Face layout "
                          "(moe_impl='dropless' has Mixtral's and Qwen-MoE's)")
-    d, h, kv, hd, v, m = c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size, c.mlp_dim
+    d, h, kv, hd, v = c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.vocab_size
     top = {"embed": TensorMap("model.embed_tokens.weight", (v, d), (v, d), (0, 1)),
            "final_norm/scale": TensorMap("model.norm.weight", (d,), (d,), (0,))}
     if not c.tie_embeddings:
@@ -189,14 +217,22 @@ def _llama_maps(c: LlamaConfig):
         maps = {
             "attn_norm/scale": norm(p + "input_layernorm"),
             "mlp_norm/scale": norm(p + mlp_in),
-            "attn/wq": TensorMap(a + "q_proj.weight", (h * hd, d), (h, hd, d), (2, 0, 1)),
-            "attn/wk": TensorMap(a + "k_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
-            "attn/wv": TensorMap(a + "v_proj.weight", (kv * hd, d), (kv, hd, d), (2, 0, 1)),
-            "attn/wo": TensorMap(a + "o_proj.weight", (d, h * hd), (d, h, hd), (1, 2, 0)),
         }
-        if c.n_experts:
+        if c.mla:
+            maps.update(_mla_maps(c, a))
+        else:
+            maps.update({
+                "attn/wq": TensorMap(a + "q_proj.weight", (h * hd, d), (h, hd, d), (2, 0, 1)),
+                "attn/wk": TensorMap(a + "k_proj.weight", (kv * hd, d), (kv, hd, d),
+                                     (2, 0, 1)),
+                "attn/wv": TensorMap(a + "v_proj.weight", (kv * hd, d), (kv, hd, d),
+                                     (2, 0, 1)),
+                "attn/wo": TensorMap(a + "o_proj.weight", (d, h * hd), (d, h, hd), (1, 2, 0)),
+            })
+        if not c.is_dense(i):
             maps.update(_moe_maps(c, p))
         else:
+            m = c.dense_mlp_dim or c.mlp_dim if c.n_experts else c.mlp_dim
             maps.update({
                 "mlp/w_gate": TensorMap(p + "mlp.gate_proj.weight", (m, d), (m, d), (1, 0)),
                 "mlp/w_up": TensorMap(p + "mlp.up_proj.weight", (m, d), (m, d), (1, 0)),

@@ -161,6 +161,8 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
 
     if lay.tp_mode != "none":
         need(tp > 1, f"tp_mode={lay.tp_mode!r} needs a 'tp' mesh axis of size > 1")
+        need(not getattr(c, "mla", False), f"tp_mode={lay.tp_mode!r} does not run multi-head "
+             "latent attention (kv_lora_rank > 0): use tp_mode='none', the rules split it")
         kv = getattr(c, "n_kv_heads", c.n_heads)
         for what, n in (("n_heads", c.n_heads), ("n_kv_heads", kv)):
             need(n % tp == 0 or tp % n == 0,
@@ -173,10 +175,11 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
             need(cp == 1, "sequence parallelism together with a 'cp' axis is not supported; "
                  "use one of them")
     if lay.scan_layers and getattr(c, "mixed_layers", False):
-        raise ValueError(
-            f"scan_layers=True needs identical layers, but global_every={c.global_every} "
-            "mixes sliding-window and global attention layers; use scan_layers=False "
-            "(and no pipeline parallelism)")
+        why = (f"first_k_dense={c.first_k_dense} dense layers precede the experts"
+               if c.first_k_dense else f"global_every={c.global_every} mixes sliding-window "
+               "and global attention layers")
+        raise ValueError(f"scan_layers=True needs identical layers, but {why}; use "
+                         "scan_layers=False (and no pipeline parallelism)")
     if pp > 1:
         v, m = lay.pp_virtual_stages, lay.pp_microbatches
         need(lay.scan_layers, "a 'pp' axis needs scan_layers=True (stacked layers)")

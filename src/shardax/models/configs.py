@@ -57,9 +57,19 @@ class LlamaConfig:
     bias added to the scores to pick the top-k (not to weigh them), moved by
     ``router_bias_update`` (gamma; 0: fixed, DeepSeek-V3 used 0.001) after each step towards
     equal load (auxiliary-loss-free balancing, `shardax.train.balance`), and the weights
-    times ``routed_scaling_factor``.
+    times ``routed_scaling_factor``. ``shared_expert_gate=False``: the shared expert is added
+    ungated (DeepSeek-V3's ``n_shared_experts * moe_intermediate_size`` units).
+
+    DeepSeek-V3's multi-head latent attention (``kv_lora_rank > 0``, `shardax.models.mla`):
+    q through a rank-``q_lora_rank`` bottleneck (0: one projection), keys and values
+    decompressed from a normed rank-``kv_lora_rank`` latent, RoPE on the last
+    ``qk_rope_head_dim`` dims of each query head and on one key part shared by all heads;
+    ``head_dim`` (``head_dim_override``) is the query/key head size (nope + rope),
+    ``v_head_dim`` the value head size, ``n_kv_heads == n_heads``; ``rope_interleave``: the
+    rotated dims are stored in pairs (DeepSeek's checkpoints). ``first_k_dense`` layers
+    come first with a dense MLP of ``dense_mlp_dim`` (0: ``mlp_dim``) units.
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
-    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE).
+    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3).
     """
 
     vocab_size: int = 256
@@ -98,9 +108,23 @@ class LlamaConfig:
     router_score: str = "softmax"
     router_bias_update: float = 0.0
     routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    first_k_dense: int = 0
+    dense_mlp_dim: int = 0
     lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
+        if self.kv_lora_rank:
+            self._check_mla()
+        if not 0 <= self.first_k_dense <= self.n_layers or (self.first_k_dense
+                                                            and not self.n_experts):
+            raise ValueError(f"first_k_dense={self.first_k_dense} must be in [0, n_layers="
+                             f"{self.n_layers}] and needs n_experts > 0")
         if self.head_dim_override is None and self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -134,9 +158,33 @@ class LlamaConfig:
             raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
                              "in [1, n_experts]")
 
+    def _check_mla(self) -> None:
+        r, v = self.qk_rope_head_dim, self.v_head_dim
+        if r <= 0 or r % 2 or not 0 < v <= self.head_dim or self.head_dim <= r:
+            raise ValueError(f"multi-head latent attention (kv_lora_rank={self.kv_lora_rank}) "
+                             f"needs an even qk_rope_head_dim={r} > 0 below head_dim="
+                             f"{self.head_dim} (nope + rope) and 0 < v_head_dim={v} <= head_dim")
+        if self.n_kv_heads != self.n_heads or self.qkv_bias or self.qk_norm:
+            raise ValueError("multi-head latent attention needs n_kv_heads == n_heads "
+                             f"({self.n_kv_heads} != {self.n_heads}?), no qkv_bias, no qk_norm")
+
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is DeepSeek's multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of q and k that RoPE rotates (MLA: ``qk_rope_head_dim``; else all)."""
+        return self.qk_rope_head_dim if self.mla else self.head_dim
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether layer ``layer`` has a dense MLP (no experts, or one of ``first_k_dense``)."""
+        return not self.n_experts or layer < self.first_k_dense
 
     @property
     def router_bias(self) -> bool:
@@ -146,9 +194,10 @@ class LlamaConfig:
 
     @property
     def mixed_layers(self) -> bool:
-        """Whether layers differ (sliding-window and global ones, or two RoPE bases)."""
-        return self.global_every > 0 and (self.sliding_window is not None
-                                          or self.rope_local_theta is not None)
+        """Whether layers differ (sliding-window and global ones, two RoPE bases, or
+        ``first_k_dense`` dense layers before the experts)."""
+        return self.first_k_dense > 0 or self.global_every > 0 and (
+            self.sliding_window is not None or self.rope_local_theta is not None)
 
     def is_global(self, layer: int) -> bool:
         """Whether layer ``layer`` attends over the whole sequence with the global RoPE base
@@ -173,13 +222,15 @@ class LlamaConfig:
 
     @property
     def family(self) -> str:
-        """The Hugging Face model type this config has the form of: 'mixtral', 'qwen2_moe',
-        'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
+        """The Hugging Face model type this config has the form of: 'deepseek_v3', 'mixtral',
+        'qwen2_moe', 'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
 
         >>> LlamaConfig(qk_norm=True).family
         'qwen3'
         """
         if self.n_experts and self.moe_impl == "dropless":
+            if self.mla:
+                return "deepseek_v3"
             if self.qk_norm:
                 return "qwen3_moe"
             return "qwen2_moe" if self.qkv_bias or self.shared_expert_dim else "mixtral"
@@ -222,6 +273,16 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
     "llama-moe-aux-free-tiny": LlamaConfig(mlp_dim=128, n_experts=4, top_k=2,
                                            moe_impl="dropless", router_score="sigmoid",
                                            router_bias_update=0.001, moe_aux_weight=0.0),
+    # DeepSeek-V3 shapes (671B without its multi-token-prediction layer): latent attention,
+    # 3 dense layers, 256 routed experts top-8 plus one shared. Its layers differ, so they are
+    # listed: `shardax plan` compiles all 61 (over 400 s on 2 CPU cores at ep=8,fsdp=8).
+    "deepseek-v3": LlamaConfig(
+        vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, mlp_dim=2048,
+        max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8, moe_impl="dropless",
+        router_score="sigmoid", routed_scaling_factor=2.5, moe_aux_weight=0.0,
+        shared_expert_dim=2048, shared_expert_gate=False, first_k_dense=3,
+        dense_mlp_dim=18432, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        head_dim_override=192, v_head_dim=128),
 }
 
 

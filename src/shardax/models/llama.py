@@ -31,6 +31,7 @@ from shardax.models._layers import make_layers, param
 from shardax.models.attention import attention
 from shardax.models.configs import LLAMA_CONFIGS, LlamaConfig
 from shardax.models.llama_moe import MoE
+from shardax.models.mla import MLAttention
 from shardax.models.moe import DroplessMoE
 from shardax.models.ops import apply_rope, gqa_attention, rms_norm, rope_tables
 from shardax.models.protocol import LanguageModel
@@ -56,14 +57,21 @@ def param_count(config: LlamaConfig) -> int:
         attn += c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
     if c.qk_norm:
         attn += 2 * c.head_dim
-    mlp = 3 * c.dim * c.mlp_dim
+    if c.mla:
+        h, r, kl, ql = c.n_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank
+        q = (c.dim * ql + ql + ql * h * c.head_dim) if ql else c.dim * h * c.head_dim
+        attn = (q + c.dim * (kl + r) + kl + kl * h * (c.head_dim - r + c.v_head_dim)
+                + h * c.v_head_dim * c.dim)
+    dense = 3 * c.dim * (c.dense_mlp_dim or c.mlp_dim if c.n_experts else c.mlp_dim)
+    mlp = dense
     if c.n_experts:
-        mlp = c.n_experts * mlp + c.dim * c.n_experts
+        mlp = c.n_experts * 3 * c.dim * c.mlp_dim + c.dim * c.n_experts
         if c.shared_expert_dim:
-            mlp += 3 * c.dim * c.shared_expert_dim + c.dim
-    layer = attn + mlp + (4 if c.post_norms else 2) * c.dim
+            mlp += 3 * c.dim * c.shared_expert_dim + (c.dim if c.shared_expert_gate else 0)
+    layer = attn + (4 if c.post_norms else 2) * c.dim
+    mlps = c.first_k_dense * dense + (c.n_layers - c.first_k_dense) * mlp
     head = 0 if c.tie_embeddings else c.dim * c.vocab_size
-    return c.vocab_size * c.dim + c.n_layers * layer + c.dim + head
+    return c.vocab_size * c.dim + c.n_layers * layer + mlps + c.dim + head
 
 
 class RMSNorm(nnx.Module):
@@ -178,14 +186,13 @@ class SwiGLU(nnx.Module):
     """The gated MLP ``down(act(gate(x)) * up(x))``: SwiGLU, or GeGLU with
     ``mlp_activation='gelu_tanh'``."""
 
-    def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, c: LlamaConfig, rngs: nnx.Rngs, mlp_dim: int | None = None):
         std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
-        pd = c.param_dtype
+        pd, m = c.param_dtype, mlp_dim or c.mlp_dim
         self.dtype = c.dtype
-        self.w_gate = param(rngs.params(), _normal(std), (c.dim, c.mlp_dim), ("embed", "mlp"), pd)
-        self.w_up = param(rngs.params(), _normal(std), (c.dim, c.mlp_dim), ("embed", "mlp"), pd)
-        self.w_down = param(rngs.params(), _normal(out_std), (c.mlp_dim, c.dim),
-                            ("mlp", "embed"), pd)
+        self.w_gate = param(rngs.params(), _normal(std), (c.dim, m), ("embed", "mlp"), pd)
+        self.w_up = param(rngs.params(), _normal(std), (c.dim, m), ("embed", "mlp"), pd)
+        self.w_down = param(rngs.params(), _normal(out_std), (m, c.dim), ("mlp", "embed"), pd)
 
         self.config = c
 
@@ -202,15 +209,18 @@ class Block(nnx.Module):
     """One pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); with
     ``post_norms`` (Gemma 2/3) the attention and MLP outputs are normed again before each add.
 
-    Returns ``(x, aux)``: ``aux`` is the MoE's `MoEStats` (0 for a dense MLP).
+    Returns ``(x, aux)``: ``aux`` is the MoE's `MoEStats` (0 for a dense MLP). ``dense``: a
+    dense MLP of ``dense_mlp_dim`` units in a model with experts (``first_k_dense``).
     """
 
-    def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, c: LlamaConfig, rngs: nnx.Rngs, dense: bool = False):
         self.config = c
         self.attn_norm = _norm(c, c.dim, rngs)
-        self.attn = Attention(c, rngs)
+        self.attn = MLAttention(c, rngs) if c.mla else Attention(c, rngs)
         self.mlp_norm = _norm(c, c.dim, rngs)
-        if not c.n_experts:
+        if dense:
+            self.mlp = SwiGLU(c, rngs, c.dense_mlp_dim)
+        elif not c.n_experts:
             self.mlp = SwiGLU(c, rngs)
         else:
             self.mlp = DroplessMoE(c, rngs) if c.moe_impl == "dropless" else MoE(c, rngs)
@@ -256,14 +266,18 @@ class Llama(LanguageModel):
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, *, scan_layers: bool = False):
         c = self.config = config
         if c.mixed_layers and scan_layers:
-            raise ValueError(
-                f"scan_layers=True needs identical layers, but global_every={c.global_every} "
-                "mixes sliding-window and global attention layers; use scan_layers=False "
-                "(and no pipeline parallelism)")
+            why = (f"first_k_dense={c.first_k_dense} dense layers precede the experts"
+                   if c.first_k_dense else f"global_every={c.global_every} mixes "
+                   "sliding-window and global attention layers")
+            raise ValueError(f"scan_layers=True needs identical layers, but {why}; use "
+                             "scan_layers=False (and no pipeline parallelism)")
         self.scan_layers = scan_layers  # layers stacked on a leading 'layers' axis (nnx.scan)
         self.embed = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                                  ("vocab", "embed"), c.param_dtype)
-        self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, scan_layers)
+        kinds = iter(range(c.n_layers))  # make_layers builds layer i from the i-th call
+        self.layers = make_layers(
+            lambda r: Block(c, r, dense=c.first_k_dense > 0 and c.is_dense(next(kinds))),
+            c.n_layers, rngs, scan_layers)
         if c.mixed_layers:  # list layout (refused with scan_layers above)
             for i, layer in enumerate(self.layers):
                 layer.attn.window = c.window_of(i)
@@ -299,7 +313,7 @@ class Llama(LanguageModel):
         if c.embed_scale:  # Gemma: the scale rounded to the compute dtype, as transformers
             x = x * jnp.asarray(c.dim ** 0.5, c.dtype)
         x = constrain(x, ("batch", "length", "embed"))
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.rope_scaling)
+        cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta, c.rope_scaling)
         if c.rope_local_theta is not None:  # (global, local) tables: see Attention.rope
             lcos, lsin = rope_tables(positions, c.head_dim, c.rope_local_theta)
             cos, sin = (cos, lcos), (sin, lsin)

@@ -8,8 +8,10 @@ unchanged at step 0). The model's code reads a weight as ``self.w[...]``, which 
 `LoRAWeight` answers with the merged weight, so every layout runs unchanged; the factors
 carry the base's logical axis names on their own dims (None on the rank), so the same rules
 shard them. A weight's input dims are its
-first dim when that is 'embed' (q/k/v, gate/up), else all but its last (o, down); the
-stacked expert weights of a mixture of experts are left frozen. Training
+first dim when that is 'embed' (q/k/v, gate/up) or unnamed (DeepSeek's latent attention
+``wq_b``/``wkv_b`` read the rank-``q/kv_lora_rank`` latent), else all but its last (o, down);
+the default targets include MLA's low-rank projections (``wq_a``, ``wq_b``, ``wkv_a``,
+``wkv_b``); the stacked expert weights of a mixture of experts are left frozen. Training
 differentiates only ``nnx.LoRAParam`` (`trainable`): the base gets no gradient and no
 optimizer state. `merge_lora` folds the adapters back into plain parameters (export,
 generation).
@@ -36,7 +38,7 @@ __all__ = ["DEFAULT_TARGETS", "LoRA", "LoRAError", "LoRAWeight", "add_lora", "lo
            "merge_lora", "trainable"]
 
 #: attention and MLP projections of the Llama and GPT-2 models
-DEFAULT_TARGETS = r"attn/w[qkvo]$|mlp/w_(gate|up|down|fc|proj)$"
+DEFAULT_TARGETS = r"attn/w([qkvo]|q_a|q_b|kv_a|kv_b)$|mlp/w_(gate|up|down|fc|proj)$"
 
 
 class LoRAError(ValueError):
@@ -118,7 +120,8 @@ class LoRAWeight(nnx.Module):
 
 def _n_in(names: tuple, stacked: bool) -> int:
     names = names[int(stacked):]
-    return 1 if names[:1] == ("embed",) else len(names) - 1
+    # A leading unnamed axis is a low-rank input (MLA's q_b / kv_b take the latent).
+    return 1 if names[:1] in (("embed",), (None,)) else len(names) - 1
 
 
 def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:

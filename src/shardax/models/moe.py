@@ -109,8 +109,9 @@ class DroplessMoE(nnx.Module):
             self.shared_up = param(rngs.params(), _normal(std), (c.dim, f), ("embed", "mlp"), pd)
             self.shared_down = param(rngs.params(), _normal(out_std), (f, c.dim),
                                      ("mlp", "embed"), pd)
-            self.shared_router = param(rngs.params(), _normal(std), (c.dim, 1), ("embed", None),
-                                       pd)
+            if c.shared_expert_gate:
+                self.shared_router = param(rngs.params(), _normal(std), (c.dim, 1),
+                                           ("embed", None), pd)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
         c, dt = self.config, self.config.dtype
@@ -136,7 +137,9 @@ class DroplessMoE(nnx.Module):
             hs = jax.nn.silu(tokens @ self.shared_gate[...].astype(dt)) * (
                 tokens @ self.shared_up[...].astype(dt))
             shared = hs @ self.shared_down[...].astype(dt)
-            y = y + jax.nn.sigmoid(tokens @ self.shared_router[...].astype(dt)) * shared
+            if c.shared_expert_gate:
+                shared = jax.nn.sigmoid(tokens @ self.shared_router[...].astype(dt)) * shared
+            y = y + shared
         y = constrain(y.reshape(b, s, d), ("batch", "length", "embed"))
         stats = MoEStats(aux, sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
         return checkpoint_name(y, "mlp_out"), stats

@@ -51,7 +51,8 @@ def update_router_bias(graphdef: Any, params: Any, rest: Any, expert_tokens: jax
         bias[...] = bias[...] + step
     else:
         for i, layer in enumerate(model.layers):
-            layer.mlp.router_bias[...] = layer.mlp.router_bias[...] + step[i]
+            if not config.is_dense(i):  # first_k_dense layers have no router
+                layer.mlp.router_bias[...] = layer.mlp.router_bias[...] + step[i]
     return nnx.split(model, trainable(config), ...)[2]
 
 

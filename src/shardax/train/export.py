@@ -24,6 +24,7 @@ from flax import nnx
 from shardax import hf, layout
 from shardax.errors import UsageError
 from shardax.filewrite import write_text
+from shardax.hf.export import EXPORTED
 from shardax.hf.peft import save_adapters
 from shardax.models.lora import merge_lora
 from shardax.train.config import ExportConfig
@@ -65,7 +66,7 @@ def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path
                 raise UsageError(f"--adapter-only: {e}") from None
         ids = _write_tokenizer(tokenizer, Path(config.to), model_config.max_seq_len)
         merge_lora(model)  # LoRA: the merged weights W + (alpha / rank) A @ B
-        return hf.save_params(model_config, nnx.state(model, nnx.Param), config.to,
+        return hf.save_params(model_config, nnx.state(model, EXPORTED), config.to,
                               max_shard_bytes=config.max_shard_mb * 2**20, dtype=out_dtype,
                               config_extra=ids, scan_layers=model.scan_layers)
     except OSError as e:
