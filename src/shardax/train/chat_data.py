@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardax.train.chat import ChatTemplate
+from shardax.train.data import check_same
 
 __all__ = ["ChatBatches", "ChatRows", "chat_val_batches", "pack_chats"]
 
@@ -141,12 +142,7 @@ class ChatBatches:
 
     def restore(self, state: dict[str, Any]) -> ChatBatches:
         """Continues from ``state()``; the process count may differ from the saving run."""
-        mine = self.state()
-        for key in ("seed", "seq_len", "batch_size", "num_rows"):
-            if key in state and state[key] != mine[key]:
-                raise ValueError(f"data state mismatch for {key!r}: saved {state[key]}, this "
-                                 f"dataset has {mine[key]}; the resumed run would read "
-                                 "different batches")
+        check_same(state, self.state(), ("seed", "seq_len", "batch_size", "num_rows"))
         self.step = int(state["step"])
         return self
 

@@ -472,15 +472,24 @@ class TokenBatches:
         if "mixture" in state:
             raise ValueError("--data: the run being resumed reads a weighted mixture; give "
                              "its entries with weights (PATH:WEIGHT)")
-        mine = self.state()
-        for key in ("seed", "seq_len", "batch_size", "num_tokens"):
-            if key in state and state[key] != mine[key]:
-                raise ValueError(
-                    f"data state mismatch for {key!r}: saved {state[key]}, this dataset has "
-                    f"{mine[key]}; the resumed run would read different batches"
-                )
+        check_same(state, self.state(), ("seed", "seq_len", "batch_size", "num_tokens"))
         self.step = int(state["step"])
         return self
+
+
+def check_same(saved: dict[str, Any], mine: dict[str, Any], keys: Sequence[str]) -> None:
+    """A batch source's ``restore`` check: ``saved`` (a checkpoint's data state) holds the
+    same ``keys`` as this source's ``mine``; a ValueError naming the first that differs.
+
+    >>> check_same({"seed": 1}, {"seed": 2}, ["seed"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: data state mismatch for 'seed': saved 1, this dataset has 2; ...
+    """
+    for key in keys:
+        if key in saved and saved[key] != mine[key]:
+            raise ValueError(f"data state mismatch for {key!r}: saved {saved[key]}, this "
+                             f"dataset has {mine[key]}; the resumed run would read different "
+                             "batches")
 
 
 def val_batches(

@@ -35,6 +35,7 @@ from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
 from shardax.train.chat import ChatTemplate
+from shardax.train.data import check_same
 from shardax.train.inputs import Inputs, checked_tokenizer
 from shardax.train.preference_data import PreferenceRows, encode_preferences, read_preferences
 from shardax.train.resolve import Resolved
@@ -116,12 +117,7 @@ class PreferenceBatches:
 
     def restore(self, state: dict[str, Any]) -> PreferenceBatches:
         """Continues from ``state()``; the process count may differ from the saving run."""
-        mine = self.state()
-        for key in ("seed", "seq_len", "batch_size", "num_pairs"):
-            if key in state and state[key] != mine[key]:
-                raise ValueError(f"data state mismatch for {key!r}: saved {state[key]}, this "
-                                 f"dataset has {mine[key]}; the resumed run would read "
-                                 "different batches")
+        check_same(state, self.state(), ("seed", "seq_len", "batch_size", "num_pairs"))
         self.step = int(state["step"])
         return self
 
