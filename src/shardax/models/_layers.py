@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax.models.remat import remat_policy
+from shardax.models._annotate import constrain
+from shardax.models.attention import attention
+from shardax.models.remat import checkpoint_name, remat_policy
 from shardax.parallel.remat import checkpoint_in_order
 
 __all__ = ["LAYERS", "cross_entropy", "make_layers", "param", "remat_policy", "run_layers",
@@ -154,3 +156,22 @@ def token_nll(logits: jax.Array, targets: jax.Array, *, gather: bool = True) -> 
         vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
         picked = jnp.sum(jnp.where(vocab == targets[..., None], logits, 0.0), axis=-1)
     return logz - picked
+
+
+class AttentionLayer(nnx.Module):
+    """What every attention layer does with its parts: ``qkv`` projects, ``rope`` rotates,
+    ``attend`` attends (through the layout's ``attend``) and ``out`` projects back; the
+    activations are annotated with their logical axes on the way. Subclasses (Llama's
+    grouped-query attention, DeepSeek's latent attention) define the four parts."""
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                 segment_ids: jax.Array | None = None, attend: Callable = attention
+                 ) -> jax.Array:
+        q, k, v = self.qkv(x)
+        q, k = self.rope(q, k, cos, sin)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        out = self.attend(q, k, v, attend, segment_ids=segment_ids)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return checkpoint_name(self.out(out), "attn_proj")

@@ -27,7 +27,7 @@ from flax import nnx
 
 from shardax.models import embedding
 from shardax.models._annotate import constrain
-from shardax.models._layers import make_layers, param
+from shardax.models._layers import AttentionLayer, make_layers, param
 from shardax.models.attention import attention
 from shardax.models.configs import LLAMA_CONFIGS, LlamaConfig
 from shardax.models.llama_moe import MoE
@@ -99,7 +99,7 @@ def gate_activation(c: LlamaConfig) -> Callable[[jax.Array], jax.Array]:
     return jax.nn.silu
 
 
-class Attention(nnx.Module):
+class Attention(AttentionLayer):
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         std, out_std = 0.02, 0.02 / (2 * c.n_layers) ** 0.5
         hd, pd = c.head_dim, c.param_dtype
@@ -125,18 +125,6 @@ class Attention(nnx.Module):
         # Per-layer attention kind; `Llama` sets it per layer when the layers differ.
         self.window: int | None = c.sliding_window
         self.local_rope = False
-
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids: jax.Array | None = None, attend: Callable = attention
-                 ) -> jax.Array:
-        q, k, v = self.qkv(x)
-        q, k = self.rope(q, k, cos, sin)
-        q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = self.attend(q, k, v, attend, segment_ids=segment_ids)
-        out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return checkpoint_name(self.out(out), "attn_proj")
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, fn: Callable = attention,
                **masks: Any) -> jax.Array:

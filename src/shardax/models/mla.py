@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax.models._annotate import constrain
-from shardax.models._layers import param
+from shardax.models._layers import AttentionLayer, param
 from shardax.models.attention import attention
 from shardax.models.ops import apply_rope, rms_norm
 from shardax.models.remat import checkpoint_name
@@ -48,7 +47,7 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x.reshape(*shape[:-1], shape[-1] // 2, 2), -1, -2).reshape(shape)
 
 
-class MLAttention(nnx.Module):
+class MLAttention(AttentionLayer):
     """Multi-head latent attention; see the module."""
 
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
@@ -74,18 +73,6 @@ class MLAttention(nnx.Module):
                         ("heads", "head_dim", "embed"), pd)
         self.window: int | None = c.sliding_window
         self.local_rope = False
-
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                 segment_ids: jax.Array | None = None, attend: Callable = attention
-                 ) -> jax.Array:
-        q, k, v = self.qkv(x)
-        q, k = self.rope(q, k, cos, sin)
-        q = constrain(q, ("batch", "length", "heads", "head_dim"))
-        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = self.attend(q, k, v, attend, segment_ids=segment_ids)
-        out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return checkpoint_name(self.out(out), "attn_proj")
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q and k ``[b, s, heads, nope + rope]`` before RoPE, v ``[b, s, heads, v_head_dim]``
