@@ -343,8 +343,13 @@ def test_orpo_equals_trl_run(trl):
     _trl_close(np.asarray(losses).mean(), case["loss"])
     _trl_close(metrics["log_odds_ratio"], case["log_odds_ratio"])
     _trl_close(metrics["log_odds_chosen"], case["log_odds_chosen"])
-    _trl_close(metrics["rewards/chosen"], a["orpo/chosen_rewards"].mean())
-    _trl_close(metrics["rewards/rejected"], a["orpo/rejected_rewards"].mean())
+    chosen, rejected = a["orpo/chosen_rewards"], a["orpo/rejected_rewards"]
+    _trl_close(metrics["rewards/chosen"], chosen.mean())
+    _trl_close(metrics["rewards/rejected"], rejected.mean())
+    # get_batch_loss_metrics' accuracies and margins, from TRL's rewards
+    _trl_close(metrics["rewards/accuracies"], (chosen > rejected).mean())
+    _trl_close(metrics["rewards/margins"], (chosen - rejected).mean())
+    _trl_close(metrics["nll_loss"], a["orpo/nll"].mean())
 
 
 @pytest.mark.parametrize("scale", ["group", "none"])
