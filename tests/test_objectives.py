@@ -7,8 +7,13 @@ trl/trainer/orpo_trainer.py ``ORPOTrainer.odds_ratio_loss`` (``log1p(-exp(.))`` 
 ``loss = nll - mean(β·logsigmoid)``), trl/trainer/grpo_trainer.py
 ``_generate_and_score_completions``
 (advantages with torch's unbiased std) and ``_compute_loss`` (clipped ratio, k3 KL,
-``loss_type="dapo"``, ``clip_ratio/{low,high,region}_mean``).
+``loss_type="dapo"``, ``clip_ratio/{low,high,region}_mean``). The ``*_trl_run`` tests compare
+with TRL's own code run on fixed inputs (tests/fixtures/trl, made by
+tests/reference/make_trl_fixtures.py; meta.json names the TRL version).
 """
+
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -244,3 +249,130 @@ def test_gradients_exist_and_are_finite():
     grad = jax.jit(jax.grad(lambda lp: grpo_loss(lp, None, logps - 0.5, adv, mask)[0]))(logps)
     assert np.isfinite(np.asarray(grad)).all()
     assert float(jnp.abs(grad[1, 2])) == 0.0   # a padding token gets no gradient
+
+
+# --- TRL's own code, run once in the reference environment -------------------------------------
+# tests/reference/make_trl_fixtures.py calls TRL's loss methods (DPOTrainer._compute_loss,
+# CPOTrainer.cpo_loss, ORPOTrainer.odds_ratio_loss, GRPOTrainer._compute_loss and its advantage
+# block) on fixed log-probabilities and saves inputs and outputs; meta.json names TRL's version.
+
+TRL_DIR = Path(__file__).parent / "fixtures" / "trl"
+
+
+@pytest.fixture(scope="module")
+def trl():
+    arrays = np.load(TRL_DIR / "trl_losses.npz")
+    meta = json.loads((TRL_DIR / "meta.json").read_text())
+    return {k: arrays[k] for k in arrays}, meta["cases"]
+
+
+def _trl_close(ours, theirs):
+    np.testing.assert_allclose(np.asarray(ours, np.float64), theirs, rtol=1e-6, atol=1e-6)
+
+
+def _check_reward_metrics(metrics, logged):
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                 "logps/chosen", "logps/rejected"):
+        _trl_close(metrics[name], logged[name])
+
+
+def test_dpo_sigmoid_equals_trl_run(trl):
+    a, cases = trl
+    case = cases["dpo_sigmoid"]
+    losses, metrics = dpo_loss(a["policy_chosen"], a["policy_rejected"], a["ref_chosen"],
+                               a["ref_rejected"], beta=case["beta"])
+    _trl_close(losses, a["dpo_sigmoid/losses"])
+    _trl_close(np.asarray(losses).mean(), case["loss"])
+    _check_reward_metrics(metrics, case["metrics"])
+    assert 0 < case["metrics"]["rewards/accuracies"] < 1    # a tie and losing pairs are in it
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_conservative_dpo_equals_trl_run(trl, smoothing):
+    # TRL >= 1.0 keeps the label-smoothed sigmoid only in CPOTrainer.cpo_loss: fed the DPO
+    # log-ratios it is conservative DPO; its rewards are then β·(π - ref), DPO's rewards
+    a, cases = trl
+    name = f"cdpo_{smoothing}"
+    losses, metrics = dpo_loss(a["policy_chosen"], a["policy_rejected"], a["ref_chosen"],
+                               a["ref_rejected"], beta=cases[name]["beta"],
+                               label_smoothing=smoothing)
+    _trl_close(losses, a[f"{name}/losses"])
+    _trl_close(metrics["rewards/chosen"], a[f"{name}/chosen_rewards"].mean())
+    _trl_close(metrics["rewards/rejected"], a[f"{name}/rejected_rewards"].mean())
+    if smoothing == 0.0:   # and DPOTrainer's own sigmoid is the ε = 0 case
+        _trl_close(losses, a["dpo_sigmoid/losses"])
+
+
+def test_ipo_equals_trl_run(trl):
+    # TRL's IPO divides each log-ratio by its completion length; we take per-token averages
+    a, cases = trl
+    case = cases["dpo_ipo"]
+    cc, rc = a["chosen_counts"], a["rejected_counts"]
+    losses, metrics = dpo_loss(a["policy_chosen"] / cc, a["policy_rejected"] / rc,
+                               a["ref_chosen"] / cc, a["ref_rejected"] / rc,
+                               beta=case["beta"], loss_type="ipo")
+    _trl_close(losses, a["dpo_ipo/losses"])
+    _trl_close(np.asarray(losses).mean(), case["loss"])
+    # TRL logs IPO's rewards and logps from the summed log-probabilities, as for DPO
+    _, summed = dpo_loss(a["policy_chosen"], a["policy_rejected"], a["ref_chosen"],
+                         a["ref_rejected"], beta=case["beta"], loss_type="ipo")
+    _check_reward_metrics(summed, case["metrics"])
+
+
+@pytest.mark.parametrize("name", ["simpo", "simpo_smooth"])
+def test_simpo_equals_trl_run(trl, name):
+    a, cases = trl
+    case = cases[name]
+    losses, metrics = simpo_loss(a["chosen_avg"], a["rejected_avg"], beta=case["beta"],
+                                 gamma=case["simpo_gamma"],
+                                 label_smoothing=case["label_smoothing"])
+    _trl_close(losses, a[f"{name}/losses"])
+    _trl_close(metrics["rewards/chosen"], a[f"{name}/chosen_rewards"].mean())
+    _trl_close(metrics["rewards/rejected"], a[f"{name}/rejected_rewards"].mean())
+    chosen, rejected = a[f"{name}/chosen_rewards"], a[f"{name}/rejected_rewards"]
+    _trl_close(metrics["rewards/accuracies"], (chosen > rejected).mean())
+
+
+def test_orpo_equals_trl_run(trl):
+    a, cases = trl
+    case = cases["orpo"]
+    losses, metrics = orpo_loss(a["chosen_avg"], a["rejected_avg"], a["orpo/nll"],
+                                lam=case["beta"])
+    # TRL's odds_ratio_loss returns +β·logσ(log odds); the loss is nll - that
+    _trl_close(losses, a["orpo/nll"] - a["orpo/losses"])
+    _trl_close(np.asarray(losses).mean(), case["loss"])
+    _trl_close(metrics["log_odds_ratio"], case["log_odds_ratio"])
+    _trl_close(metrics["log_odds_chosen"], case["log_odds_chosen"])
+    chosen, rejected = a["orpo/chosen_rewards"], a["orpo/rejected_rewards"]
+    _trl_close(metrics["rewards/chosen"], chosen.mean())
+    _trl_close(metrics["rewards/rejected"], rejected.mean())
+    # get_batch_loss_metrics' accuracies and margins, from TRL's rewards
+    _trl_close(metrics["rewards/accuracies"], (chosen > rejected).mean())
+    _trl_close(metrics["rewards/margins"], (chosen - rejected).mean())
+    _trl_close(metrics["nll_loss"], a["orpo/nll"].mean())
+
+
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_group_advantages_equal_trl_run(trl, scale):
+    a, _ = trl
+    ours = group_advantages(jnp.asarray(a["grpo/rewards"]), 4, scale=scale == "group")
+    _trl_close(ours, a[f"grpo/advantages_{scale}"])
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_dapo", "grpo_nokl"])
+def test_grpo_loss_equals_trl_run(trl, name):
+    a, cases = trl
+    case = cases[name]
+    loss, metrics = grpo_loss(a["grpo/logps"], a["grpo/old_logps"], a["grpo/ref_logps"],
+                              a["grpo/advantages_group"], a["grpo/mask"],
+                              epsilon=case["epsilon_low"], epsilon_high=case["epsilon_high"],
+                              beta=case["beta"], num_tokens=case["num_items_in_batch"])
+    logged = case["metrics"]
+    _trl_close(loss, case["loss"])
+    _trl_close(metrics["clip_ratio"], logged["clip_ratio/region_mean"])
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean"):
+        _trl_close(metrics[key], logged[key])
+    assert ("kl" in metrics) == ("kl" in logged)
+    if "kl" in logged:
+        _trl_close(metrics["kl"], logged["kl"])
+    assert logged["clip_ratio/low_mean"] > 0 and logged["clip_ratio/high_mean"] > 0
