@@ -283,8 +283,13 @@ def test_each_objective_gets_the_log_probabilities_trl_gives_it():
     c, r = slice(0, 3), slice(3, 6)
     config = check(TrainConfig(objective="dpo", data=["x"], dpo_loss="ipo", beta=0.2))
     want = ((avg[c] - ref_avg[c]) - (avg[r] - ref_avg[r]) - 1 / 0.4) ** 2
-    got = preference_step.PREFERENCE_LOSSES["dpo"](logps, counts, ref, config)[0]
+    got, metrics = preference_step.PREFERENCE_LOSSES["dpo"](logps, counts, ref, config)
     np.testing.assert_allclose(got, want, rtol=1e-6)
+    # TRL logs IPO's rewards and logps from the summed log-probabilities (test_objectives'
+    # TRL fixtures): only the loss takes the averages
+    np.testing.assert_allclose(metrics["rewards/chosen"], 0.2 * (logps[c] - ref[c]).mean(),
+                               rtol=1e-6)
+    np.testing.assert_allclose(metrics["logps/rejected"], logps[r].mean(), rtol=1e-6)
     config = check(TrainConfig(objective="simpo", data=["x"], beta=2.0, simpo_gamma=0.3))
     want = -jax.nn.log_sigmoid(2.0 * (avg[c] - avg[r]) - 0.3)
     got = preference_step.PREFERENCE_LOSSES["simpo"](logps, counts, ref, config)[0]

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardax.train.chat import ChatTemplate
-from shardax.train.data import check_same
+from shardax.train.data import EpochOrder, check_same
 
 __all__ = ["ChatBatches", "ChatRows", "chat_val_batches", "pack_chats"]
 
@@ -117,22 +117,12 @@ class ChatBatches:
         self.local_batch_size = batch_size // process_count
         self.seq_len = rows.tokens.shape[1] - 1
         self.step = 0
-        self._orders: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            if len(self._orders) >= 2:
-                self._orders.pop(next(iter(self._orders)))
-            n = len(self.rows.tokens)
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(n)
-        return self._orders[epoch]
+        self._order = EpochOrder(len(rows.tokens), seed)
 
     def batch(self, step: int) -> tuple[np.ndarray, ...]:
         """This process's ``(inputs, targets, segment_ids, loss_mask)`` for ``step``."""
-        n = len(self.rows.tokens)
         first = step * self.batch_size + self.process_index * self.local_batch_size
-        index = np.array([self._order(g // n)[g % n]
-                          for g in range(first, first + self.local_batch_size)])
+        index = self._order(range(first, first + self.local_batch_size))
         return _split(self.rows, index)
 
     def state(self) -> dict[str, Any]:

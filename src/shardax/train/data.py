@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +475,31 @@ class TokenBatches:
         check_same(state, self.state(), ("seed", "seq_len", "batch_size", "num_tokens"))
         self.step = int(state["step"])
         return self
+
+
+class EpochOrder:
+    """Where sample ``g`` of an endless stream over ``n`` items is: epoch ``g // n`` is a
+    permutation seeded by ``(seed, epoch)``; the last two epochs' permutations are kept.
+
+    >>> order = EpochOrder(4, seed=0)
+    >>> sorted(order(range(4))) == [0, 1, 2, 3] and sorted(order(range(4, 8))) == [0, 1, 2, 3]
+    True
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._epochs: dict[int, np.ndarray] = {}
+
+    def _epoch(self, epoch: int) -> np.ndarray:
+        if epoch not in self._epochs:
+            if len(self._epochs) >= 2:
+                self._epochs.pop(next(iter(self._epochs)))
+            self._epochs[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._epochs[epoch]
+
+    def __call__(self, samples: Iterable[int]) -> np.ndarray:
+        """The item of each global sample index."""
+        return np.array([self._epoch(g // self.n)[g % self.n] for g in samples], np.int64)
 
 
 def check_same(saved: dict[str, Any], mine: dict[str, Any], keys: Sequence[str]) -> None:

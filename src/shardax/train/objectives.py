@@ -97,7 +97,8 @@ def dpo_loss(policy_chosen_logps: jax.Array, policy_rejected_logps: jax.Array,
     completions under the policy and the frozen reference):
 
     - ``"sigmoid"`` (DPO; conservative DPO when ``label_smoothing > 0``):
-      ``-log σ(βh)(1-ε) - log σ(-βh)ε``.
+      ``-log σ(βh)(1-ε) - log σ(-βh)ε``, as TRL < 1.0's ``DPOTrainer`` and TRL 1.16's
+      ``CPOTrainer`` compute it (TRL 1.x's ``DPOTrainer`` ignores ε for sigmoid).
     - ``"ipo"``: ``(h - 1/(2β))²``. TRL feeds IPO per-token *average* log-probabilities
       (``logps / counts`` of `sequence_logps`); passing them is the caller's job.
       ``label_smoothing`` does not apply to IPO.

@@ -35,7 +35,7 @@ from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
 from shardax.train.chat import ChatTemplate
-from shardax.train.data import check_same
+from shardax.train.data import EpochOrder, check_same
 from shardax.train.inputs import Inputs, checked_tokenizer
 from shardax.train.preference_data import PreferenceRows, encode_preferences, read_preferences
 from shardax.train.resolve import Resolved
@@ -70,15 +70,7 @@ class PreferenceBatches:
         self.seq_len = rows.inputs.shape[1]
         self.reference = np.zeros(2 * self.pairs, np.float32)
         self.step = 0
-        self._orders: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            if len(self._orders) >= 2:
-                self._orders.pop(next(iter(self._orders)))
-            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(
-                self.pairs)
-        return self._orders[epoch]
+        self._order = EpochOrder(self.pairs, seed)
 
     def local(self, index: np.ndarray) -> tuple[np.ndarray, ...]:
         """This process's block of the global rows ``index``: ``(inputs, labels, mask,
@@ -91,8 +83,7 @@ class PreferenceBatches:
     def batch(self, step: int) -> tuple[np.ndarray, ...]:
         """This process's ``(inputs, labels, completion_mask, reference)`` for ``step``."""
         n = self.pairs
-        pairs = np.array([self._order(g // n)[g % n] for g in
-                          range(step * self.batch_size, (step + 1) * self.batch_size)])
+        pairs = self._order(range(step * self.batch_size, (step + 1) * self.batch_size))
         return self.local(np.concatenate([pairs, pairs + n]))
 
     def chunks(self, rows: int) -> Iterator[tuple[tuple[np.ndarray, ...], int]]:

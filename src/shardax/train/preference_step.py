@@ -67,10 +67,14 @@ def _halves(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _dpo(logps: jax.Array, counts: jax.Array, ref: jax.Array, config: TrainConfig) -> Losses:
-    if config.dpo_loss == "ipo":  # TRL's IPO takes per-token averages, the reference's too
-        logps, ref = logps / counts, ref / counts
-    return dpo_loss(*_halves(logps), *_halves(ref), beta=config.beta,
-                    label_smoothing=config.label_smoothing, loss_type=config.dpo_loss)
+    losses, metrics = dpo_loss(*_halves(logps), *_halves(ref), beta=config.beta,
+                               label_smoothing=config.label_smoothing,
+                               loss_type=config.dpo_loss)
+    if config.dpo_loss == "ipo":  # TRL's IPO loss takes per-token averages, the reference's
+        # too; its logged rewards and logps stay those of the sums
+        losses, _ = dpo_loss(*_halves(logps / counts), *_halves(ref / counts),
+                             beta=config.beta, loss_type="ipo")
+    return losses, metrics
 
 
 def _simpo(logps: jax.Array, counts: jax.Array, ref: jax.Array, config: TrainConfig) -> Losses:
