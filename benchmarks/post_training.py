@@ -150,6 +150,11 @@ def measure(rounds: int, quick: bool) -> dict:
     fns["logps"] = lambda: logps(state.params, state.rest, batch.tokens, batch.segment_ids,
                                  batch.mask)
     fns["eval"] = lambda: nll(eval_state, windows, window_mask)
+    # control: the same forward under the run's sjit (its activation constraints active)
+    spec = rules.spec_for(("batch", "length"), mesh.mesh)
+    nll_sjit = mesh.sjit(partial(evaluate._nll, eval_graphdef, run.layout),
+                         in_shardings=(rules, spec, spec), out_shardings=None)
+    fns["eval_sjit"] = lambda: nll_sjit(eval_state, windows, window_mask)
     timing = interleaved(fns, rounds)
 
     decoded = b * c
@@ -171,6 +176,7 @@ def measure(rounds: int, quick: bool) -> dict:
         "eval_vs_train": paired_ratio(timing["sft"], timing["eval"]),
         "train_tokens_per_s": per_s(b * width, timing["sft"]),
         "eval_tokens_per_s": per_s(b * width, timing["eval"]),
+        "eval_sjit_vs_train": paired_ratio(timing["sft"], timing["eval_sjit"]),
     }
 
 
@@ -211,6 +217,8 @@ def render(r: dict) -> str:
         f"| evaluation tokens/s / training tokens/s | {r['eval_vs_train']:.2f} "
         f"({r['eval_tokens_per_s']:.0f} / {r['train_tokens_per_s']:.0f}) | ≈ 3 (fwd ≈ 1/3 of "
         "fwd + bwd) | ≥ 2.5 |",
+        f"| control: the same forward under the run's `sjit` (activation constraints on) / "
+        f"training tokens/s | {r['eval_sjit_vs_train']:.2f} | ≈ 3 | — |",
         "",
     ])
 
