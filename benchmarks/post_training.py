@@ -22,7 +22,8 @@ layout, AdamW), compile excluded (warm-up calls), medians of interleaved rounds:
    the SFT step on B rows of 2T: the same tokens, one forward + backward: ≈ 1.
 4. Evaluation (the perplexity path of `shardax.train.evaluate`: its jitted summed-NLL
    forward) against the SFT step on the same rows: forward only is ≈ 1/3 of a step's FLOPs,
-   so tokens/s ≥ 2.5x.
+   so tokens/s ≥ 2.5x. Control row: the same forward under the run's ``sjit`` (the rules'
+   activation constraints active, as in training), which the eval path's ``jax.jit`` lacks.
 """
 
 from __future__ import annotations
