@@ -12,8 +12,10 @@ XLA dumping the SPMD-partitioned HLO), overhead (``overhead.py``), compile time 
 KV-cache generation (``hf.py``), the planner's ranking vs measured step times (``planner.py``),
 attention's temporaries against sequence length and step time per implementation
 (``attention.py``), the dropless mixture of experts against the capacity-based one
-(``moe.py``), the planner against published runs (``published.py``) and LoRA's memory
-against full fine-tuning (``lora.py``). The llama-8b planner
+(``moe.py``), the planner against published runs (``published.py``), LoRA's memory
+against full fine-tuning (``lora.py``) and post-training and evaluation against the paths they
+reuse (``post_training.py``: GRPO rollouts vs generation, GRPO / DPO steps vs SFT's, evaluation
+vs training tokens/s). The llama-8b planner
 searches (``planner.py --8b``, ~10-20 minutes) run only when named: ``--only planner_8b``. A
 section that fails or times out is reported as such in RESULTS.md.
 The GPU benchmark (``gpu_llama_1b.py``) is run by hand on a GPU machine.
@@ -37,7 +39,8 @@ ROOT = HERE.parent
 PEERS_DIR = HERE / ".peers"
 SCALAX = "scalax==0.2.6"
 SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "cli_step", "fsdp",
-            "data_memory", "hf", "planner", "attention", "moe", "published", "lora")
+            "data_memory", "hf", "planner", "attention", "moe", "published", "lora",
+            "post_training")
 # Run only when named with --only: the llama-8b planner searches take ~10-20 minutes.
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0,  # seconds, over --timeout
@@ -166,6 +169,7 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
     import overhead
     import peers
     import planner
+    import post_training
     import published
 
     def ok(name: str) -> dict | None:
@@ -223,6 +227,11 @@ def render(machine: dict, outcomes: dict[str, dict], total_s: float, now: str) -
         summary += lora.summary(ok("lora"))
     elif "lora" in outcomes:
         parts.append(_failed("14. LoRA against full fine-tuning", outcomes["lora"]))
+    if ok("post_training"):
+        parts.append(post_training.render(ok("post_training")))
+        summary += post_training.summary(ok("post_training"))
+    elif "post_training" in outcomes:
+        parts.append(_failed("15. Post-training and evaluation", outcomes["post_training"]))
 
     head = [
         "# Benchmark results",
