@@ -122,7 +122,11 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
     graphdef, state = nnx.split(model)
     batch_spec = LogicalAxisRules(rules).spec_for(("batch", "length"), mesh.mesh)
     rows_sharding = jax.sharding.NamedSharding(mesh.mesh, batch_spec)
-    step = jax.jit(partial(_nll, graphdef, lay))
+    # under the rules, as training runs: the model's activation constraints apply (plain
+    # jax.jit left the activations' layout to the partitioner, ~1.8x slower on fsdp=8)
+    step = mesh.sjit(partial(_nll, graphdef, lay),
+                     in_shardings=(LogicalAxisRules(rules), batch_spec, batch_spec),
+                     out_shardings=None)
     split = math.prod(mesh.mesh.shape[a] for a in jax.tree.leaves(tuple(batch_spec)[:1]))
     batch = -(-config.batch_size // split) * split  # rows divide over the batch axes
     results = []

@@ -98,7 +98,9 @@ class ShardaxLM(TemplateLM):
         split = math.prod(mesh.mesh.shape[a] for a in jax.tree.leaves(tuple(spec)[:1]))
         self.batch_size = -(-batch_size // split) * split
         self._graphdef, self._state = nnx.split(model)
-        self._step = jax.jit(partial(_scores, self._graphdef, self.layout))
+        self._step = mesh.sjit(partial(_scores, self._graphdef, self.layout),
+                               in_shardings=(self.rules, spec, spec, spec),
+                               out_shardings=None)  # under the rules, as `evaluate` runs
 
     @property
     def eot_token_id(self) -> int:
