@@ -36,7 +36,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# CPU benchmarks (~30-40 min on 2 cores): writes benchmarks/RESULTS.md; scalax goes into
+# CPU benchmarks (~45-50 min on 2 cores): writes benchmarks/RESULTS.md; scalax goes into
 # benchmarks/.peers, never into $(VENV).
 bench: install
 	$(PY) benchmarks/run.py

@@ -1,6 +1,6 @@
 """Run every CPU benchmark, each in a fresh process, and write ``benchmarks/RESULTS.md``.
 
-    python benchmarks/run.py                    # all sections (~30-40 minutes on 2 cores)
+    python benchmarks/run.py                    # all sections (~45-50 minutes on 2 cores)
     python benchmarks/run.py --only overhead    # some sections; the others keep the last run
 
 Sections: memory + communication (``memory_comm.py``), collective dtypes (the same script with
