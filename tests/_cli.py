@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,16 @@ def committed_steps(out: Path) -> list[int]:
     """A run directory's committed checkpoint steps, read from the file system (a
     Checkpointer would clean up)."""
     return list_steps(Path(out) / "checkpoints")[0]
+
+
+def stopped_at(run: Path, dest: Path, step: int) -> Path:
+    """A copy of a finished run directory as if it had stopped right after checkpoint
+    ``step`` (the later checkpoints removed)."""
+    shutil.copytree(run, dest)
+    for step_dir in (dest / "checkpoints").iterdir():
+        if step_dir.name.isdigit() and int(step_dir.name) > step:
+            shutil.rmtree(step_dir)
+    return dest
 
 
 def multiprocess_env() -> dict[str, str]:

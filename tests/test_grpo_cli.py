@@ -4,11 +4,10 @@ straight one bit for bit, and bad GRPO input is one line, exit 2. The algorithm 
 (rollouts, advantages, loss, sharded = one device) is tested in test_grpo.py."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-from _cli import assert_one_line_error, committed_steps, read_metrics, run_cli
+from _cli import assert_one_line_error, committed_steps, read_metrics, run_cli, stopped_at
 
 from shardax.train.loop import TrainConfig, train
 
@@ -36,15 +35,6 @@ def _inputs(root: Path) -> tuple[str, str]:
     return str(prompts), f"{reward}:digits"
 
 
-def _stopped_at(run: Path, dest: Path, step: int) -> Path:
-    """A copy of a finished run as if it had stopped right after checkpoint ``step``."""
-    shutil.copytree(run, dest)
-    for step_dir in (dest / "checkpoints").iterdir():
-        if step_dir.name.isdigit() and int(step_dir.name) > step:
-            shutil.rmtree(step_dir)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The straight 3-step run and the same stopped at step 2 and resumed."""
@@ -53,7 +43,7 @@ def runs(tmp_path_factory):
     config = dict(GRPO, data=[prompts], reward=[reward])
     straight = root / "straight"
     returned = train(TrainConfig(out=str(straight), **config))
-    resumed = _stopped_at(straight, root / "resumed", 2)
+    resumed = stopped_at(straight, root / "resumed", 2)
     train(TrainConfig(out=str(resumed), resume=True, **config))
     return straight, resumed, returned
 

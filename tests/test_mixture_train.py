@@ -8,12 +8,11 @@ test_cli_errors.py."""
 import contextlib
 import io
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import committed_steps, read_metrics
+from _cli import committed_steps, read_metrics, stopped_at
 from _reference import TINY_TRAIN
 
 from shardax.train.data import TokenStream
@@ -83,15 +82,6 @@ def _text(path: Path, alphabet: str, seed: int) -> str:
     return str(path)
 
 
-def _stopped_at(run: Path, dest: Path, step: int) -> Path:
-    """A copy of a finished run as if it had stopped right after checkpoint ``step``."""
-    shutil.copytree(run, dest)
-    for step_dir in (dest / "checkpoints").iterdir():
-        if step_dir.name.isdigit() and int(step_dir.name) > step:
-            shutil.rmtree(step_dir)
-    return dest
-
-
 def _data_state(run: Path, step: int) -> dict:
     return json.loads((run / "checkpoints" / str(step) / "extra" / "metadata").read_text())["data"]
 
@@ -105,9 +95,9 @@ def runs(tmp_path_factory):
     config = dict(TINY_TRAIN, mesh="fsdp=-1")
     straight = root / "straight"
     train(TrainConfig(out=str(straight), data=[f"{a}:0.7,{b}:0.3"], **config))
-    resumed = _stopped_at(straight, root / "resumed", 2)
+    resumed = stopped_at(straight, root / "resumed", 2)
     train(TrainConfig(out=str(resumed), resume=True, data=[f"{a}:0.7,{b}:0.3"], **config))
-    reweighted, said = _stopped_at(straight, root / "reweighted", 2), io.StringIO()
+    reweighted, said = stopped_at(straight, root / "reweighted", 2), io.StringIO()
     with contextlib.redirect_stdout(said):
         train(TrainConfig(out=str(reweighted), resume=True, data=[f"{a}:0.2", f"{b}:0.8"],
                           **config))

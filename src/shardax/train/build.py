@@ -30,7 +30,7 @@ from shardax.models.lora import add_lora, trainable
 from shardax.train.resolve import Resolved, state_shape
 from shardax.train.step import TrainState, init_state, train_step
 
-__all__ = ["abstract", "create", "create_from_hf", "step_function"]
+__all__ = ["abstract", "create", "create_from_hf", "initial_state", "step_function"]
 
 
 def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
@@ -90,6 +90,16 @@ def create_from_hf(run: Resolved) -> TrainState:
     step = jax.device_put(jax.numpy.int32(0),
                           jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()))
     return TrainState(params, rest, opt_state, step)
+
+
+def initial_state(run: Resolved) -> TrainState:
+    """The state of step 0 of a resolved run, sharded by its rules: ``--init-from``'s weights,
+    or a fresh model created on the mesh."""
+    if run.config.init_from is not None:
+        return create_from_hf(run)
+    return run.mesh.sjit(lambda: create(run.model_config, run.tx, run.config.seed,
+                                        run.layout.scan_layers)[1],
+                         out_shardings=run.state_rules)()
 
 
 def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper,

@@ -35,7 +35,7 @@ from shardax.train.config import TrainConfig, check
 from shardax.train.grpo import GRPOConfig, reference_params, train_grpo
 from shardax.train.inputs import checked_tokenizer
 from shardax.train.notes import note
-from shardax.train.resolve import Resolved, resolve
+from shardax.train.resolve import resolve
 from shardax.train.rewards import RewardSet
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
 from shardax.train.stop import Stopped, StopRequests
@@ -123,15 +123,6 @@ def _check_extra(restored: Restored) -> None:
             f"(keys {sorted(restored.extra)}); it was not written by shardax train")
 
 
-def _fresh(run: Resolved) -> Any:
-    """The state of step 0: ``--init-from``'s weights, or a fresh model."""
-    if run.config.init_from is not None:
-        return build.create_from_hf(run)
-    return run.mesh.sjit(lambda: build.create(run.model_config, run.tx, run.config.seed,
-                                              run.layout.scan_layers)[1],
-                         out_shardings=run.state_rules)()
-
-
 def _restore(config: TrainConfig, run_dir: RunDir, state_shape: Any, shardings: Any
              ) -> tuple[int, Any]:
     """``(GRPO step, state)`` of the newest good checkpoint (or ``--resume-step``)."""
@@ -186,11 +177,11 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
             tidy_checkpoints(run_dir, start, _note)
         _compat.sync_processes("shardax-tidy-checkpoints")
         if settings.beta != 0.0 and not lora:  # the KL reference is the initial policy
-            ref_params = reference_params(_fresh(run).params, lora=False)
+            ref_params = reference_params(build.initial_state(run).params, lora=False)
     else:
         with report.phase(f"loading {config.init_from}" if config.init_from is not None
                           else "initialising the model"):
-            state, kept = _fresh(run), []
+            state, kept = build.initial_state(run), []
     write_config(run_dir, config, tokenizer, main=is_main)
     if is_main:
         metrics_log.start(kept)
@@ -232,7 +223,5 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
         if trackers is not None:
             trackers.close()
     if is_main:
-        png = report.plot(run_dir.out, out)
-        print(f"wrote {metrics_log.path}{f', {png}' if png else ''} and checkpoints in "
-              f"{run_dir.checkpoints}")
+        report.finished(run_dir, out)
     return out

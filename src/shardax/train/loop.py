@@ -149,12 +149,7 @@ def _initial_state(p: Prepared, state_shape: Any, shardings: Any
             tidy_checkpoints(p.run_dir, start, _note)
         _compat.sync_processes("shardax-tidy-checkpoints")
         return start, state, skipped
-    if run.config.init_from is not None:
-        return 0, build.create_from_hf(run), 0
-    init = run.mesh.sjit(lambda: build.create(run.model_config, run.tx, run.config.seed,
-                                              run.layout.scan_layers)[1],
-                         out_shardings=run.state_rules)
-    return 0, init(), 0
+    return 0, build.initial_state(run), 0
 
 
 def train(config: TrainConfig, prepared: Prepared | None = None, *,
@@ -405,9 +400,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
         profiler.stop()
         steps.close()
     if is_main:
-        png = report.plot(run_dir.out, records)
-        print(f"wrote {metrics_log.path}{f', {png}' if png else ''} and checkpoints in "
-              f"{run_dir.checkpoints}")
+        report.finished(run_dir, records)
     return records
 
 

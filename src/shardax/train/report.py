@@ -217,6 +217,14 @@ class MetricsLog:
         append_text(self.path, json.dumps(record) + "\n")
 
 
+def finished(run_dir: Any, records: list[dict]) -> None:
+    """What process 0 does when a run ends: ``loss.png`` (`plot`) and one line naming what
+    the run directory (a `shardax.train.rundir.RunDir`) now holds."""
+    png = plot(run_dir.out, records)
+    print(f"wrote {run_dir.metrics}{f', {png}' if png else ''} and checkpoints in "
+          f"{run_dir.checkpoints}")
+
+
 def plot(out: Path, records: list[dict]) -> Path | None:
     """Writes ``out/loss.png`` (train and validation loss against step) and returns its path;
     None, with a note on stderr, when matplotlib is not installed."""
