@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -40,11 +41,12 @@ from shardax.models._layers import param
 from shardax.models.llama_moe import init_experts
 from shardax.models.protocol import MoEStats
 from shardax.models.remat import checkpoint_name
+from shardax.parallel.grouped_kernel import Groups, grouped_matmul, routed_experts
 
 if TYPE_CHECKING:
     from shardax.models.configs import LlamaConfig
 
-__all__ = ["DroplessMoE", "RouterBias", "route"]
+__all__ = ["DroplessMoE", "RouterBias", "expert_mlp", "route"]
 
 _normal = nnx.initializers.normal
 
@@ -84,6 +86,20 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
     return weights, experts, aux
 
 
+def expert_mlp(xs: jax.Array, groups: Groups, w_gate: jax.Array, w_up: jax.Array,
+               w_down: jax.Array) -> jax.Array:
+    """The experts' SwiGLU on rows grouped by expert (`sort_by_expert`): three grouped
+    matmuls, ``(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]`` per row of expert ``e``.
+    Its weights may hold a slice of the hidden units (the output is then a partial sum).
+
+    Example::
+
+        ys = expert_mlp(xs, layout.groups, w_gate, w_up, w_down)   # [rows, dim]
+    """
+    h = jax.nn.silu(grouped_matmul(xs, w_gate, groups)) * grouped_matmul(xs, w_up, groups)
+    return grouped_matmul(checkpoint_name(h, "mlp_hidden"), w_down, groups)
+
+
 class RouterBias(nnx.Variable):
     """The auxiliary-loss-free balancing bias of one MoE layer's router ([n_experts],
     float32): not a parameter (no gradient, no optimizer state); training moves it after each
@@ -114,6 +130,14 @@ class DroplessMoE(nnx.Module):
                                            ("embed", None), pd)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        return self.run(x)
+
+    def run(self, x: jax.Array, experts_fn: Callable = routed_experts, **kwargs
+            ) -> tuple[jax.Array, MoEStats]:
+        """``(y, stats)`` with the routed experts run by ``experts_fn(tokens, weights,
+        experts, expert_mlp, w_gate, w_up, w_down, **kwargs)`` (``routed_experts`` on one
+        device; the layout swaps in its expert-parallel dispatch). Routing and statistics
+        stay here, on every token, so they are the one-device numbers on any layout."""
         c, dt = self.config, self.config.dtype
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
@@ -121,18 +145,10 @@ class DroplessMoE(nnx.Module):
         bias = self.router_bias[...] if c.router_bias else None
         weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk, score=c.router_score,
                                       bias=bias, scale=c.routed_scaling_factor)
-        # Sort the (token, expert) pairs by expert: each expert's rows are contiguous.
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        rows = order // c.top_k
-        sizes = jnp.bincount(flat, length=c.n_experts).astype(jnp.int32)
-        xs = jnp.take(tokens, rows, axis=0)
-        gate = jax.lax.ragged_dot(xs, self.w_gate[...].astype(dt), sizes)
-        up = jax.lax.ragged_dot(xs, self.w_up[...].astype(dt), sizes)
-        h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
-        ys = jax.lax.ragged_dot(h, self.w_down[...].astype(dt), sizes)
-        ys = ys.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
-        y = jnp.zeros((b * s, d), jnp.float32).at[rows].add(ys).astype(dt)
+        sizes = jnp.bincount(experts.reshape(-1), length=c.n_experts)
+        y = experts_fn(tokens, weights, experts, expert_mlp, self.w_gate[...].astype(dt),
+                       self.w_up[...].astype(dt), self.w_down[...].astype(dt),
+                       **kwargs).astype(dt)
         if c.shared_expert_dim:
             hs = jax.nn.silu(tokens @ self.shared_gate[...].astype(dt)) * (
                 tokens @ self.shared_up[...].astype(dt))
