@@ -26,6 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from shardax import _compat
+
 Array = jax.Array
 
 __all__ = ["Groups", "Layout", "buffer_rows", "combine", "grouped_matmul", "routed_experts",
@@ -147,22 +149,36 @@ def grouped_matmul(x: Array, w: Array, groups: Groups) -> Array:
     >>> grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), g).shape
     (4, 5)
     """
-    if groups.tile_expert.shape[0] == x.shape[0]:
+    tiles = groups.tile_expert.shape[0]
+    if tiles == x.shape[0]:
         return jax.lax.ragged_dot(x, w, groups.sizes)
-    return _tiled_matmul(x, w, groups.tile_expert)
+    used = jnp.sum(groups.sizes) // (x.shape[0] // tiles)
+    return _tiled_matmul(x, w, groups.tile_expert, used.astype(jnp.int32))
+
+
+def _zeros(shape: tuple[int, ...], *operands: Array) -> Array:
+    """Zeros typed as a product of ``operands`` (inside ``shard_map``: varying over the manual
+    axes any of them varies over, as ``cond``'s branches must agree)."""
+    axes = frozenset().union(*(_compat.varying_axes(a) for a in operands))
+    zeros = jnp.zeros(shape, jnp.result_type(*operands))
+    return jax.lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
 
 
 def _tiles(a: Array, tiles: int) -> Array:
     return a.reshape(tiles, a.shape[0] // tiles, a.shape[1])
 
 
-def _tiled_forward(x: Array, w: Array, tile_expert: Array) -> Array:
-    """Each tile of ``x`` times its expert's ``w``: a scan over the tiles."""
-    def product(_, xe):
+def _tiled_forward(x: Array, w: Array, tile_expert: Array, used: Array) -> Array:
+    """Each of the first ``used`` tiles of ``x`` times its expert's ``w`` (a scan over the
+    tiles); the unused tiles at the end give zeros."""
+    def product(i, xe):
         xi, e = xe
-        return None, xi @ jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+        yi = jax.lax.cond(i < used,
+                          lambda: xi @ jax.lax.dynamic_index_in_dim(w, e, keepdims=False),
+                          lambda: _zeros((xi.shape[0], w.shape[-1]), xi, w))
+        return i + 1, yi
 
-    _, y = jax.lax.scan(product, None, (_tiles(x, tile_expert.shape[0]), tile_expert))
+    _, y = jax.lax.scan(product, 0, (_tiles(x, tile_expert.shape[0]), tile_expert))
     return y.reshape(x.shape[0], w.shape[-1])
 
 
@@ -170,28 +186,39 @@ def _tiled_forward(x: Array, w: Array, tile_expert: Array) -> Array:
 # backward pass and scatter its gradient through them; here the weights' gradient is summed
 # into its expert in place, tile by tile, and nothing but x and w is kept.
 @jax.custom_vjp
-def _tiled_matmul(x: Array, w: Array, tile_expert: Array) -> Array:
-    return _tiled_forward(x, w, tile_expert)
+def _tiled_matmul(x: Array, w: Array, tile_expert: Array, used: Array) -> Array:
+    return _tiled_forward(x, w, tile_expert, used)
 
 
-def _tiled_fwd(x, w, tile_expert):
-    return _tiled_forward(x, w, tile_expert), (x, w, tile_expert)
+def _tiled_fwd(x, w, tile_expert, used):
+    return _tiled_forward(x, w, tile_expert, used), (x, w, tile_expert, used)
 
 
 def _tiled_bwd(res, g):
-    x, w, tile_expert = res
-    dx = _tiled_forward(g, jnp.swapaxes(w, 1, 2), tile_expert)
+    x, w, tile_expert, used = res
+    dx = _tiled_forward(g, jnp.swapaxes(w, 1, 2), tile_expert, used)
 
-    def accumulate(dw, xge):
+    def accumulate(carry, xge):
+        i, dw = carry
         xi, gi, e = xge
-        return jax.lax.dynamic_update_index_in_dim(
-            dw, jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + xi.T @ gi, e, 0), None
+        part = jax.lax.cond(i < used, lambda: xi.T @ gi, lambda: _zeros(dw.shape[1:], xi, gi))
+        dw = jax.lax.dynamic_update_index_in_dim(
+            dw, jax.lax.dynamic_index_in_dim(dw, e, keepdims=False) + part, e, 0)
+        return (i + 1, dw), None
 
     tiles = tile_expert.shape[0]
-    dw, _ = jax.lax.scan(accumulate, jnp.zeros(w.shape, jnp.result_type(x, g)),
-                         (_tiles(x, tiles), _tiles(g, tiles), tile_expert))
-    zero = jnp.zeros(tile_expert.shape, jax.dtypes.float0)
-    return dx.astype(x.dtype), dw.astype(w.dtype), zero
+    (_, dw), _ = jax.lax.scan(accumulate, (0, _zeros(w.shape, x, g)),
+                              (_tiles(x, tiles), _tiles(g, tiles), tile_expert))
+    zeros = (jnp.zeros(tile_expert.shape, jax.dtypes.float0),
+             jnp.zeros(used.shape, jax.dtypes.float0))
+    return (_sum_to(dx, x).astype(x.dtype), _sum_to(dw, w).astype(w.dtype), *zeros)
+
+
+def _sum_to(ct: Array, primal: Array) -> Array:
+    """``ct`` summed over the manual axes it varies over and ``primal`` does not: a cotangent
+    typed as its primal (what autodiff's transpose of the implicit broadcast does)."""
+    axes = _compat.varying_axes(ct) - _compat.varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(axes))) if axes else ct
 
 
 _tiled_matmul.defvjp(_tiled_fwd, _tiled_bwd)
