@@ -2,10 +2,12 @@
 its top-k experts, none is dropped.
 
 Each token's ``top_k`` (token, expert) pairs are sorted by expert and every expert's rows run
-as one grouped matmul (``jax.lax.ragged_dot``): the work is that of the tokens routed, with no
-capacity, no padding to a capacity and no [tokens, experts, capacity] dispatch tensor (the
-capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in O(tokens²)). Routing is
-per token, so the output never depends on the batch, the mesh or the other tokens.
+as one grouped matmul (`shardax.parallel.grouped_kernel`: ``jax.lax.ragged_dot`` on GPU and
+TPU, tiles of one expert's rows on CPU) in `expert_mlp`, the one function every path calls:
+the work is that of the tokens routed, with no capacity and no [tokens, experts, capacity]
+dispatch tensor (the capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in
+O(tokens²)). Routing is per token, so the output never depends on the batch, the mesh or the
+other tokens.
 
 Router: softmax over all experts in float32, top-k, optionally renormalised over the k
 (``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE); or DeepSeek-V3's sigmoid scores
@@ -13,9 +15,9 @@ Router: softmax over all experts in float32, top-k, optionally renormalised over
 (auxiliary-loss-free balancing: training moves it, `shardax.train.balance`), the weights
 times ``routed_scaling_factor``. ``shared_expert_dim > 0`` adds
 Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
-carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices
-(expert parallelism through the rules, `shardax.layout.presets`; XLA moves rows or weights as
-the shardings require).
+carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices;
+the layout then runs the routed experts through `DroplessMoE.run` with its expert-parallel
+dispatch (`shardax.parallel.dropless`: the rows travel to their experts with an all-to-all).
 
 The load-balancing loss is transformers' ``load_balancing_loss_func`` for one layer:
 ``n_experts * sum_e(f_e * p_e)`` with ``f_e`` the top-k assignments to expert ``e`` per token
