@@ -107,8 +107,11 @@ def sort_by_expert(experts: Array, n_experts: int, tile: int = 1) -> Layout:
     slots = jnp.zeros((t * k,), jnp.int32).at[order].set(row, unique_indices=True)
     rows = jnp.zeros((n,), jnp.int32).at[row].set(order // k, mode="drop")
     first = jnp.arange(n // tile, dtype=jnp.int32) * tile
-    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), first, side="right"),
-                              n_experts - 1).astype(jnp.int32)
+    # The experts ending at or before each tile's first row (jnp.searchsorted fails inside
+    # nested shard_maps in JAX 0.10: its vma check asserts).
+    ends = jnp.cumsum(padded)
+    tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= first[:, None], axis=1, dtype=jnp.int32),
+                              n_experts - 1)
     return Layout(rows, slots.reshape(t, k), Groups(padded, tile_expert))
 
 
