@@ -68,10 +68,11 @@ def buffer_rows(pairs: int, n_experts: int, tile: int) -> int:
 class Groups(NamedTuple):
     """How the buffer's rows group by expert: ``sizes [E]`` (int32) its rows per expert
     (padded to whole tiles), ``tile_expert [rows / tile]`` (int32) each tile's expert (the
-    last expert for the unused tiles at the end, whose rows are never read)."""
+    last expert for the unused tiles at the end, whose rows are never read); None for an
+    untiled buffer (one row a tile: `jax.lax.ragged_dot`)."""
 
     sizes: Array
-    tile_expert: Array
+    tile_expert: Array | None
 
 
 class Layout(NamedTuple):
@@ -106,6 +107,8 @@ def sort_by_expert(experts: Array, n_experts: int, tile: int = 1) -> Layout:
                     pstart[e] + jnp.arange(t * k, dtype=jnp.int32) - start[e], n)
     slots = jnp.zeros((t * k,), jnp.int32).at[order].set(row, unique_indices=True)
     rows = jnp.zeros((n,), jnp.int32).at[row].set(order // k, mode="drop")
+    if tile == 1:  # ragged_dot reads the sizes alone
+        return Layout(rows, slots.reshape(t, k), Groups(padded, None))
     first = jnp.arange(n // tile, dtype=jnp.int32) * tile
     # The experts ending at or before each tile's first row (jnp.searchsorted fails inside
     # nested shard_maps in JAX 0.10: its vma check asserts).
@@ -152,9 +155,9 @@ def grouped_matmul(x: Array, w: Array, groups: Groups) -> Array:
     >>> grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), g).shape
     (4, 5)
     """
-    tiles = groups.tile_expert.shape[0]
-    if tiles == x.shape[0]:
+    if groups.tile_expert is None:
         return jax.lax.ragged_dot(x, w, groups.sizes)
+    tiles = groups.tile_expert.shape[0]
     used = jnp.sum(groups.sizes) // (x.shape[0] // tiles)
     return _tiled_matmul(x, w, groups.tile_expert, used.astype(jnp.int32))
 
