@@ -15,7 +15,7 @@ Example::
     layout = sort_by_expert(experts, n_experts=8, tile=tile_rows(experts.size, 8))
     xs = tokens[layout.rows]                       # [buffer rows, d]
     hs = grouped_matmul(xs, w, layout.groups)      # [buffer rows, f]
-    y = jnp.sum(hs[layout.slots] * weights[..., None], axis=1)   # back per token
+    y = combine(hs, layout.slots, weights)         # [tokens, f], back per token
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from shardax import _compat
 
 Array = jax.Array
 
-__all__ = ["Groups", "Layout", "buffer_rows", "combine", "grouped_matmul", "routed_experts",
+__all__ = ["ExpertRows", "Groups", "buffer_rows", "combine", "grouped_matmul", "routed_experts",
            "sort_by_expert", "tile_rows"]
 
 # CPU tile sizes tried by `tile_rows`: larger tiles mean fewer scan steps, smaller less padding.
@@ -49,7 +49,7 @@ def tile_rows(pairs: int, n_experts: int, backend: str | None = None) -> int:
     if (backend or jax.default_backend()) != "cpu":
         return 1
     want = max(pairs / n_experts / 4, 1)
-    tile = 1 << round(max(want, 1)).bit_length() - 1
+    tile = 1 << round(want).bit_length() - 1
     if want / tile > 1.5:
         tile *= 2
     return min(max(tile, _MIN_TILE), _MAX_TILE)
@@ -75,7 +75,7 @@ class Groups(NamedTuple):
     tile_expert: Array | None
 
 
-class Layout(NamedTuple):
+class ExpertRows(NamedTuple):
     """Where the (token, expert) pairs sit in the grouped buffer: ``rows [R]`` the token of
     each buffer row (0 for a padding row: its output is never read, so its gradient is 0),
     ``slots [t, k]`` the buffer row of each pair, ``groups`` the `Groups`."""
@@ -85,8 +85,8 @@ class Layout(NamedTuple):
     groups: Groups
 
 
-def sort_by_expert(experts: Array, n_experts: int, tile: int = 1) -> Layout:
-    """The `Layout` of ``experts [t, k]`` (each token's k experts; ``n_experts`` marks an
+def sort_by_expert(experts: Array, n_experts: int, tile: int = 1) -> ExpertRows:
+    """The `ExpertRows` of ``experts [t, k]`` (each token's k experts; ``n_experts`` marks an
     unused pair, given no row): pairs sorted by expert (stable: a token's rows keep token
     order within an expert), each expert's rows starting on a whole tile of ``tile`` rows.
     An unused pair's slot is past the buffer's end (a gather with ``mode='fill'`` reads 0).
@@ -108,14 +108,14 @@ def sort_by_expert(experts: Array, n_experts: int, tile: int = 1) -> Layout:
     slots = jnp.zeros((t * k,), jnp.int32).at[order].set(row, unique_indices=True)
     rows = jnp.zeros((n,), jnp.int32).at[row].set(order // k, mode="drop")
     if tile == 1:  # ragged_dot reads the sizes alone
-        return Layout(rows, slots.reshape(t, k), Groups(padded, None))
+        return ExpertRows(rows, slots.reshape(t, k), Groups(padded, None))
     first = jnp.arange(n // tile, dtype=jnp.int32) * tile
     # The experts ending at or before each tile's first row (jnp.searchsorted fails inside
     # nested shard_maps in JAX 0.10: its vma check asserts).
     ends = jnp.cumsum(padded)
     tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= first[:, None], axis=1, dtype=jnp.int32),
                               n_experts - 1)
-    return Layout(rows, slots.reshape(t, k), Groups(padded, tile_expert))
+    return ExpertRows(rows, slots.reshape(t, k), Groups(padded, tile_expert))
 
 
 def combine(ys: Array, slots: Array, weights: Array) -> Array:
