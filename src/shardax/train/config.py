@@ -405,6 +405,9 @@ class EvalConfig:
     """checkpoint step to evaluate (default: the newest good one)"""
     text_field: str = "text"
     """field (jsonl) or column (Parquet) holding the text"""
+    data_split: str = "validation"
+    """the split of a Hugging Face datasets folder in --data (save_to_disk, or Parquet shards;
+    a folder of one split is read whole), as train's --val-split"""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """dtype of .bin token files"""
     tasks: list[str] = field(default_factory=list)
@@ -832,6 +835,9 @@ def check_eval(config: EvalConfig) -> EvalConfig:
     _usage(config.seq_len >= 2, f"--seq-len {config.seq_len}: must be >= 2")
     _usage(config.batch_size >= 1, f"--batch-size {config.batch_size}: must be >= 1")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
+    _usage(bool(config.data_split.strip()), "--data-split: give the name of a split")
+    # a datasets folder's layout, split and field, before the backend starts
+    check_dataset_entries(config.data, config.data_split, config.text_field)
     if config.mesh is not None:
         parse_mesh(config.mesh)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
