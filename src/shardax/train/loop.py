@@ -307,7 +307,7 @@ class _Steps:
         if self.inputs.val and config.eval_every and (done % config.eval_every == 0
                                                       or done == config.steps):
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
-            record = {"step": done, **record, "val_loss": float(np.mean(val))}
+            record = {"step": done, **record, **_val_record(val, self.inputs.val_sources)}
         if record:
             record.update(self.inputs.data_metrics(done))  # data/tokens/<source> of a mixture
             self.records.append(record)
@@ -344,6 +344,20 @@ class _Steps:
         self.ckpt.close()
         if self.trackers is not None:
             self.trackers.close()
+
+
+def _val_record(losses: list[float], sources: list[str] | None) -> dict[str, float]:
+    """``val_loss``, the mean loss over every validation token (each batch holds as many),
+    and with several ``--val-data`` sources ``val_loss/<source>`` over each one's tokens.
+
+    >>> _val_record([1.0, 2.0, 4.0], ["a", "a", "b"])
+    {'val_loss': 2.3333333333333335, 'val_loss/a': 1.5, 'val_loss/b': 4.0}
+    """
+    record = {"val_loss": float(np.mean(losses))}
+    for name in dict.fromkeys(sources or []):
+        record[f"val_loss/{name}"] = float(np.mean([x for x, s in zip(losses, sources)
+                                                    if s == name]))
+    return record
 
 
 def _train(p: Prepared, stop: StopRequests) -> list[dict]:
