@@ -124,10 +124,12 @@ def _open(paths: list[str], config: TrainConfig, tokenizer: Tokenizer, log: Any,
         raise data_lib.DataError(str(e).replace("--data", name, 1)) from None
 
 
-def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
+def _fit_split(config: TrainConfig, tokens: Any, say: bool = True) -> tuple[Any, Any]:
     """The automatic split of ``--data`` into (train, val): the last tenth, or, when that is
     short of one batch, exactly one batch if it leaves three quarters of the data to train on,
-    else no validation at all (each with a one-line note) instead of refusing the run."""
+    else no validation at all (each with a one-line note unless not ``say``: the held-out
+    part is not what validates) instead of refusing the run."""
+    tell = _note if say else (lambda *a: None)
     train, val = data_lib.split_tokens(tokens)
     need = config.batch_size * config.seq_len + 1
     if data_lib.count_batches(len(val), config.seq_len, config.batch_size) >= 1:
@@ -135,14 +137,14 @@ def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
     if len(tokens) < config.seq_len + 1:  # too short to train at all: `check_splits` says so
         return tokens, None
     if need <= len(tokens) // 4:
-        _note(f"note: validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
-              f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1); "
-              "its last tenth is less than that)")
+        tell(f"note: validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
+             f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1); "
+             "its last tenth is less than that)")
         return data_lib.split_tokens(tokens, need / len(tokens))
-    _note(f"note: validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
-          f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1) = "
-          f"{need:,} and train on the rest; pass --val-data for a validation set, or "
-          "--eval-every 0 to say so")
+    tell(f"note: validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
+         f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1) = "
+         f"{need:,} and train on the rest; pass --val-data for a validation set, or "
+         "--eval-every 0 to say so")
     return tokens, None
 
 
@@ -239,8 +241,9 @@ def _load_tokens(config: TrainConfig, tokenizer: Tokenizer,
             if config.val_data:
                 val = _val_data(config, tokenizer, log)
         elif split:
-            train, val = _fit_split(config, _open(config.data, config, tokenizer, log))
-            if config.val_data or not config.eval_every:
+            train, val = _fit_split(config, _open(config.data, config, tokenizer, log),
+                                    say=holds_out(config))
+            if not holds_out(config):
                 val = _val_data(config, tokenizer, log) if config.val_data else None
         else:
             train = _open(config.data, config, tokenizer, log)
