@@ -229,16 +229,17 @@ def test_tasks_without_lm_eval_name_the_extra(monkeypatch, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def trained_with_tasks(tasks, tmp_path_factory):
-    """4 SGD steps with ``--eval-tasks tiny_mc --eval-tasks-every 2`` (checkpoints at 2, 4)."""
+    """4 SGD steps with ``--eval-tasks tiny_mc --eval-tasks-every 2`` (checkpoints at 2, 4);
+    TINY_TRAIN's train step: the persistent compilation cache holds it from other tests."""
     out = tmp_path_factory.mktemp("eval_tasks") / "run"
-    config = TrainConfig(out=str(out), **{**TINY_TRAIN, "mesh": "fsdp=4,tp=2"},
-                         eval_tasks=["tiny_mc"], eval_tasks_every=2, include_path=str(tasks))
+    config = TrainConfig(out=str(out), **TINY_TRAIN, eval_tasks=["tiny_mc"],
+                         eval_tasks_every=2, include_path=str(tasks))
     return out, train(config)
 
 
 def test_eval_tasks_during_training_score_each_steps_state(trained_with_tasks, tasks):
     """``eval/tiny_mc/acc`` is logged at steps 2 and 4 (in metrics.jsonl too) and equals
-    ``shardax eval --tasks`` on that step's checkpoint (other mesh: dp=8)."""
+    ``shardax eval --tasks`` on that step's checkpoint (trained on fsdp=8, scored on dp=8)."""
     out, records = trained_with_tasks
     logged = {r["step"]: r["eval/tiny_mc/acc"] for r in read_metrics(out)
               if "eval/tiny_mc/acc" in r}

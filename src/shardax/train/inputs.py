@@ -36,7 +36,7 @@ from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
-__all__ = ["Inputs", "checked_tokenizer", "prepare_inputs"]
+__all__ = ["Inputs", "checked_tokenizer", "holds_out", "prepare_inputs"]
 
 #: validation batches per evaluation (fewer if the validation split is short)
 VAL_BATCHES = 4
