@@ -413,3 +413,32 @@ def test_unknown_architecture_and_bad_shapes_name_the_problem(tmp_path):
         hf.load_model(bad)
     with pytest.raises(ValueError, match="no config.json"):
         hf.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("case,theta,rope", [
+    ("gpt_oss", 150000.0, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "truncate": False,
+                           "original_max_position_embeddings": 4096}),
+    ("deepseek_v3", 10000.0, {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 4096}),
+    ("tiny_truncate", 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 16}),
+])
+def test_yarn_rope_tables_equal_transformers(case, theta, rope):
+    """YaRN frequencies and attention factor read from a config dict equal transformers'
+    ``_compute_yarn_parameters`` (saved in yarn_rope.npz; its float32 ``base ** x`` may differ
+    by one ulp), and the scaling survives export -> import."""
+    ref = np.load(FIXTURES / "yarn_rope.npz")
+    hd = int(ref[f"{case}_head_dim"])
+    config = hf.config_from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 4 * hd,
+                                "num_hidden_layers": 1, "num_attention_heads": 4,
+                                "intermediate_size": 8, "max_position_embeddings": 64,
+                                "rope_theta": theta, "rope_scaling": rope})
+    s = config.rope_scaling
+    np.testing.assert_allclose(models.ops.rope_frequencies(hd, theta, s),
+                               ref[f"{case}_inv_freq"], rtol=2e-7, atol=0)
+    assert s.attention_factor == pytest.approx(float(ref[f"{case}_attention_factor"]), rel=1e-12)
+    cos, _ = models.ops.rope_tables(jnp.zeros((1, 1), jnp.int32), hd, theta, s)
+    np.testing.assert_allclose(cos, s.attention_factor, rtol=1e-7)
+    assert hf.config_from_hf(hf.config_to_hf(config)).rope_scaling == s

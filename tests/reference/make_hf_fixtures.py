@@ -126,7 +126,36 @@ def make(name: str) -> None:
     print(name, files, json.loads((out / "config.json").read_text())["architectures"])
 
 
+# YaRN RoPE: (config class, kwargs) whose _compute_yarn_parameters yarn_rope.npz holds.
+YARN = {
+    "gpt_oss": (transformers.GptOssConfig, dict(head_dim=64, rope_parameters={
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0})),
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(qk_rope_head_dim=64, rope_parameters={
+        "rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+        "rope_theta": 10000.0})),
+    "tiny_truncate": (transformers.LlamaConfig, dict(hidden_size=32, num_attention_heads=4,
+                      rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 16,
+                                       "rope_theta": 10000.0})),
+}
+
+
+def make_yarn() -> None:
+    """yarn_rope.npz: each case's inverse frequencies, attention factor and head_dim."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    arrays = {}
+    for name, (config_cls, kwargs) in YARN.items():
+        inv, factor = _compute_yarn_parameters(config_cls(**kwargs))
+        arrays.update({f"{name}_inv_freq": inv.numpy().astype(np.float32),
+                       f"{name}_attention_factor": np.float64(factor),
+                       f"{name}_head_dim": np.int64(2 * inv.shape[0])})
+    np.savez(OUT / "yarn_rope.npz", **arrays)
+
+
 if __name__ == "__main__":
     print("torch", torch.__version__, "transformers", transformers.__version__)
-    for name in sys.argv[1:] or MODELS:
-        make(name)
+    for name in sys.argv[1:] or [*MODELS, "yarn"]:
+        make_yarn() if name == "yarn" else make(name)

@@ -9,7 +9,6 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,18 +104,7 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
         rp = rp["full_attention"]
     theta = hf.get("rope_theta", rp.get("rope_theta", 10000.0))
     rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-    scaling = None
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "llama3":
-            scaling = RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
-                                  float(rs["high_freq_factor"]),
-                                  int(rs["original_max_position_embeddings"]))
-        elif kind == "linear":
-            scaling = RopeScaling(float(rs["factor"]), rope_type="linear")
-        elif kind != "default":
-            raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' and 'linear' "
-                               "are")
+    scaling = _rope_scaling_from_hf(mt, rs, hf) if rs else None
     max_len = hf.get("max_position_embeddings", 2048)
     window, global_every = _windows(mt, hf)
     qpas = hf.get("query_pre_attn_scalar") if gemma else None
@@ -145,6 +133,32 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
     return LlamaConfig(**{**fields, **overrides})
 
 
+def _rope_scaling_from_hf(mt: str, rs: Mapping[str, Any], hf: Mapping[str, Any]
+                          ) -> RopeScaling | None:
+    """The `RopeScaling` of a ``rope_scaling`` / ``rope_parameters`` dict (None: default)."""
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+        return RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
+                           float(rs["high_freq_factor"]),
+                           int(rs["original_max_position_embeddings"]))
+    if kind == "linear":
+        return RopeScaling(float(rs["factor"]), rope_type="linear")
+    if kind == "yarn":
+        original = int(rs["original_max_position_embeddings"])
+        factor = rs.get("factor") or hf["max_position_embeddings"] / original
+        af = rs.get("attention_factor")
+        return RopeScaling(
+            float(factor), original_max_position_embeddings=original, rope_type="yarn",
+            beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+            truncate=bool(rs.get("truncate", True)), mscale=float(rs.get("mscale") or 0),
+            mscale_all_dim=float(rs.get("mscale_all_dim") or 0),
+            yarn_attention_factor=None if af is None else float(af))
+    if kind != "default":
+        raise _unsupported(mt, "rope_scaling", dict(rs), "only rope_type 'llama3', 'linear' "
+                           "and 'yarn' are")
+    return None
+
+
 def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
     """DeepSeek-V3's fields: latent attention, first dense layers, sigmoid routing."""
     mt = "deepseek_v3"
@@ -152,10 +166,6 @@ def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
     if groups != (1, 1):
         raise _unsupported(mt, "n_group/topk_group", groups, "group-limited routing is not "
                            "implemented: only n_group = topk_group = 1")
-    if hf.get("rope_scaling") or (hf.get("rope_parameters") or {}).get(
-            "rope_type", "default") != "default":
-        raise _unsupported(mt, "rope_scaling", hf.get("rope_scaling") or hf["rope_parameters"],
-                           "YaRN scaling of latent attention is not implemented")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get(
             "scoring_func", "sigmoid") != "sigmoid":
         raise _unsupported(mt, "topk_method/scoring_func", (hf.get("topk_method"),
@@ -289,10 +299,12 @@ def _moe_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
 def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
     shared, m = c.shared_expert_dim, c.mlp_dim
     if (c.router_score != "sigmoid" or c.shared_expert_gate or shared % m
-            or c.rope_scaling is not None or c.sliding_window is not None or c.tie_embeddings):
+            or (c.rope_scaling is not None and c.rope_scaling.rope_type != "yarn")
+            or c.sliding_window is not None or c.tie_embeddings):
         raise ValueError("a DeepSeek-V3 config (kv_lora_rank > 0 with experts) needs "
                          "router_score='sigmoid', an ungated shared expert of a multiple of "
-                         "mlp_dim units, no rope_scaling, no sliding_window, untied embeddings")
+                         "mlp_dim units, no rope_scaling but YaRN, no sliding_window, untied "
+                         "embeddings")
     return {
         "architectures": [_ARCHITECTURES["deepseek_v3"]], "model_type": "deepseek_v3",
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
@@ -307,7 +319,8 @@ def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "qk_rope_head_dim": c.qk_rope_head_dim, "qk_nope_head_dim": c.head_dim
         - c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "head_dim": c.qk_rope_head_dim,
         "rope_interleave": c.rope_interleave, "max_position_embeddings": c.max_seq_len,
-        "rope_theta": c.rope_theta, "rope_scaling": None, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_scaling": _rope_scaling_to_hf(c.rope_scaling),
+        "rms_norm_eps": c.norm_eps,
         "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
         "torch_dtype": _dtype_name(c.param_dtype),
     }
@@ -350,7 +363,16 @@ def _rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
         return None
     if s.rope_type == "linear":
         return {"rope_type": "linear", "factor": s.factor}
-    return dataclasses.asdict(s)
+    keys = (("low_freq_factor", "high_freq_factor") if s.rope_type == "llama3" else
+            ("beta_fast", "beta_slow", "truncate"))
+    out = {"rope_type": s.rope_type, "factor": s.factor,
+           "original_max_position_embeddings": s.original_max_position_embeddings,
+           **{k: getattr(s, k) for k in keys}}
+    if s.rope_type == "yarn":
+        out.update({k: getattr(s, k) for k in ("mscale", "mscale_all_dim") if getattr(s, k)})
+        if s.yarn_attention_factor is not None:
+            out["attention_factor"] = s.yarn_attention_factor
+    return out
 
 
 def _layer_types(c: LlamaConfig) -> list[str]:

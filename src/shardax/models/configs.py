@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from shardax.models.ops import RopeScaling
+from shardax.models.ops import RopeScaling, yarn_mscale
 
 __all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrides"]
 
@@ -216,8 +216,13 @@ class LlamaConfig:
 
     @property
     def attn_scale(self) -> float | None:
-        """The attention score scale (None: ``1 / sqrt(head_dim)``)."""
+        """The attention score scale (None: ``1 / sqrt(head_dim)``); DeepSeek's latent
+        attention under YaRN multiplies it by ``yarn_mscale(factor, mscale_all_dim) ** 2``."""
         q = self.query_pre_attn_scalar
+        s = self.rope_scaling
+        if self.mla and s is not None and s.rope_type == "yarn" and s.mscale_all_dim:
+            m = yarn_mscale(s.factor, s.mscale_all_dim)
+            return self.head_dim ** -0.5 * m * m
         return None if q is None else float(q) ** -0.5
 
     @property
