@@ -39,11 +39,11 @@ from shardax.utils import flatten_tree
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 DENSE = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
          "mistral_window"]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 ARCHS = DENSE + MOE
 # Mixed sliding/global (or dense/MoE) layers cannot be stacked (scan_layers): they load as a
 # list of layers.
-LISTED = ("gpt2", "gemma2", "gemma3", "deepseek_v3")
+LISTED = ("gpt2", "gemma2", "gemma3", "deepseek_v3", "gpt_oss")
 REL = 1e-4
 
 

@@ -1,5 +1,5 @@
 """Model configs to and from Hugging Face ``config.json`` dicts (Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text, Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-2).
+Gemma 2, Gemma 3 text, Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss, GPT-2).
 
 >>> from shardax.models.configs import CONFIGS
 >>> config = config_from_hf(config_to_hf(CONFIGS["llama-tiny"]))
@@ -22,14 +22,15 @@ __all__ = ["HF_MODEL_TYPES", "config_from_hf", "config_to_hf"]
 HF_MODEL_TYPES = {"llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig,
                   "qwen3": LlamaConfig, "gemma2": LlamaConfig, "gemma3_text": LlamaConfig,
                   "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig,
-                  "deepseek_v3": LlamaConfig, "gpt2": GPT2Config}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+                  "deepseek_v3": LlamaConfig, "gpt_oss": LlamaConfig, "gpt2": GPT2Config}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 # Hugging Face activation name -> LlamaConfig.mlp_activation (the first name is written).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -87,7 +88,7 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
     if act not in _ACTIVATIONS:
         raise _unsupported(mt, act_key, act, f"the gated MLP supports {sorted(_ACTIVATIONS)}")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf.get(key) and not (mt == "gpt_oss" and key == "attention_bias"):
             raise _unsupported(mt, key, hf[key], "only Qwen2's q/k/v biases are")
     if hf.get("use_bidirectional_attention"):
         raise _unsupported(mt, "use_bidirectional_attention", True, "attention is causal")
@@ -130,7 +131,24 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
         fields.update(_moe_from_hf(mt, hf))
     if mt == "deepseek_v3":
         fields.update(_deepseek_from_hf(hf, head_dim))
+    if mt == "gpt_oss":
+        fields.update(_gpt_oss_from_hf(hf))
     return LlamaConfig(**{**fields, **overrides})
+
+
+def _gpt_oss_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields: sinks, q/k/v/o biases, biased experts with the clamped SwiGLU."""
+    quant = hf.get("quantization_config")
+    if quant:
+        raise _unsupported("gpt_oss", "quantization_config", {"quant_method": quant.get(
+            "quant_method")}, "MXFP4 expert weights are not read: import a bfloat16 checkpoint "
+            "or dequantize it first (transformers' Mxfp4Config(dequantize=True), then "
+            "save_pretrained)")
+    bias = bool(hf.get("attention_bias", True))
+    return dict(n_experts=hf["num_local_experts"], mlp_dim=hf["intermediate_size"],
+                router_score="topk_softmax", moe_bias=True, qkv_bias=bias, attn_out_bias=bias,
+                attn_sinks=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
 
 
 def _rope_scaling_from_hf(mt: str, rs: Mapping[str, Any], hf: Mapping[str, Any]
@@ -190,8 +208,9 @@ def _moe_from_hf(mt: str, hf: Mapping[str, Any]) -> dict[str, Any]:
             raise _unsupported(mt, "decoder_sparse_step/mlp_only_layers",
                                (hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")),
                                "every layer must be a mixture of experts")
-    if mt == "deepseek_v3":
-        return dict(top_k=hf["num_experts_per_tok"], moe_impl="dropless")
+    if mt in ("deepseek_v3", "gpt_oss"):
+        return dict(top_k=hf["num_experts_per_tok"], moe_impl="dropless",
+                    moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)))
     fields = dict(
         n_experts=hf.get("num_local_experts") or hf["num_experts"],
         top_k=hf["num_experts_per_tok"], moe_impl="dropless",
@@ -248,6 +267,8 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
         return _gemma_to_hf(c, mt)
     if mt == "deepseek_v3":
         return _deepseek_to_hf(c)
+    if mt == "gpt_oss":
+        return _gpt_oss_to_hf(c)
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
@@ -322,6 +343,31 @@ def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "rope_theta": c.rope_theta, "rope_scaling": _rope_scaling_to_hf(c.rope_scaling),
         "rms_norm_eps": c.norm_eps,
         "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": _dtype_name(c.param_dtype),
+    }
+
+
+def _gpt_oss_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    if (c.router_score != "topk_softmax" or not c.moe_bias or c.qkv_bias != c.attn_out_bias
+            or c.swiglu_limit is None or c.shared_expert_dim or c.tie_embeddings or c.qk_norm
+            or c.first_k_dense or c.norm_offset or c.post_norms):
+        raise ValueError("a gpt-oss config (attn_sinks with experts) needs "
+                         "router_score='topk_softmax', moe_bias, swiglu_limit, qkv_bias == "
+                         "attn_out_bias, and none of: a shared expert, tied embeddings, "
+                         "qk_norm, dense layers, Gemma norms")
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta,
+            **(_rope_scaling_to_hf(c.rope_scaling) or {})}
+    return {
+        "architectures": [_ARCHITECTURES["gpt_oss"]], "model_type": "gpt_oss",
+        "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.mlp_dim,
+        "num_local_experts": c.n_experts, "num_experts_per_tok": c.top_k,
+        "router_aux_loss_coef": c.moe_aux_weight, "swiglu_limit": c.swiglu_limit,
+        "swiglu_alpha": c.swiglu_alpha, "attention_bias": c.qkv_bias,
+        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "hidden_act": "silu", "tie_word_embeddings": False, "rope_parameters": rope,
+        "sliding_window": c.sliding_window, "layer_types": _layer_types(c),
         "torch_dtype": _dtype_name(c.param_dtype),
     }
 
