@@ -442,3 +442,23 @@ def test_yarn_rope_tables_equal_transformers(case, theta, rope):
     cos, _ = models.ops.rope_tables(jnp.zeros((1, 1), jnp.int32), hd, theta, s)
     np.testing.assert_allclose(cos, s.attention_factor, rtol=1e-7)
     assert hf.config_from_hf(hf.config_to_hf(config)).rope_scaling == s
+
+
+def test_lora_on_gpt_oss_attention_exports_peft_factors(tmp_path):
+    """LoRA's default targets reach gpt-oss's q/k/v/o projections (their biases, the sinks and
+    the experts stay frozen, as for the other mixtures of experts), and the PEFT adapter holds
+    [rank, in] / [out, rank] factors under the projections' Hugging Face names."""
+    import dataclasses
+
+    from shardax.hf.peft import save_adapters
+    from shardax.models.lora import LoRA, add_lora
+
+    model = hf.load_model(FIXTURES / "gpt_oss")
+    model.config = dataclasses.replace(model.config, lora=LoRA(rank=4))
+    paths = add_lora(model, LoRA(rank=4), nnx.Rngs(1))
+    assert set(paths) == {f"layers/{i}/attn/w{w}" for i in range(4) for w in "qkvo"}
+    a = tensor_index(save_adapters(model, tmp_path).parent)
+    name = "base_model.model.model.layers.3.self_attn.{}_proj.lora_{}.weight"
+    want = {("q", "A"): (4, 32), ("q", "B"): (32, 4), ("k", "B"): (16, 4), ("o", "A"): (4, 32),
+            ("o", "B"): (32, 4)}
+    assert {k: a[name.format(*k)].shape(name.format(*k)) for k in want} == want
