@@ -462,3 +462,18 @@ def test_lora_on_gpt_oss_attention_exports_peft_factors(tmp_path):
     want = {("q", "A"): (4, 32), ("q", "B"): (32, 4), ("k", "B"): (16, 4), ("o", "A"): (4, 32),
             ("o", "B"): (32, 4)}
     assert {k: a[name.format(*k)].shape(name.format(*k)) for k in want} == want
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_in_one_line(tmp_path):
+    """openai's gpt-oss checkpoints hold MXFP4 experts (``quantization_config``): `shardax
+    train --init-from` refuses them in one line saying how to dequantize, writing nothing."""
+    from _cli import assert_one_line_error
+
+    src = json.loads((FIXTURES / "gpt_oss" / "config.json").read_text())
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(
+        {**src, "quantization_config": {"quant_method": "mxfp4"}}))
+    proc = run_cli("train", "--init-from", f"hf:{tmp_path / 'ckpt'}", "--steps", "1",
+                   "--out", tmp_path / "run")
+    assert_one_line_error(proc, "train", "quantization_config", "mxfp4", "dequantize")
+    assert not (tmp_path / "run").exists()
