@@ -173,6 +173,19 @@ def test_deepseek_layers_cannot_be_stacked_and_megatron_tp_is_refused():
                    seq_len=16)
 
 
+def test_gpt_oss_sinks_refuse_megatron_tp_and_ring_attention():
+    """Attention sinks run under the rules' tp/fsdp/ep (above), not under Megatron tp_mode
+    or ring attention over 'cp': both refused naming why, before anything is built."""
+    from shardax.layout.spec import check_mesh
+
+    config = hf.load_config(FIXTURES / "gpt_oss")
+    with pytest.raises(ValueError, match="tp_mode='sync' does not run gpt-oss attention"):
+        check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
+                   seq_len=16)
+    with pytest.raises(ValueError, match=r"attention sinks \(gpt-oss\) have no ring"):
+        check_mesh(config, Layout(), {"fsdp": 4, "cp": 2}, batch_size=8, seq_len=16)
+
+
 @pytest.mark.parametrize("mesh_spec", ["fsdp=4,tp=2", "tp=8"])
 def test_qwen2_biases_under_megatron_tensor_parallelism(mesh_spec):
     """tp_mode='sync' adds the q/k/v biases inside the fused column-parallel QKV, also when
