@@ -313,7 +313,7 @@ def test_doc_snippets_run(doc, tmp_path):
 HF_FAMILIES = {"llama": "Llama 2/3", "mistral": "Mistral", "qwen2": "Qwen2/3", "qwen3": "Qwen2/3",
                "gemma2": "Gemma 2/3", "gemma3_text": "Gemma 2/3", "mixtral": "Mixtral",
                "qwen2_moe": "Qwen2/3-MoE", "qwen3_moe": "Qwen2/3-MoE", "deepseek_v3": "DeepSeek-V3",
-               "gpt2": "GPT-2"}
+               "gpt_oss": "gpt-oss", "gpt2": "GPT-2"}
 
 
 def test_hf_families_agree_in_help_readme_and_importer():
