@@ -29,8 +29,12 @@ from shardax.rules import LogicalAxisRules
 from shardax.train.step import train_step
 
 STEPS, LR = 5, 0.1
+# gpt-oss's experts (biases: gate and up split with the hidden units over 'tp', down added per
+# token; the clamped SwiGLU; top-k softmax router); Mixtral's plain SwiGLU runs over 'ep'
+# in tests/test_hf_cli.py and on one device in tests/test_moe.py.
 CONFIG = dataclasses.replace(models.CONFIGS["llama-moe-tiny"], n_layers=2, n_experts=8,
-                             mlp_dim=32, moe_impl="dropless", moe_aux_weight=0.1)
+                             mlp_dim=32, moe_impl="dropless", moe_aux_weight=0.1,
+                             moe_bias=True, swiglu_limit=7.0, router_score="topk_softmax")
 LAYOUT = Layout(scan_layers=True)
 
 

@@ -14,10 +14,13 @@ Router: softmax over all experts in float32, top-k, optionally renormalised over
 (``router_score='sigmoid'``) with a `RouterBias` that picks the top-k but does not weigh them
 (auxiliary-loss-free balancing: training moves it, `shardax.train.balance`), the weights
 times ``routed_scaling_factor``. ``shared_expert_dim > 0`` adds
-Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
-carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices;
-the layout then runs the routed experts through `DroplessMoE.run` with its expert-parallel
-dispatch (`shardax.parallel.dropless`: the rows travel to their experts with an all-to-all).
+Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. gpt-oss
+(``router_score='topk_softmax'``, ``moe_bias``, ``swiglu_limit``): a router with a bias, the
+top-k logits softmaxed, biases on every expert's projections and a clamped SwiGLU
+(`expert_glu`). Expert weights carry the logical name 'expert' first, so a rule on 'expert'
+splits them over the devices; the layout then runs the routed experts through
+`DroplessMoE.run` with its expert-parallel dispatch (`shardax.parallel.dropless`: the rows
+travel to their experts with an all-to-all).
 
 The load-balancing loss is transformers' ``load_balancing_loss_func`` for one layer:
 ``n_experts * sum_e(f_e * p_e)`` with ``f_e`` the top-k assignments to expert ``e`` per token
@@ -32,6 +35,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
@@ -43,14 +47,15 @@ from shardax.models._layers import param
 from shardax.models.llama_moe import init_experts
 from shardax.models.protocol import MoEStats
 from shardax.models.remat import checkpoint_name
-from shardax.parallel.grouped_kernel import Groups, grouped_matmul, routed_experts
+from shardax.parallel.grouped_kernel import Groups, grouped_matmul, routed_experts, row_experts
 
 if TYPE_CHECKING:
     from shardax.models.configs import LlamaConfig
 
-__all__ = ["DroplessMoE", "RouterBias", "expert_mlp", "route"]
+__all__ = ["DroplessMoE", "RouterBias", "expert_glu", "expert_mlp", "route"]
 
 _normal = nnx.initializers.normal
+_zeros = nnx.initializers.zeros
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softmax",
@@ -68,6 +73,10 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
         w, e, aux = route(x @ router, top_k=2, normalize=True)
     """
     logits = logits.astype(jnp.float32)
+    if score == "topk_softmax":  # gpt-oss: top-k of the logits, softmax over those k
+        top, experts = jax.lax.top_k(logits, top_k)
+        weights = jax.nn.softmax(top, axis=-1)
+        return weights, experts, _balance_loss(logits, experts, jax.nn.softmax(logits, -1))
     if score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
@@ -82,24 +91,52 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if scale != 1.0:
         weights = weights * scale
+    return weights, experts, _balance_loss(logits, experts, probs)
+
+
+def _balance_loss(logits: jax.Array, experts: jax.Array, probs: jax.Array) -> jax.Array:
+    """``n_experts * sum_e(f_e * p_e)`` (see the module docstring)."""
     n = logits.shape[-1]
     counts = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    aux = n * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
-    return weights, experts, aux
+    return n * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
 
 
-def expert_mlp(xs: jax.Array, groups: Groups, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array) -> jax.Array:
-    """The experts' SwiGLU on rows grouped by expert (`sort_by_expert`): three grouped
-    matmuls, ``(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]`` per row of expert ``e``.
-    Its weights may hold a slice of the hidden units (the output is then a partial sum).
+def expert_glu(c: LlamaConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The experts' gated activation: ``silu(gate) * up``, or with ``swiglu_limit`` gpt-oss's
+    clamped ``(up + 1) * gate * sigmoid(alpha * gate)`` (gate clamped above, up both sides).
 
     Example::
 
-        ys = expert_mlp(xs, layout.groups, w_gate, w_up, w_down)   # [rows, dim]
+        h = expert_glu(cfg, x @ w_gate, x @ w_up)
     """
-    h = jax.nn.silu(grouped_matmul(xs, w_gate, groups)) * grouped_matmul(xs, w_up, groups)
-    return grouped_matmul(checkpoint_name(h, "mlp_hidden"), w_down, groups)
+    if c.swiglu_limit is None:
+        return jax.nn.silu(gate) * up
+    limit = c.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * c.swiglu_alpha)
+
+
+def expert_mlp(c: LlamaConfig, xs: jax.Array, groups: Groups, w_gate: jax.Array,
+               w_up: jax.Array, w_down: jax.Array, b_gate: jax.Array | None = None,
+               b_up: jax.Array | None = None) -> jax.Array:
+    """The experts' gated MLP on rows grouped by expert (`sort_by_expert`): three grouped
+    matmuls, ``expert_glu(xs @ w_gate[e] + b_gate[e], xs @ w_up[e] + b_up[e]) @ w_down[e]``
+    per row of expert ``e`` (no biases unless given; the down bias is added per token by
+    `DroplessMoE.run`). Its weights may hold a slice of the hidden units (the output is then
+    a partial sum).
+
+    Example::
+
+        ys = expert_mlp(cfg, xs, layout.groups, w_gate, w_up, w_down)   # [rows, dim]
+    """
+    gate, up = grouped_matmul(xs, w_gate, groups), grouped_matmul(xs, w_up, groups)
+    if b_gate is not None:
+        row_expert = row_experts(groups, xs.shape[0])
+        gate = gate + jnp.take(b_gate, row_expert, axis=0)
+        up = up + jnp.take(b_up, row_expert, axis=0)
+    h = checkpoint_name(expert_glu(c, gate, up), "mlp_hidden")
+    return grouped_matmul(h, w_down, groups)
 
 
 class RouterBias(nnx.Variable):
@@ -116,6 +153,12 @@ class DroplessMoE(nnx.Module):
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         self.config = c
         init_experts(self, c, rngs)
+        if c.moe_bias:  # gpt-oss: router and expert biases
+            e, m, pd = c.n_experts, c.mlp_dim, c.param_dtype
+            self.router_b = param(rngs.params(), _zeros, (e,), (None,), pd)
+            self.b_gate = param(rngs.params(), _zeros, (e, m), ("expert", "mlp"), pd)
+            self.b_up = param(rngs.params(), _zeros, (e, m), ("expert", "mlp"), pd)
+            self.b_down = param(rngs.params(), _zeros, (e, c.dim), ("expert", "embed"), pd)
         if c.router_bias:
             self.router_bias = RouterBias(jnp.zeros((c.n_experts,), jnp.float32),
                                           out_sharding=(None,), eager_sharding=False)
@@ -137,20 +180,28 @@ class DroplessMoE(nnx.Module):
     def run(self, x: jax.Array, experts_fn: Callable = routed_experts, **kwargs
             ) -> tuple[jax.Array, MoEStats]:
         """``(y, stats)`` with the routed experts run by ``experts_fn(tokens, weights,
-        experts, expert_mlp, w_gate, w_up, w_down, **kwargs)`` (``routed_experts`` on one
+        experts, mlp, *expert weights, **kwargs)`` (``routed_experts`` on one
         device; the layout swaps in its expert-parallel dispatch). Routing and statistics
         stay here, on every token, so they are the one-device numbers on any layout."""
         c, dt = self.config, self.config.dtype
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
         logits = tokens @ self.router[...].astype(dt)
+        if c.moe_bias:
+            logits = logits + self.router_b[...].astype(dt)
         bias = self.router_bias[...] if c.router_bias else None
         weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk, score=c.router_score,
                                       bias=bias, scale=c.routed_scaling_factor)
         sizes = jnp.bincount(experts.reshape(-1), length=c.n_experts)
-        y = experts_fn(tokens, weights, experts, expert_mlp, self.w_gate[...].astype(dt),
-                       self.w_up[...].astype(dt), self.w_down[...].astype(dt),
-                       **kwargs).astype(dt)
+        params = [self.w_gate, self.w_up, self.w_down]
+        if c.moe_bias:  # gpt-oss: the gate and up biases split with the hidden units
+            params += [self.b_gate, self.b_up]
+        y = experts_fn(tokens, weights, experts, partial(expert_mlp, c),
+                       *(w[...].astype(dt) for w in params), **kwargs)
+        if c.moe_bias:  # the down bias per (token, expert), weighted as the expert's output
+            down = jnp.take(self.b_down[...].astype(dt), experts, axis=0).astype(jnp.float32)
+            y = y + jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), down)
+        y = y.astype(dt)
         if c.shared_expert_dim:
             hs = jax.nn.silu(tokens @ self.shared_gate[...].astype(dt)) * (
                 tokens @ self.shared_up[...].astype(dt))
@@ -161,3 +212,4 @@ class DroplessMoE(nnx.Module):
         y = constrain(y.reshape(b, s, d), ("batch", "length", "embed"))
         stats = MoEStats(aux, sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
         return checkpoint_name(y, "mlp_out"), stats
+

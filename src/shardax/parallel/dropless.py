@@ -77,7 +77,7 @@ def _exchange(tokens: Array, weights: Array, experts: Array, mlp: Callable[..., 
 
 def dropless_moe(tokens: Array, weights: Array, experts: Array, mlp: Callable[..., Array],
                  *params: Array, axis: str = "ep", batch_axes: Sequence[str] = (),
-                 tensor_axis: str | None = None, hidden_dims: Sequence[int] = (2, 2, 1),
+                 tensor_axis: str | None = None, hidden_dims: Sequence[int] = (2, 2, 1, 1, 1),
                  mesh: jax.sharding.Mesh | None = None) -> Array:
     """The routed experts of a dropless MoE, expert-parallel over mesh axis ``axis``.
 
@@ -89,7 +89,8 @@ def dropless_moe(tokens: Array, weights: Array, experts: Array, mlp: Callable[..
       params: the experts' weights, expert axis first, split over ``axis``; gathered over
         ``batch_axes`` (as FSDP's all-gather).
       tensor_axis: a mesh axis splitting each expert's hidden units (axis ``hidden_dims[i]``
-        of ``params[i]``); the experts' output rows are summed over it. None: not split.
+        of ``params[i]``: the default fits ``w_gate, w_up, w_down`` and the gate and up
+        biases); the experts' output rows are summed over it. None: not split.
       mesh: default the context mesh. Without ``axis`` (or of size 1): the one-device math.
 
     Returns:
@@ -117,7 +118,7 @@ def dropless_moe(tokens: Array, weights: Array, experts: Array, mlp: Callable[..
         return P(*spec)
 
     specs = (P(token_axes),) * 3 + tuple(param_spec(p.ndim, h)
-                                          for p, h in zip(params, hidden_dims, strict=True))
+                                          for p, h in zip(params, hidden_dims))
     def body(tokens, weights, experts, *params):
         return _exchange(tokens, weights, experts, mlp, params, axis, tensor)
 

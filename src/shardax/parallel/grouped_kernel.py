@@ -31,7 +31,7 @@ from shardax import _compat
 Array = jax.Array
 
 __all__ = ["ExpertRows", "Groups", "buffer_rows", "combine", "grouped_matmul", "routed_experts",
-           "sort_by_expert", "tile_rows"]
+           "row_experts", "sort_by_expert", "tile_rows"]
 
 # CPU tile sizes tried by `tile_rows`: larger tiles mean fewer scan steps, smaller less padding.
 _MIN_TILE, _MAX_TILE = 8, 256
@@ -116,6 +116,19 @@ def sort_by_expert(experts: Array, n_experts: int, tile: int = 1) -> ExpertRows:
     tile_expert = jnp.minimum(jnp.sum(ends[None, :] <= first[:, None], axis=1, dtype=jnp.int32),
                               n_experts - 1)
     return ExpertRows(rows, slots.reshape(t, k), Groups(padded, tile_expert))
+
+
+def row_experts(groups: Groups, rows: int) -> Array:
+    """The expert of each of the buffer's ``rows`` rows ([rows] int32; a padding row's is any
+    expert's: its output is never read).
+
+    >>> row_experts(Groups(jnp.array([1, 2]), None), 4).tolist()
+    [0, 1, 1, 1]
+    """
+    if groups.tile_expert is None:
+        n = groups.sizes.shape[0]
+        return jnp.repeat(jnp.arange(n, dtype=jnp.int32), groups.sizes, total_repeat_length=rows)
+    return jnp.repeat(groups.tile_expert, rows // groups.tile_expert.shape[0])
 
 
 def combine(ys: Array, slots: Array, weights: Array) -> Array:
