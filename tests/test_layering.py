@@ -221,8 +221,8 @@ def test_training_sits_below_the_planner():
 
 # What a model may use of shardax.parallel: kernels and remat, no schedule (pipeline, 1f1b,
 # FSDP, tensor, context, expert): the layout applies those from outside (shardax.layout).
-MODEL_MAY_USE = {"shardax.parallel.attention_kernel", "shardax.parallel.moe_kernel",
-                 "shardax.parallel.remat"}
+MODEL_MAY_USE = {"shardax.parallel.attention_kernel", "shardax.parallel.grouped_kernel",
+                 "shardax.parallel.moe_kernel", "shardax.parallel.remat"}
 
 
 def _model_layout_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:

@@ -1,6 +1,7 @@
 """Each family's block under a layout, applied from outside the model: Megatron
-column/row-parallel attention and MLP over 'tp' (``shardax.parallel.tensor``) and the capacity
-mixture of experts split over 'ep' (``shardax.parallel.moe_mlp``), on the model's own
+column/row-parallel attention and MLP over 'tp' (``shardax.parallel.tensor``) and the
+mixtures of experts split over 'ep' (capacity: ``shardax.parallel.moe_mlp``; dropless:
+``shardax.parallel.dropless.dropless_moe``, experts' hidden units over 'tp'), on the model's own
 parameters (checkpoints move freely between layouts).
 
 `block_fn(model, layout)` is what `shardax.layout.forward` calls: the model's own ``block``
@@ -27,8 +28,10 @@ from shardax.models.attention import attention
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama, SwiGLU, gate_activation
 from shardax.models.llama_moe import MoE
+from shardax.models.moe import DroplessMoE
 from shardax.models.remat import checkpoint_name
 from shardax.parallel.axes import axis_size, mesh_or_context
+from shardax.parallel.dropless import dropless_moe
 from shardax.parallel.expert import moe_mlp
 from shardax.parallel.tensor import column_parallel, row_parallel
 
@@ -39,11 +42,12 @@ Block = Callable[[Any, jax.Array, dict, Callable], tuple[jax.Array, jax.Array]]
 
 def block_fn(model: Any, layout: Layout) -> Block:
     """``block(layer, h, extras, attend) -> (h, aux)`` of ``model`` under ``layout``: the
-    model's own ``block`` unless tensor parallelism or a capacity mixture of experts (whose
-    tokens go to their experts' devices) needs this module's."""
+    model's own ``block`` unless tensor parallelism or a mixture of experts whose tokens go
+    to their experts' devices (capacity; dropless over an 'ep' axis) needs this module's."""
     c = model.config
-    capacity_moe = getattr(c, "n_experts", 0) and getattr(c, "moe_impl", "") == "capacity"
-    if layout.tp_mode == "none" and not capacity_moe:
+    impl = getattr(c, "moe_impl", "") if getattr(c, "n_experts", 0) else ""
+    exchanged = impl == "capacity" or (impl == "dropless" and axis_size(EXPERT_AXIS) > 1)
+    if layout.tp_mode == "none" and not exchanged:
         return model.block
     for family, block in _FAMILIES:
         if isinstance(model, family):
@@ -124,6 +128,9 @@ def llama_block(layer: Any, h: jax.Array, extras: dict, attend: Callable, layout
     mlp = layer.mlp
     if isinstance(mlp, MoE):
         return layer.mlp_add(x, mlp.run(layer.mlp_norm(x), moe_mlp, batch_axes=_token_axes()))
+    if isinstance(mlp, DroplessMoE):  # the experts' hidden units split over 'tp'
+        return layer.mlp_add(x, mlp.run(layer.mlp_norm(x), dropless_moe,
+                                        batch_axes=_token_axes(), tensor_axis=TENSOR_AXIS))
     if not (tp and isinstance(mlp, SwiGLU)):
         return layer.mlp_residual(x)
     dt, kw = mlp.dtype, _kwargs(layout)

@@ -2,10 +2,12 @@
 its top-k experts, none is dropped.
 
 Each token's ``top_k`` (token, expert) pairs are sorted by expert and every expert's rows run
-as one grouped matmul (``jax.lax.ragged_dot``): the work is that of the tokens routed, with no
-capacity, no padding to a capacity and no [tokens, experts, capacity] dispatch tensor (the
-capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in O(tokens²)). Routing is
-per token, so the output never depends on the batch, the mesh or the other tokens.
+as one grouped matmul (`shardax.parallel.grouped_kernel`: ``jax.lax.ragged_dot`` on GPU and
+TPU, tiles of one expert's rows on CPU) in `expert_mlp`, the one function every path calls:
+the work is that of the tokens routed, with no capacity and no [tokens, experts, capacity]
+dispatch tensor (the capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in
+O(tokens²)). Routing is per token, so the output never depends on the batch, the mesh or the
+other tokens.
 
 Router: softmax over all experts in float32, top-k, optionally renormalised over the k
 (``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE); or DeepSeek-V3's sigmoid scores
@@ -15,10 +17,10 @@ times ``routed_scaling_factor``. ``shared_expert_dim > 0`` adds
 Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. gpt-oss
 (``router_score='topk_softmax'``, ``moe_bias``, ``swiglu_limit``): a router with a bias, the
 top-k logits softmaxed, biases on every expert's projections and a clamped SwiGLU
-(`expert_glu`). Expert weights
-carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices
-(expert parallelism through the rules, `shardax.layout.presets`; XLA moves rows or weights as
-the shardings require).
+(`expert_glu`). Expert weights carry the logical name 'expert' first, so a rule on 'expert'
+splits them over the devices; the layout then runs the routed experts through
+`DroplessMoE.run` with its expert-parallel dispatch (`shardax.parallel.dropless`: the rows
+travel to their experts with an all-to-all).
 
 The load-balancing loss is transformers' ``load_balancing_loss_func`` for one layer:
 ``n_experts * sum_e(f_e * p_e)`` with ``f_e`` the top-k assignments to expert ``e`` per token
@@ -32,6 +34,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
@@ -43,11 +47,12 @@ from shardax.models._layers import param
 from shardax.models.llama_moe import init_experts
 from shardax.models.protocol import MoEStats
 from shardax.models.remat import checkpoint_name
+from shardax.parallel.grouped_kernel import Groups, grouped_matmul, routed_experts, row_experts
 
 if TYPE_CHECKING:
     from shardax.models.configs import LlamaConfig
 
-__all__ = ["DroplessMoE", "RouterBias", "expert_glu", "route"]
+__all__ = ["DroplessMoE", "RouterBias", "expert_glu", "expert_mlp", "route"]
 
 _normal = nnx.initializers.normal
 _zeros = nnx.initializers.zeros
@@ -112,6 +117,28 @@ def expert_glu(c: LlamaConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
     return (up + 1) * gate * jax.nn.sigmoid(gate * c.swiglu_alpha)
 
 
+def expert_mlp(c: LlamaConfig, xs: jax.Array, groups: Groups, w_gate: jax.Array,
+               w_up: jax.Array, w_down: jax.Array, b_gate: jax.Array | None = None,
+               b_up: jax.Array | None = None) -> jax.Array:
+    """The experts' gated MLP on rows grouped by expert (`sort_by_expert`): three grouped
+    matmuls, ``expert_glu(xs @ w_gate[e] + b_gate[e], xs @ w_up[e] + b_up[e]) @ w_down[e]``
+    per row of expert ``e`` (no biases unless given; the down bias is added per token by
+    `DroplessMoE.run`). Its weights may hold a slice of the hidden units (the output is then
+    a partial sum).
+
+    Example::
+
+        ys = expert_mlp(cfg, xs, layout.groups, w_gate, w_up, w_down)   # [rows, dim]
+    """
+    gate, up = grouped_matmul(xs, w_gate, groups), grouped_matmul(xs, w_up, groups)
+    if b_gate is not None:
+        row_expert = row_experts(groups, xs.shape[0])
+        gate = gate + jnp.take(b_gate, row_expert, axis=0)
+        up = up + jnp.take(b_up, row_expert, axis=0)
+    h = checkpoint_name(expert_glu(c, gate, up), "mlp_hidden")
+    return grouped_matmul(h, w_down, groups)
+
+
 class RouterBias(nnx.Variable):
     """The auxiliary-loss-free balancing bias of one MoE layer's router ([n_experts],
     float32): not a parameter (no gradient, no optimizer state); training moves it after each
@@ -148,6 +175,14 @@ class DroplessMoE(nnx.Module):
                                            ("embed", None), pd)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEStats]:
+        return self.run(x)
+
+    def run(self, x: jax.Array, experts_fn: Callable = routed_experts, **kwargs
+            ) -> tuple[jax.Array, MoEStats]:
+        """``(y, stats)`` with the routed experts run by ``experts_fn(tokens, weights,
+        experts, mlp, *expert weights, **kwargs)`` (``routed_experts`` on one
+        device; the layout swaps in its expert-parallel dispatch). Routing and statistics
+        stay here, on every token, so they are the one-device numbers on any layout."""
         c, dt = self.config, self.config.dtype
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
@@ -157,23 +192,16 @@ class DroplessMoE(nnx.Module):
         bias = self.router_bias[...] if c.router_bias else None
         weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk, score=c.router_score,
                                       bias=bias, scale=c.routed_scaling_factor)
-        # Sort the (token, expert) pairs by expert: each expert's rows are contiguous.
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        rows = order // c.top_k
-        sizes = jnp.bincount(flat, length=c.n_experts).astype(jnp.int32)
-        xs = jnp.take(tokens, rows, axis=0)
-        gate = jax.lax.ragged_dot(xs, self.w_gate[...].astype(dt), sizes)
-        up = jax.lax.ragged_dot(xs, self.w_up[...].astype(dt), sizes)
-        if c.moe_bias:  # each sorted row's expert's bias
-            row_expert = flat[order]
-            gate, up = gate + self._bias("b_gate", row_expert), up + self._bias("b_up", row_expert)
-        h = checkpoint_name(expert_glu(c, gate, up), "mlp_hidden")
-        ys = jax.lax.ragged_dot(h, self.w_down[...].astype(dt), sizes)
-        if c.moe_bias:
-            ys = ys + self._bias("b_down", row_expert)
-        ys = ys.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
-        y = jnp.zeros((b * s, d), jnp.float32).at[rows].add(ys).astype(dt)
+        sizes = jnp.bincount(experts.reshape(-1), length=c.n_experts)
+        params = [self.w_gate, self.w_up, self.w_down]
+        if c.moe_bias:  # gpt-oss: the gate and up biases split with the hidden units
+            params += [self.b_gate, self.b_up]
+        y = experts_fn(tokens, weights, experts, partial(expert_mlp, c),
+                       *(w[...].astype(dt) for w in params), **kwargs)
+        if c.moe_bias:  # the down bias per (token, expert), weighted as the expert's output
+            down = jnp.take(self.b_down[...].astype(dt), experts, axis=0).astype(jnp.float32)
+            y = y + jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), down)
+        y = y.astype(dt)
         if c.shared_expert_dim:
             hs = jax.nn.silu(tokens @ self.shared_gate[...].astype(dt)) * (
                 tokens @ self.shared_up[...].astype(dt))
@@ -185,6 +213,3 @@ class DroplessMoE(nnx.Module):
         stats = MoEStats(aux, sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
         return checkpoint_name(y, "mlp_out"), stats
 
-    def _bias(self, name: str, expert_of_row: jax.Array) -> jax.Array:
-        """The expert bias ``name`` of each sorted row's expert ``[rows, units]``."""
-        return jnp.take(getattr(self, name)[...].astype(self.config.dtype), expert_of_row, axis=0)
