@@ -291,8 +291,8 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
                                            router_bias_update=0.001, moe_aux_weight=0.0),
     # DeepSeek-V3 shapes (671B without its multi-token-prediction layer): latent attention,
     # 3 dense layers, 256 routed experts top-8 (from the 4 best of 8 groups) plus one shared.
-    # Its layers differ, so they are listed: `shardax plan` compiles all 61 (over 400 s on 2
-    # CPU cores at ep=8,fsdp=8).
+    # Its layers differ, so they are listed: `shardax plan` compiles 4 and 5 of them and
+    # extends to 61 (`shardax.plan.depth`).
     "deepseek-v3": LlamaConfig(
         vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, mlp_dim=2048,
         max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8, moe_impl="dropless",
