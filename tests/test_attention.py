@@ -50,6 +50,8 @@ CASES = {
     "segments": dict(segment_ids=_segments()),
     "softcap": dict(softcap=2.0, window=7),
     "bidirectional_segments": dict(causal=False, segment_ids=_segments()),
+    "sinks": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32), window=7,
+                  segment_ids=_segments()),
 }
 
 
@@ -90,6 +92,28 @@ def test_mqa_and_masked_rows():
     kv_mask[:, :3] = False
     ref = _check_all(dict(kv_mask=kv_mask), q, k, v, ct)
     np.testing.assert_array_equal(ref[0][:, :3], 0.0)
+
+
+def test_sinks_are_a_softmax_column_and_their_gradients_agree():
+    """gpt-oss's sinks: the einsum reference is softmax over [scores, sink] with the sink
+    dropped (written out here in numpy); blockwise gives the same gradient for the sinks."""
+    q, k, v, ct = _qkv(s=12)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    s = np.einsum("bqhd,bkhd->bhqk", q, np.repeat(k, 2, axis=2)) / np.sqrt(8)
+    s = np.where(np.tril(np.ones((12, 12), bool)), s, -np.inf)
+    full = np.concatenate([s, np.broadcast_to(sinks[None, :, None, None], (2, 4, 12, 1))], -1)
+    p = np.exp(full - full.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True))[..., :-1]
+    want = np.einsum("bhqk,bkhd->bqhd", p, np.repeat(v, 2, axis=2))
+
+    def grads(impl):
+        f = lambda q, sk: jnp.vdot(attn.attention(q, k, v, sinks=sk, implementation=impl,
+                                                  block_size=4), ct[:, :12])
+        return jax.grad(f, argnums=(0, 1))(q, sinks)
+
+    got = jax.jit(lambda: attn.attention(q, k, v, sinks=sinks, implementation="einsum"))()
+    _close([got], [want])
+    _close(jax.jit(lambda: grads("blockwise"))(), jax.jit(lambda: grads("einsum"))())
 
 
 def test_einsum_is_the_old_reference():

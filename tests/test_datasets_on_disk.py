@@ -202,3 +202,27 @@ def test_bad_datasets_folders_are_one_line_exit_2(folders, tmp_path, monkeypatch
                               *needles)
         assert not (tmp_path / name).exists()
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_data_split_of_a_save_to_disk_folder(folders, observed_run, tmp_path,
+                                                  monkeypatch, capsys):
+    """``shardax eval --data FOLDER --data-split SPLIT`` scores that split (validation by
+    default) exactly as a .jsonl file of its records; a split the folder lacks is one line
+    naming the folder and its splits, exit 2."""
+    from shardax.cli import main
+    from shardax.train.evaluate import evaluate
+
+    _, ddict, _ = folders
+    _, out, _ = observed_run
+    same = tmp_path / "validation.jsonl"
+    same.write_text("".join(json.dumps({"text": t}) + "\n" for t in VALID))
+    split, plain = evaluate(str(out), [str(ddict), str(same)], seq_len=32)  # one load
+    assert split["tokens"] == sum(len(t.encode()) + 1 for t in VALID) - 1  # + eos each
+    assert split["nll"] == plain["nll"] and split["tokens"] == plain["tokens"]
+    assert split["bytes"] == plain["bytes"] == sum(len(t.encode()) for t in VALID)
+    # as users meet it, through the CLI's main in this process (a subprocess pays its start-up)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
+    code = main(["eval", "--out", str(out), "--data", str(ddict), "--data-split", "test"])
+    proc = subprocess.CompletedProcess([], code, "", capsys.readouterr().err)
+    assert_one_line_error(proc, "eval", f"--data {ddict}: ", "no split 'test'",
+                          "(its splits: train, validation)", "--data-split")

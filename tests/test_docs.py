@@ -74,6 +74,12 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_data.py::test_token_files",
     ("docs/evaluation.md", "shardax eval --out runs/a --tasks tiny_mc --include-path tasks/ "):
         "tests/test_lm_eval.py::test_eval_tasks_command_prints_the_table_and_writes_results",
+    ("docs/evaluation.md", "shardax train --data corpus/ --out runs/a --eval-tasks tiny_mc "):
+        "tests/test_lm_eval.py::test_eval_tasks_during_training_score_each_steps_state",
+    ("docs/data.md", "shardax train --resume --out runs/a --val-data web_val.txt code_val.txt"):
+        "tests/test_mixture_train.py::test_resume_with_new_val_data_trains_the_same_batches",
+    ("docs/data.md", "shardax eval --out runs/wiki --data wiki/ --data-split test"):
+        "tests/test_datasets_on_disk.py::test_eval_data_split_of_a_save_to_disk_folder",
     ("docs/expert_parallel.md", "from shardax.parallel.expert import moe_mlp, init_moe_params, "
                                 "moe_param_specs, expert_capacity"):
         "tests/test_parallel_expert.py::test_init_and_specs",
@@ -307,7 +313,7 @@ def test_doc_snippets_run(doc, tmp_path):
 HF_FAMILIES = {"llama": "Llama 2/3", "mistral": "Mistral", "qwen2": "Qwen2/3", "qwen3": "Qwen2/3",
                "gemma2": "Gemma 2/3", "gemma3_text": "Gemma 2/3", "mixtral": "Mixtral",
                "qwen2_moe": "Qwen2/3-MoE", "qwen3_moe": "Qwen2/3-MoE", "deepseek_v3": "DeepSeek-V3",
-               "gpt2": "GPT-2"}
+               "gpt_oss": "gpt-oss", "gpt2": "GPT-2"}
 
 
 def test_hf_families_agree_in_help_readme_and_importer():

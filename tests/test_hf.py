@@ -7,10 +7,11 @@ GPT-2, Qwen3 (q/k norm, head_dim 16 != hidden/heads), Gemma 2 (alternating windo
 layers, soft-capping, GeGLU, pre+post norms), Gemma 3 text (q/k norm, local/global RoPE bases,
 sliding pattern 3), Mistral with an 8-token window (shorter than the 16-token prompts and the
 48 tokens generated), and the mixtures of experts Mixtral, Qwen2-MoE (shared expert, top-k not
-renormalised), Qwen3-MoE (4 experts, top 2; shardax's dropless MoE) and DeepSeek-V3 (latent
+renormalised), Qwen3-MoE (4 experts, top 2; shardax's dropless MoE), DeepSeek-V3 (latent
 attention, a first dense layer, sigmoid routing with a correction bias limited to the best of
-2 expert groups, a shared expert),
-with transformers' float32 logits for fixed tokens and 32 greedy tokens per prompt.
+2 expert groups, a shared expert, YaRN with mscale_all_dim) and gpt-oss (attention sinks,
+alternating window-8/full layers, q/k/v/o biases, biased experts with the clamped SwiGLU,
+YaRN), with transformers' float32 logits for fixed tokens and 32 greedy tokens per prompt.
 Tolerance: logits within 1e-4 relative to the largest reference logit (float32; seen <= 1.1e-6);
 greedy tokens, import -> export -> import and exported bytes: exact.
 """
@@ -40,11 +41,11 @@ from shardax.utils import flatten_tree
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 DENSE = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
          "mistral_window"]
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 ARCHS = DENSE + MOE
 # Mixed sliding/global (or dense/MoE) layers cannot be stacked (scan_layers): they load as a
 # list of layers.
-LISTED = ("gpt2", "gemma2", "gemma3", "deepseek_v3")
+LISTED = ("gpt2", "gemma2", "gemma3", "deepseek_v3", "gpt_oss")
 REL = 1e-4
 
 
@@ -170,6 +171,19 @@ def test_deepseek_layers_cannot_be_stacked_and_megatron_tp_is_refused():
     with pytest.raises(ValueError, match="tp_mode='sync' does not run multi-head latent"):
         check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
                    seq_len=16)
+
+
+def test_gpt_oss_sinks_refuse_megatron_tp_and_ring_attention():
+    """Attention sinks run under the rules' tp/fsdp/ep (above), not under Megatron tp_mode
+    or ring attention over 'cp': both refused naming why, before anything is built."""
+    from shardax.layout.spec import check_mesh
+
+    config = hf.load_config(FIXTURES / "gpt_oss")
+    with pytest.raises(ValueError, match="tp_mode='sync' does not run gpt-oss attention"):
+        check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
+                   seq_len=16)
+    with pytest.raises(ValueError, match=r"attention sinks \(gpt-oss\) have no ring"):
+        check_mesh(config, Layout(), {"fsdp": 4, "cp": 2}, batch_size=8, seq_len=16)
 
 
 @pytest.mark.parametrize("mesh_spec", ["fsdp=4,tp=2", "tp=8"])
@@ -414,3 +428,67 @@ def test_unknown_architecture_and_bad_shapes_name_the_problem(tmp_path):
         hf.load_model(bad)
     with pytest.raises(ValueError, match="no config.json"):
         hf.load_model(tmp_path)
+
+
+@pytest.mark.parametrize("case,theta,rope", [
+    ("gpt_oss", 150000.0, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "truncate": False,
+                           "original_max_position_embeddings": 4096}),
+    ("deepseek_v3", 10000.0, {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32,
+                              "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                              "original_max_position_embeddings": 4096}),
+    ("tiny_truncate", 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 16}),
+])
+def test_yarn_rope_tables_equal_transformers(case, theta, rope):
+    """YaRN frequencies and attention factor read from a config dict equal transformers'
+    ``_compute_yarn_parameters`` (saved in yarn_rope.npz; its float32 ``base ** x`` may differ
+    by one ulp), and the scaling survives export -> import."""
+    ref = np.load(FIXTURES / "yarn_rope.npz")
+    hd = int(ref[f"{case}_head_dim"])
+    config = hf.config_from_hf({"model_type": "llama", "vocab_size": 8, "hidden_size": 4 * hd,
+                                "num_hidden_layers": 1, "num_attention_heads": 4,
+                                "intermediate_size": 8, "max_position_embeddings": 64,
+                                "rope_theta": theta, "rope_scaling": rope})
+    s = config.rope_scaling
+    np.testing.assert_allclose(models.ops.rope_frequencies(hd, theta, s),
+                               ref[f"{case}_inv_freq"], rtol=2e-7, atol=0)
+    assert s.attention_factor == pytest.approx(float(ref[f"{case}_attention_factor"]), rel=1e-12)
+    cos, _ = models.ops.rope_tables(jnp.zeros((1, 1), jnp.int32), hd, theta, s)
+    np.testing.assert_allclose(cos, s.attention_factor, rtol=1e-7)
+    assert hf.config_from_hf(hf.config_to_hf(config)).rope_scaling == s
+
+
+def test_lora_on_gpt_oss_attention_exports_peft_factors(tmp_path):
+    """LoRA's default targets reach gpt-oss's q/k/v/o projections (their biases, the sinks and
+    the experts stay frozen, as for the other mixtures of experts), and the PEFT adapter holds
+    [rank, in] / [out, rank] factors under the projections' Hugging Face names."""
+    import dataclasses
+
+    from shardax.hf.peft import save_adapters
+    from shardax.models.lora import LoRA, add_lora
+
+    model = hf.load_model(FIXTURES / "gpt_oss")
+    model.config = dataclasses.replace(model.config, lora=LoRA(rank=4))
+    paths = add_lora(model, LoRA(rank=4), nnx.Rngs(1))
+    assert set(paths) == {f"layers/{i}/attn/w{w}" for i in range(4) for w in "qkvo"}
+    a = tensor_index(save_adapters(model, tmp_path).parent)
+    name = "base_model.model.model.layers.3.self_attn.{}_proj.lora_{}.weight"
+    want = {("q", "A"): (4, 32), ("q", "B"): (32, 4), ("k", "B"): (16, 4), ("o", "A"): (4, 32),
+            ("o", "B"): (32, 4)}
+    assert {k: a[name.format(*k)].shape(name.format(*k)) for k in want} == want
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_in_one_line(tmp_path):
+    """openai's gpt-oss checkpoints hold MXFP4 experts (``quantization_config``): `shardax
+    train --init-from` refuses them in one line saying how to dequantize, writing nothing."""
+    from _cli import assert_one_line_error
+
+    src = json.loads((FIXTURES / "gpt_oss" / "config.json").read_text())
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(
+        {**src, "quantization_config": {"quant_method": "mxfp4"}}))
+    proc = run_cli("train", "--init-from", f"hf:{tmp_path / 'ckpt'}", "--steps", "1",
+                   "--out", tmp_path / "run")
+    assert_one_line_error(proc, "train", "quantization_config", "mxfp4", "dequantize")
+    assert not (tmp_path / "run").exists()

@@ -128,8 +128,12 @@ def _function_imports(path: pathlib.Path) -> list[tuple[int, str]]:
     return sorted(set(found))
 
 
+# shardax modules that import an optional dependency at their top, imported where it is used.
+OPTIONAL_MODULES = {"shardax.train.harness"}  # lm_eval
+
+
 def _allowed(module: str, where: str) -> bool:
-    if module.split(".")[0] in OPTIONAL:
+    if module.split(".")[0] in OPTIONAL or module in OPTIONAL_MODULES:
         return True
     return where == "shardax.cli" and any(
         module == m or module.startswith(m + ".") for m in LAZY_IN_CLI)

@@ -9,13 +9,16 @@ UTF-8 bytes, NUL (0) is end-of-text and the prefix token)."""
 
 import importlib.util
 import json
+import os
+import subprocess
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cli import run_cli
+from _cli import assert_one_line_error, read_metrics, run_cli
+from _reference import TINY_TRAIN
 from flax import nnx
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -23,12 +26,14 @@ lm_eval = pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from shardax.cli import main  # noqa: E402
 from shardax.errors import UsageError  # noqa: E402
 from shardax.models import decode  # noqa: E402
-from shardax.train.config import EvalConfig, check_eval  # noqa: E402
+from shardax.train.config import EvalConfig, TrainConfig, check, check_eval  # noqa: E402
 from shardax.train.evaluate import load_model  # noqa: E402
 from shardax.train.generate import restore_model  # noqa: E402
-from shardax.train.harness import ShardaxLM  # noqa: E402
+from shardax.train.harness import ShardaxLM, run_tasks  # noqa: E402
+from shardax.train.loop import train  # noqa: E402
 from shardax.train.rundir import check_run  # noqa: E402
 
 QUESTIONS = [
@@ -207,13 +212,55 @@ def test_bad_task_flags_name_the_flag(flags, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
-def test_tasks_without_lm_eval_name_the_extra(monkeypatch):
+def test_tasks_without_lm_eval_name_the_extra(monkeypatch, tmp_path, capsys):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "lm_eval" else find_spec(name, *a))
     with pytest.raises(UsageError, match=r"pip install 'shardax\[eval\]'"):
         check_eval(EvalConfig(out="runs/a", tasks=["a,b"]))
     assert check_eval(EvalConfig(out="runs/a", data=["README.md"])).tasks == []
+    # train --eval-tasks: at start-up, one line, exit 2 (the CLI's own check, no step run)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() rewrites it
+    assert main(["train", "--out", str(tmp_path / "run"), "--eval-tasks", "tiny_mc"]) == 2
+    assert_one_line_error(subprocess.CompletedProcess([], 2, "", capsys.readouterr().err),
+                          "train", "--eval-tasks", "pip install 'shardax[eval]'")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def trained_with_tasks(tasks, tmp_path_factory):
+    """4 SGD steps with ``--eval-tasks tiny_mc --eval-tasks-every 2`` (checkpoints at 2, 4);
+    TINY_TRAIN's train step: the persistent compilation cache holds it from other tests."""
+    out = tmp_path_factory.mktemp("eval_tasks") / "run"
+    config = TrainConfig(out=str(out), **TINY_TRAIN, eval_tasks=["tiny_mc"],
+                         eval_tasks_every=2, include_path=str(tasks))
+    return out, train(config)
+
+
+def test_eval_tasks_during_training_score_each_steps_state(trained_with_tasks, tasks):
+    """``eval/tiny_mc/acc`` is logged at steps 2 and 4 (in metrics.jsonl too) and equals
+    ``shardax eval --tasks`` on that step's checkpoint (trained on fsdp=8, scored on dp=8)."""
+    out, records = trained_with_tasks
+    logged = {r["step"]: r["eval/tiny_mc/acc"] for r in read_metrics(out)
+              if "eval/tiny_mc/acc" in r}
+    assert sorted(logged) == [2, 4]
+    assert {r["step"]: r["eval/tiny_mc/acc"] for r in records if "eval/tiny_mc/acc" in r} \
+        == logged
+    for step in (2, 4):
+        config = check_eval(EvalConfig(out=str(out), tasks=["tiny_mc"], step=step,
+                                       include_path=str(tasks)))
+        assert run_tasks(config)["results"]["tiny_mc"]["acc,none"] == logged[step], step
+
+
+@pytest.mark.parametrize("flags, words", [
+    (dict(eval_limit=5), ["--eval-limit", "only with --eval-tasks"]),
+    (dict(eval_tasks=["tiny_mc"], mesh="pp=2,fsdp=-1"), ["--eval-tasks", "'pp'", "shardax eval"]),
+    (dict(eval_tasks=["tiny_mc"], eval_tasks_every=-1), ["--eval-tasks-every -1", ">= 0"]),
+])
+def test_bad_eval_tasks_flags_name_the_flag(flags, words):
+    with pytest.raises(UsageError) as e:
+        check(TrainConfig(**flags))
+    assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_hflm_on_the_export_gives_the_same_scores(observed_run, tasks, tmp_path):

@@ -6,6 +6,7 @@ test_mixture.py; bad ``--data`` entries and a resume that drops a source in
 test_cli_errors.py."""
 
 import contextlib
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -15,10 +16,12 @@ import pytest
 from _cli import committed_steps, read_metrics, stopped_at
 from _reference import TINY_TRAIN
 
+from shardax.train.config import check
 from shardax.train.data import TokenStream
-from shardax.train.loop import TrainConfig, train
+from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.mixture import Mixture
 from shardax.train.mixture_data import MixtureBatches
+from shardax.train.rundir import RunDir
 
 # Source "low" holds tokens 1..99, "high" 150..249: a token says which source it came from.
 LOW, HIGH = (np.random.default_rng(0).integers(1, 100, 5_000).astype(np.uint16),
@@ -102,6 +105,65 @@ def runs(tmp_path_factory):
         train(TrainConfig(out=str(reweighted), resume=True, data=[f"{a}:0.2", f"{b}:0.8"],
                           **config))
     return straight, resumed, reweighted, said.getvalue()
+
+
+@pytest.fixture(scope="module")
+def revalidated(runs):
+    """The straight run stopped at step 2 and resumed with ``--val-data`` it did not have (it
+    held out each source's last tenth): two files of 2 and 1 full batches (8 x 32 tokens;
+    the byte tokenizer adds an end-of-text token), in the sources' alphabets."""
+    straight = runs[0]
+    root = straight.parent
+    val = [_text(root / "web_val.txt", "abcdefgh ", 2),
+           _text(root / "code_val.txt", "XYZ0123\n", 3)]
+    for path, n in zip(val, (2, 1)):  # n batches of windows of 32 (+1) tokens exactly
+        Path(path).write_text(Path(path).read_text()[:n * 8 * 32])
+    out = stopped_at(straight, root / "revalidated", 2)
+    train(TrainConfig(out=str(out), resume=True, data=[f"{root}/web.txt:0.7,{root}/code.txt:0.3"],
+                      val_data=val, **dict(TINY_TRAIN, mesh="fsdp=-1")))
+    return out, val
+
+
+def test_resume_with_new_val_data_trains_the_same_batches(runs, revalidated):
+    """--val-data added on resume (issue 37): the training batches and losses are those of the
+    straight run, bit for bit; the val loss is on the new files, per file too, each equal to
+    ``shardax eval`` of that file alone on the checkpoint, their token-weighted mean val_loss."""
+    from shardax.train.evaluate import evaluate
+
+    straight, (out, val) = runs[0], revalidated
+    want, got = read_metrics(straight), read_metrics(out)
+    for key in ("data_hash", "loss", "grad_norm", "data/tokens/web.txt"):
+        assert [r.get(key) for r in got] == [r.get(key) for r in want], key
+    assert _data_state(out, 4) == _data_state(straight, 4)
+    last = got[-1]
+    assert last["val_loss"] != want[-1]["val_loss"]  # held-out tenths before, new files now
+    alone = evaluate(str(out), val, seq_len=32)
+    assert [r["tokens"] for r in alone] == [2 * 8 * 32, 8 * 32]
+    for name, r in zip(("web_val.txt", "code_val.txt"), alone):
+        np.testing.assert_allclose(last[f"val_loss/{name}"], r["loss"], rtol=2e-6)
+    weighted = (2 * last["val_loss/web_val.txt"] + last["val_loss/code_val.txt"]) / 3
+    np.testing.assert_allclose(last["val_loss"], weighted, rtol=1e-12)
+    assert not any(k.startswith("val_loss/") for r in want for k in r)  # one source: none
+
+
+def test_val_data_changed_on_resume_keeps_a_plain_runs_training_data(tmp_path):
+    """Without weights too: the run that held out the last tenth of --data keeps training on
+    the rest when resumed with --val-data, and the run started with --val-data keeps training
+    on all of --data when resumed without it (each once refused as 'data state mismatch for
+    'num_tokens''); the new validation batches are those of the new --val-data."""
+    data, val = _text(tmp_path / "web.txt", "abcdefgh ", 0), _text(tmp_path / "v.txt", "xy", 1)
+    held = check(TrainConfig(out=str(tmp_path / "a"), data=[data], **TINY_TRAIN))
+    given = dataclasses.replace(held, val_data=[val])
+    for started, resumed in ((held, given), (given, dataclasses.replace(given, val_data=[]))):
+        fresh = prepare(started, RunDir(Path(started.out)))
+        again = prepare(dataclasses.replace(resumed, resume=True),
+                        RunDir(Path(started.out), saved=started))
+        assert again.inputs.train.state() == fresh.inputs.train.state()
+        np.testing.assert_array_equal(again.inputs.train.batch(3)[0],
+                                      fresh.inputs.train.batch(3)[0])
+    assert len(fresh.inputs.val) == 4 and not again.inputs.val  # none held out: no val loss
+    first = prepare(given, RunDir(Path(given.out))).inputs.val[0][0]
+    assert set(np.unique(first)) <= set(b"xy")  # from v.txt
 
 
 def test_resume_is_bit_identical_and_logs_each_source_tokens(runs):

@@ -7,7 +7,7 @@ set -u
 if [ -z "${REF_PYTHON:-}" ]; then echo "set REF_PYTHON to a python with torch and transformers" >&2; exit 2; fi
 cd "$(dirname "$0")/../.."
 OUT=$(mktemp -d)
-for arch in qwen3 gemma2 gemma3 mistral_window mixtral qwen2_moe qwen3_moe llama_gqa; do
+for arch in ${ARCHS:-qwen3 gemma2 gemma3 mistral_window mixtral qwen2_moe qwen3_moe deepseek_v3 gpt_oss llama_gqa}; do
   PYTHONPATH=src .venv/bin/python - <<PY
 import json, pathlib
 from flax import nnx

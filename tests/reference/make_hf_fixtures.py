@@ -30,6 +30,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2,
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# YaRN x4 over 16 original positions (the 48-token sequences reach past them).
+YARN_TINY = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+             "beta_fast": 32.0, "beta_slow": 1.0}
+
 MODELS = {
     # GQA (4 query heads on 2 kv heads), Llama 3 theta and rope_scaling, untied; sharded save.
     "llama_gqa": (transformers.LlamaConfig, dict(
@@ -87,8 +91,16 @@ MODELS = {
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=32, n_group=2, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, rope_interleave=True, tie_word_embeddings=False),
-        None),
+        qk_nope_head_dim=8, v_head_dim=8, rope_interleave=True, tie_word_embeddings=False,
+        rope_scaling=YARN_TINY | {"mscale": 1.0, "mscale_all_dim": 0.8}), None),
+    # gpt-oss: alternating sliding (window 8) / full layers, attention sinks, q/k/v/o biases,
+    # head_dim 8, top-2 of 4 experts (router bias, top-k logits softmaxed, expert biases) with
+    # the clamped SwiGLU (limit 1.0 so that the tiny model's activations reach it), YaRN.
+    "gpt_oss": (transformers.GptOssConfig, dict(
+        COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=8, intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
+        tie_word_embeddings=False, rope_parameters=YARN_TINY | {
+            "rope_theta": 150000.0, "truncate": False}), None),
     "gpt2": (transformers.GPT2Config, dict(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
         initializer_range=0.2, bos_token_id=None, eos_token_id=None), None),
@@ -103,7 +115,7 @@ def make(name: str) -> None:
     model.eval()
     with torch.no_grad():  # give norms and biases non-trivial values too
         for pname, p in model.named_parameters():
-            if pname.endswith("bias") or "norm" in pname or "ln_" in pname:
+            if (pname.endswith(("bias", "sinks")) or "norm" in pname or "ln_" in pname):
                 p.add_(0.1 * torch.randn_like(p))
         for bname, buf in model.named_buffers():  # DeepSeek-V3's routing bias
             if bname.endswith("e_score_correction_bias"):
@@ -127,7 +139,36 @@ def make(name: str) -> None:
     print(name, files, json.loads((out / "config.json").read_text())["architectures"])
 
 
+# YaRN RoPE: (config class, kwargs) whose _compute_yarn_parameters yarn_rope.npz holds.
+YARN = {
+    "gpt_oss": (transformers.GptOssConfig, dict(head_dim=64, rope_parameters={
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0})),
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(qk_rope_head_dim=64, rope_parameters={
+        "rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+        "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+        "rope_theta": 10000.0})),
+    "tiny_truncate": (transformers.LlamaConfig, dict(hidden_size=32, num_attention_heads=4,
+                      rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 16,
+                                       "rope_theta": 10000.0})),
+}
+
+
+def make_yarn() -> None:
+    """yarn_rope.npz: each case's inverse frequencies, attention factor and head_dim."""
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    arrays = {}
+    for name, (config_cls, kwargs) in YARN.items():
+        inv, factor = _compute_yarn_parameters(config_cls(**kwargs))
+        arrays.update({f"{name}_inv_freq": inv.numpy().astype(np.float32),
+                       f"{name}_attention_factor": np.float64(factor),
+                       f"{name}_head_dim": np.int64(2 * inv.shape[0])})
+    np.savez(OUT / "yarn_rope.npz", **arrays)
+
+
 if __name__ == "__main__":
     print("torch", torch.__version__, "transformers", transformers.__version__)
-    for name in sys.argv[1:] or MODELS:
-        make(name)
+    for name in sys.argv[1:] or [*MODELS, "yarn"]:
+        make_yarn() if name == "yarn" else make(name)

@@ -2,7 +2,8 @@
 ``rope_scaling``, tied or untied embeddings), Mistral (sliding window), Qwen2 (q/k/v biases),
 Qwen3 (q/k norm), Gemma 2 and Gemma 3 text (sliding/global layers, soft-capping, GeGLU),
 Mixtral, Qwen2-MoE and Qwen3-MoE (dropless mixture of experts), DeepSeek-V3 (latent attention,
-first dense layers, sigmoid routing with its correction bias) and GPT-2.
+first dense layers, sigmoid routing with its correction bias), gpt-oss (attention sinks,
+biased experts with the clamped SwiGLU, YaRN) and GPT-2.
 
 * :func:`load_model` / :func:`load_params`: a model directory (``config.json`` + single or
   sharded ``*.safetensors``) -> shardax NNX model, created in its sharded layout on any mesh;

@@ -1,5 +1,5 @@
 """Model configs to and from Hugging Face ``config.json`` dicts (Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text, Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-2).
+Gemma 2, Gemma 3 text, Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss, GPT-2).
 
 >>> from shardax.models.configs import CONFIGS
 >>> config = config_from_hf(config_to_hf(CONFIGS["llama-tiny"]))
@@ -9,7 +9,6 @@ True
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,14 +22,15 @@ __all__ = ["HF_MODEL_TYPES", "config_from_hf", "config_to_hf"]
 HF_MODEL_TYPES = {"llama": LlamaConfig, "mistral": LlamaConfig, "qwen2": LlamaConfig,
                   "qwen3": LlamaConfig, "gemma2": LlamaConfig, "gemma3_text": LlamaConfig,
                   "mixtral": LlamaConfig, "qwen2_moe": LlamaConfig, "qwen3_moe": LlamaConfig,
-                  "deepseek_v3": LlamaConfig, "gpt2": GPT2Config}
-MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+                  "deepseek_v3": LlamaConfig, "gpt_oss": LlamaConfig, "gpt2": GPT2Config}
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                   "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 # Hugging Face activation name -> LlamaConfig.mlp_activation (the first name is written).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -88,7 +88,7 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
     if act not in _ACTIVATIONS:
         raise _unsupported(mt, act_key, act, f"the gated MLP supports {sorted(_ACTIVATIONS)}")
     for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
+        if hf.get(key) and not (mt == "gpt_oss" and key == "attention_bias"):
             raise _unsupported(mt, key, hf[key], "only Qwen2's q/k/v biases are")
     if hf.get("use_bidirectional_attention"):
         raise _unsupported(mt, "use_bidirectional_attention", True, "attention is causal")
@@ -105,18 +105,7 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
         rp = rp["full_attention"]
     theta = hf.get("rope_theta", rp.get("rope_theta", 10000.0))
     rs = hf.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-    scaling = None
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind == "llama3":
-            scaling = RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
-                                  float(rs["high_freq_factor"]),
-                                  int(rs["original_max_position_embeddings"]))
-        elif kind == "linear":
-            scaling = RopeScaling(float(rs["factor"]), rope_type="linear")
-        elif kind != "default":
-            raise _unsupported(mt, "rope_scaling", rs, "only rope_type 'llama3' and 'linear' "
-                               "are")
+    scaling = _rope_scaling_from_hf(mt, rs, hf) if rs else None
     max_len = hf.get("max_position_embeddings", 2048)
     window, global_every = _windows(mt, hf)
     qpas = hf.get("query_pre_attn_scalar") if gemma else None
@@ -142,7 +131,50 @@ def _llama_from_hf(hf: Mapping[str, Any], overrides: Mapping[str, Any]) -> Llama
         fields.update(_moe_from_hf(mt, hf))
     if mt == "deepseek_v3":
         fields.update(_deepseek_from_hf(hf, head_dim))
+    if mt == "gpt_oss":
+        fields.update(_gpt_oss_from_hf(hf))
     return LlamaConfig(**{**fields, **overrides})
+
+
+def _gpt_oss_from_hf(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields: sinks, q/k/v/o biases, biased experts with the clamped SwiGLU."""
+    quant = hf.get("quantization_config")
+    if quant:
+        raise _unsupported("gpt_oss", "quantization_config", {"quant_method": quant.get(
+            "quant_method")}, "MXFP4 expert weights are not read: import a bfloat16 checkpoint "
+            "or dequantize it first (transformers' Mxfp4Config(dequantize=True), then "
+            "save_pretrained)")
+    bias = bool(hf.get("attention_bias", True))
+    return dict(n_experts=hf["num_local_experts"], mlp_dim=hf["intermediate_size"],
+                router_score="topk_softmax", moe_bias=True, qkv_bias=bias, attn_out_bias=bias,
+                attn_sinks=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+def _rope_scaling_from_hf(mt: str, rs: Mapping[str, Any], hf: Mapping[str, Any]
+                          ) -> RopeScaling | None:
+    """The `RopeScaling` of a ``rope_scaling`` / ``rope_parameters`` dict (None: default)."""
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "llama3":
+        return RopeScaling(float(rs["factor"]), float(rs["low_freq_factor"]),
+                           float(rs["high_freq_factor"]),
+                           int(rs["original_max_position_embeddings"]))
+    if kind == "linear":
+        return RopeScaling(float(rs["factor"]), rope_type="linear")
+    if kind == "yarn":
+        original = int(rs["original_max_position_embeddings"])
+        factor = rs.get("factor") or hf["max_position_embeddings"] / original
+        af = rs.get("attention_factor")
+        return RopeScaling(
+            float(factor), original_max_position_embeddings=original, rope_type="yarn",
+            beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+            truncate=bool(rs.get("truncate", True)), mscale=float(rs.get("mscale") or 0),
+            mscale_all_dim=float(rs.get("mscale_all_dim") or 0),
+            yarn_attention_factor=None if af is None else float(af))
+    if kind != "default":
+        raise _unsupported(mt, "rope_scaling", dict(rs), "only rope_type 'llama3', 'linear' "
+                           "and 'yarn' are")
+    return None
 
 
 def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
@@ -156,10 +188,6 @@ def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
         raise _unsupported(mt, "n_group/topk_group", groups, f"n_group must split the "
                            f"n_routed_experts={n} into groups of 2 or more, topk_group be in "
                            f"[1, n_group] and its groups hold num_experts_per_tok={k} experts")
-    if hf.get("rope_scaling") or (hf.get("rope_parameters") or {}).get(
-            "rope_type", "default") != "default":
-        raise _unsupported(mt, "rope_scaling", hf.get("rope_scaling") or hf["rope_parameters"],
-                           "YaRN scaling of latent attention is not implemented")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get(
             "scoring_func", "sigmoid") != "sigmoid":
         raise _unsupported(mt, "topk_method/scoring_func", (hf.get("topk_method"),
@@ -185,8 +213,9 @@ def _moe_from_hf(mt: str, hf: Mapping[str, Any]) -> dict[str, Any]:
             raise _unsupported(mt, "decoder_sparse_step/mlp_only_layers",
                                (hf.get("decoder_sparse_step"), hf.get("mlp_only_layers")),
                                "every layer must be a mixture of experts")
-    if mt == "deepseek_v3":
-        return dict(top_k=hf["num_experts_per_tok"], moe_impl="dropless")
+    if mt in ("deepseek_v3", "gpt_oss"):
+        return dict(top_k=hf["num_experts_per_tok"], moe_impl="dropless",
+                    moe_aux_weight=float(hf.get("router_aux_loss_coef", 0.001)))
     fields = dict(
         n_experts=hf.get("num_local_experts") or hf["num_experts"],
         top_k=hf["num_experts_per_tok"], moe_impl="dropless",
@@ -243,6 +272,8 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
         return _gemma_to_hf(c, mt)
     if mt == "deepseek_v3":
         return _deepseek_to_hf(c)
+    if mt == "gpt_oss":
+        return _gpt_oss_to_hf(c)
     out: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[mt]], "model_type": mt,
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
@@ -297,10 +328,12 @@ def _moe_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
 def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
     shared, m = c.shared_expert_dim, c.mlp_dim
     if (c.router_score != "sigmoid" or c.shared_expert_gate or shared % m
-            or c.rope_scaling is not None or c.sliding_window is not None or c.tie_embeddings):
+            or (c.rope_scaling is not None and c.rope_scaling.rope_type != "yarn")
+            or c.sliding_window is not None or c.tie_embeddings):
         raise ValueError("a DeepSeek-V3 config (kv_lora_rank > 0 with experts) needs "
                          "router_score='sigmoid', an ungated shared expert of a multiple of "
-                         "mlp_dim units, no rope_scaling, no sliding_window, untied embeddings")
+                         "mlp_dim units, no rope_scaling but YaRN, no sliding_window, untied "
+                         "embeddings")
     return {
         "architectures": [_ARCHITECTURES["deepseek_v3"]], "model_type": "deepseek_v3",
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
@@ -315,8 +348,34 @@ def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "qk_rope_head_dim": c.qk_rope_head_dim, "qk_nope_head_dim": c.head_dim
         - c.qk_rope_head_dim, "v_head_dim": c.v_head_dim, "head_dim": c.qk_rope_head_dim,
         "rope_interleave": c.rope_interleave, "max_position_embeddings": c.max_seq_len,
-        "rope_theta": c.rope_theta, "rope_scaling": None, "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta, "rope_scaling": _rope_scaling_to_hf(c.rope_scaling),
+        "rms_norm_eps": c.norm_eps,
         "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": _dtype_name(c.param_dtype),
+    }
+
+
+def _gpt_oss_to_hf(c: LlamaConfig) -> dict[str, Any]:
+    if (c.router_score != "topk_softmax" or not c.moe_bias or c.qkv_bias != c.attn_out_bias
+            or c.swiglu_limit is None or c.shared_expert_dim or c.tie_embeddings or c.qk_norm
+            or c.first_k_dense or c.norm_offset or c.post_norms):
+        raise ValueError("a gpt-oss config (attn_sinks with experts) needs "
+                         "router_score='topk_softmax', moe_bias, swiglu_limit, qkv_bias == "
+                         "attn_out_bias, and none of: a shared expert, tied embeddings, "
+                         "qk_norm, dense layers, Gemma norms")
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta,
+            **(_rope_scaling_to_hf(c.rope_scaling) or {})}
+    return {
+        "architectures": [_ARCHITECTURES["gpt_oss"]], "model_type": "gpt_oss",
+        "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.mlp_dim,
+        "num_local_experts": c.n_experts, "num_experts_per_tok": c.top_k,
+        "router_aux_loss_coef": c.moe_aux_weight, "swiglu_limit": c.swiglu_limit,
+        "swiglu_alpha": c.swiglu_alpha, "attention_bias": c.qkv_bias,
+        "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+        "hidden_act": "silu", "tie_word_embeddings": False, "rope_parameters": rope,
+        "sliding_window": c.sliding_window, "layer_types": _layer_types(c),
         "torch_dtype": _dtype_name(c.param_dtype),
     }
 
@@ -358,7 +417,16 @@ def _rope_scaling_to_hf(s: RopeScaling | None) -> dict[str, Any] | None:
         return None
     if s.rope_type == "linear":
         return {"rope_type": "linear", "factor": s.factor}
-    return dataclasses.asdict(s)
+    keys = (("low_freq_factor", "high_freq_factor") if s.rope_type == "llama3" else
+            ("beta_fast", "beta_slow", "truncate"))
+    out = {"rope_type": s.rope_type, "factor": s.factor,
+           "original_max_position_embeddings": s.original_max_position_embeddings,
+           **{k: getattr(s, k) for k in keys}}
+    if s.rope_type == "yarn":
+        out.update({k: getattr(s, k) for k in ("mscale", "mscale_all_dim") if getattr(s, k)})
+        if s.yarn_attention_factor is not None:
+            out["attention_factor"] = s.yarn_attention_factor
+    return out
 
 
 def _layer_types(c: LlamaConfig) -> list[str]:

@@ -173,6 +173,29 @@ def _moe_maps(c: LlamaConfig, p: str) -> dict[str, TensorMap | list]:
     return out
 
 
+def _gpt_oss_maps(c: LlamaConfig, p: str) -> dict[str, TensorMap | list]:
+    """gpt-oss's experts under the layer prefix ``p``: the router (weight and bias), the fused
+    ``gate_up_proj`` [experts, dim, 2 * mlp] whose even columns are the gate and odd ones the
+    up projection (its bias likewise), ``down_proj`` [experts, mlp, dim] and its bias."""
+    d, m, e = c.dim, c.mlp_dim, c.n_experts
+    q = p + "mlp."
+    gu, gub = q + "experts.gate_up_proj", q + "experts.gate_up_proj_bias"
+    down, downb = q + "experts.down_proj", q + "experts.down_proj_bias"
+    out: dict[str, TensorMap | list] = {
+        "mlp/router": TensorMap(q + "router.weight", (e, d), (e, d), (1, 0)),
+        "mlp/router_b": TensorMap(q + "router.bias", (e,), (e,), (0,)),
+        "mlp/w_down": [TensorMap(down, (e, m, d), (e, m, d), (0, 1), ((0, j),))
+                       for j in range(e)],
+        "mlp/b_down": [TensorMap(downb, (e, d), (e, d), (0,), ((0, j),)) for j in range(e)],
+    }
+    for half, name in enumerate(("gate", "up")):
+        out[f"mlp/w_{name}"] = [TensorMap(gu, (e, d, 2 * m), (e, d, m, 2), (0, 1),
+                                          ((0, j), (3, half))) for j in range(e)]
+        out[f"mlp/b_{name}"] = [TensorMap(gub, (e, 2 * m), (e, m, 2), (0,),
+                                          ((0, j), (2, half))) for j in range(e)]
+    return out
+
+
 def _mla_maps(c: LlamaConfig, a: str) -> dict[str, TensorMap]:
     """DeepSeek-V3's latent attention under the prefix ``a`` ('...self_attn.')."""
     d, h, hd, r, v = c.dim, c.n_heads, c.head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -230,7 +253,7 @@ def _llama_maps(c: LlamaConfig):
                 "attn/wo": TensorMap(a + "o_proj.weight", (d, h * hd), (d, h, hd), (1, 2, 0)),
             })
         if not c.is_dense(i):
-            maps.update(_moe_maps(c, p))
+            maps.update(_gpt_oss_maps(c, p) if c.family == "gpt_oss" else _moe_maps(c, p))
         else:
             m = c.dense_mlp_dim or c.mlp_dim if c.n_experts else c.mlp_dim
             maps.update({
@@ -244,6 +267,10 @@ def _llama_maps(c: LlamaConfig):
         if c.qk_norm:
             maps["attn/q_norm/scale"] = norm(a + "q_norm", hd)
             maps["attn/k_norm/scale"] = norm(a + "k_norm", hd)
+        if c.attn_out_bias:
+            maps["attn/bo"] = TensorMap(a + "o_proj.bias", (d,), (d,), (0,))
+        if c.attn_sinks:
+            maps["attn/sinks"] = TensorMap(a + "sinks", (h,), (h,), (0,))
         if c.qkv_bias:
             maps["attn/bq"] = TensorMap(a + "q_proj.bias", (h * hd,), (h, hd), (0, 1))
             maps["attn/bk"] = TensorMap(a + "k_proj.bias", (kv * hd,), (kv, hd), (0, 1))

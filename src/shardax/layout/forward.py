@@ -276,8 +276,11 @@ def ring_attend(load_balanced: bool) -> Callable:
         out = attend(q, k, v, window=8, segment_ids=segs)
     """
 
-    def ring(q, k, v, *, implementation=None, kv_mask=None, **masks):
+    def ring(q, k, v, *, implementation=None, kv_mask=None, sinks=None, **masks):
         del implementation  # the ring steps run the blockwise kernel
+        if sinks is not None:
+            raise ValueError("attention sinks (gpt-oss) have no ring attention form over "
+                             "'cp'; use a mesh without 'cp'")
         if kv_mask is not None:
             raise ValueError("a kv_mask (decode padding) cannot run as ring attention over "
                              "'cp'; decode without a 'cp' axis")

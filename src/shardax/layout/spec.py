@@ -163,6 +163,8 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
         need(tp > 1, f"tp_mode={lay.tp_mode!r} needs a 'tp' mesh axis of size > 1")
         need(not getattr(c, "mla", False), f"tp_mode={lay.tp_mode!r} does not run multi-head "
              "latent attention (kv_lora_rank > 0): use tp_mode='none', the rules split it")
+        need(not getattr(c, "attn_sinks", False), f"tp_mode={lay.tp_mode!r} does not run "
+             "gpt-oss attention (sinks, o_proj bias): use tp_mode='none', the rules split it")
         kv = getattr(c, "n_kv_heads", c.n_heads)
         for what, n in (("n_heads", c.n_heads), ("n_kv_heads", kv)):
             need(n % tp == 0 or tp % n == 0,
@@ -190,6 +192,8 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
         need(batch_size % m == 0, f"batch size {batch_size} is not divisible by {m} "
              "microbatches")
     if cp > 1:
+        need(not getattr(c, "attn_sinks", False), "attention sinks (gpt-oss) have no ring "
+             "attention form over 'cp': use a mesh without 'cp'")
         need(seq_len % (2 * cp) == 0, f"--seq-len {seq_len} must divide into 2 x 'cp' size "
              f"{cp} = {2 * cp} load-balanced chunks")
     if ep > 1:

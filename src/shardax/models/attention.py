@@ -6,7 +6,8 @@ Implementations (``implementation=``):
 * ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')``, NVIDIA GPUs only
   (float16/bfloat16, head_dim a multiple of 8 up to 128; causal and window masks only);
 * ``'xla'``: ``jax.nn.dot_product_attention(implementation='xla')`` with the mask built from
-  positions and segment ids (it has no soft-capping: with ``softcap`` it runs ``'einsum'``);
+  positions and segment ids (it has no soft-capping or sinks: with ``softcap`` or ``sinks``
+  it runs ``'einsum'``);
 * ``'blockwise'``: pure JAX, flash-style (``shardax.parallel.attention_kernel``): a loop over
   key/value blocks with an online softmax and a backward that recomputes per block, so
   temporaries grow linearly with the sequence on every backend, CPU included;
@@ -45,8 +46,8 @@ _CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 Segments = jax.Array | tuple[jax.Array, jax.Array] | None
 
 
-def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float | None
-                  ) -> str | None:
+def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float | None,
+                  sinks: bool = False) -> str | None:
     """Why cuDNN cannot run this call (None when it can)."""
     device = jax.devices()[0]
     if device.platform != "gpu" or "nvidia" not in device.device_kind.lower():
@@ -60,13 +61,16 @@ def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float 
         return "segment ids, given positions and key masks need a dense mask"
     if softcap is not None:
         return "it has no soft-capping"
+    if sinks:
+        return "it has no attention sinks"
     if q.shape[1] != k.shape[1]:
         return "it needs equal query and key lengths here"
     return None
 
 
 def resolve_implementation(implementation: str, q: jax.Array, k: jax.Array, *,
-                           custom_mask: bool = False, softcap: float | None = None) -> str:
+                           custom_mask: bool = False, softcap: float | None = None,
+                           sinks: bool = False) -> str:
     """The implementation ``implementation`` means for these inputs (``'auto'`` resolved).
 
     Example::
@@ -77,14 +81,14 @@ def resolve_implementation(implementation: str, q: jax.Array, k: jax.Array, *,
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "cudnn":
-        reason = _cudnn_reason(q, k, custom_mask, softcap)
+        reason = _cudnn_reason(q, k, custom_mask, softcap, sinks)
         if reason:
             raise ValueError(f"attention implementation 'cudnn' cannot run q{tuple(q.shape)} "
                              f"{q.dtype}: {reason}; use 'auto', 'blockwise' or 'xla'")
         return "cudnn"
     if implementation != "auto":
         return implementation
-    if _cudnn_reason(q, k, custom_mask, softcap) is None:
+    if _cudnn_reason(q, k, custom_mask, softcap, sinks) is None:
         return "cudnn"
     return "blockwise" if k.shape[1] >= BLOCKWISE_MIN_LEN else "xla"
 
@@ -102,6 +106,7 @@ def attention(
     kv_mask: jax.Array | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: jax.Array | None = None,
     implementation: str = "auto",
     block_size: int = 512,
 ) -> jax.Array:
@@ -115,7 +120,9 @@ def attention(
     ``q_positions`` / ``kv_positions`` ([b, s] or [s]) are sequence indices (a KV cache's
     slots), default ``0 ..``; they are not RoPE positions. A query that sees no key gets
     zeros. ``softcap``: scores become ``softcap * tanh(s / softcap)`` after the ``scale``
-    (default ``1/sqrt(d)``).
+    (default ``1/sqrt(d)``). ``sinks`` [heads] (gpt-oss): a learned logit per head added
+    to every row's softmax denominator (a key with no value); cuDNN has none (``'xla'``
+    runs ``'einsum'`` then).
 
     ``block_size``: the blockwise kernel's query and key block.
 
@@ -130,7 +137,8 @@ def attention(
         raise ValueError(f"causal attention of q{tuple(q.shape)} over k{tuple(k.shape)} needs "
                          "q_positions and kv_positions (the keys' and queries' sequence indices)")
     custom = positioned or segment_ids is not None or kv_mask is not None
-    impl = resolve_implementation(implementation, q, k, custom_mask=custom, softcap=softcap)
+    impl = resolve_implementation(implementation, q, k, custom_mask=custom, softcap=softcap,
+                                  sinks=sinks is not None)
     spec = Spec(causal=causal, window=window, softcap=softcap, scale=scale,
                 block_q=block_size, block_k=block_size)
     if impl == "cudnn":
@@ -140,10 +148,10 @@ def attention(
     q_pos, kv_pos, q_seg, kv_seg = _mask_inputs(q, k, q_positions, kv_positions, segment_ids,
                                                 kv_mask)
     if impl == "blockwise":
-        return flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec)
+        return flash_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec=spec, sinks=sinks)
     mask = kernel.allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window)
-    if impl == "einsum" or softcap is not None:
-        return kernel.reference(q, k, v, mask, spec)
+    if impl == "einsum" or softcap is not None or sinks is not None:
+        return kernel.reference(q, k, v, mask, spec, sinks)
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
                                        implementation="xla")
     # Rows that see no key: zeros, as the other implementations give (xla averages them).

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from shardax.models.ops import RopeScaling
+from shardax.models.ops import RopeScaling, yarn_mscale
 
 __all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrides"]
 
@@ -22,7 +22,7 @@ __all__ = ["CONFIGS", "GPT2Config", "LlamaConfig", "RopeScaling", "check_overrid
 LAYOUT_FIELDS = ("remat", "attention", "scan_layers")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 MOE_IMPLS = ("capacity", "dropless")
-ROUTER_SCORES = ("softmax", "sigmoid")
+ROUTER_SCORES = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +71,15 @@ class LlamaConfig:
     ``v_head_dim`` the value head size, ``n_kv_heads == n_heads``; ``rope_interleave``: the
     rotated dims are stored in pairs (DeepSeek's checkpoints). ``first_k_dense`` layers
     come first with a dense MLP of ``dense_mlp_dim`` (0: ``mlp_dim``) units.
+    gpt-oss: ``attn_sinks`` gives every attention layer a learned logit per head in the
+    softmax denominator; ``attn_out_bias`` a bias on the output projection (with
+    ``qkv_bias``: gpt-oss's ``attention_bias``); ``moe_bias`` biases on the router and on
+    every expert's gate, up and down projections (dropless); ``router_score='topk_softmax'``
+    takes the top-k of the router logits and softmaxes over those k; ``swiglu_limit`` (not
+    None) makes the experts' activation the clamped ``(up + 1) * gate * sigmoid(swiglu_alpha *
+    gate)``, gate clamped above and up on both sides at the limit.
     `shardax.hf.configs` reads and writes its Hugging Face ``config.json`` (Llama, Mistral,
-    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3).
+    Qwen2/3, Gemma 2/3, Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss).
     """
 
     vocab_size: int = 256
@@ -121,6 +128,11 @@ class LlamaConfig:
     rope_interleave: bool = True
     first_k_dense: int = 0
     dense_mlp_dim: int = 0
+    attn_sinks: bool = False
+    attn_out_bias: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     lora: Any = None  # shardax.models.lora.LoRA: adapters on the weights, base frozen
 
     def __post_init__(self):
@@ -152,9 +164,13 @@ class LlamaConfig:
         if self.router_bias_update < 0:
             raise ValueError(f"router_bias_update={self.router_bias_update} must be >= 0")
         if self.n_experts and self.moe_impl != "dropless" and (
-                self.router_bias or self.routed_scaling_factor != 1.0):
-            raise ValueError("router_score='sigmoid', router_bias_update and "
-                             "routed_scaling_factor need moe_impl='dropless'")
+                self.router_bias or self.routed_scaling_factor != 1.0 or self.moe_bias
+                or self.swiglu_limit is not None or self.router_score != "softmax"):
+            raise ValueError("router_score other than 'softmax', router_bias_update, "
+                             "routed_scaling_factor, moe_bias and swiglu_limit need "
+                             "moe_impl='dropless'")
+        if self.mla and (self.attn_sinks or self.attn_out_bias):
+            raise ValueError("multi-head latent attention has no attn_sinks or attn_out_bias")
         if self.n_group != 1 or self.topk_group != 1:
             self._check_groups()
         if self.global_every < 0:
@@ -232,13 +248,19 @@ class LlamaConfig:
 
     @property
     def attn_scale(self) -> float | None:
-        """The attention score scale (None: ``1 / sqrt(head_dim)``)."""
+        """The attention score scale (None: ``1 / sqrt(head_dim)``); DeepSeek's latent
+        attention under YaRN multiplies it by ``yarn_mscale(factor, mscale_all_dim) ** 2``."""
         q = self.query_pre_attn_scalar
+        s = self.rope_scaling
+        if self.mla and s is not None and s.rope_type == "yarn" and s.mscale_all_dim:
+            m = yarn_mscale(s.factor, s.mscale_all_dim)
+            return self.head_dim ** -0.5 * m * m
         return None if q is None else float(q) ** -0.5
 
     @property
     def family(self) -> str:
-        """The Hugging Face model type this config has the form of: 'deepseek_v3', 'mixtral',
+        """The Hugging Face model type this config has the form of: 'deepseek_v3', 'gpt_oss',
+        'mixtral',
         'qwen2_moe', 'qwen3_moe', 'gemma3_text', 'gemma2', 'qwen3', 'qwen2', 'mistral' or 'llama'.
 
         >>> LlamaConfig(qk_norm=True).family
@@ -247,6 +269,8 @@ class LlamaConfig:
         if self.n_experts and self.moe_impl == "dropless":
             if self.mla:
                 return "deepseek_v3"
+            if self.attn_sinks:
+                return "gpt_oss"
             if self.qk_norm:
                 return "qwen3_moe"
             return "qwen2_moe" if self.qkv_bias or self.shared_expert_dim else "mixtral"
@@ -297,9 +321,20 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
         vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, mlp_dim=2048,
         max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8, moe_impl="dropless",
         router_score="sigmoid", routed_scaling_factor=2.5, moe_aux_weight=0.0,
-        n_group=8, topk_group=4, shared_expert_dim=2048, shared_expert_gate=False, first_k_dense=3,
-        dense_mlp_dim=18432, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-        head_dim_override=192, v_head_dim=128),
+        n_group=8, topk_group=4, shared_expert_dim=2048, shared_expert_gate=False,
+        first_k_dense=3, dense_mlp_dim=18432, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, head_dim_override=192, v_head_dim=128),
+    # gpt-oss shapes (openai/gpt-oss-20b and -120b config.json): sliding (128) and full layers
+    # alternating, attention sinks, biases, top-4 experts with the clamped SwiGLU, YaRN x32.
+    **{name: LlamaConfig(
+        vocab_size=201088, dim=2880, n_layers=layers, n_heads=64, n_kv_heads=8,
+        head_dim_override=64, mlp_dim=2880, max_seq_len=131072, rope_theta=150000.0,
+        rope_scaling=RopeScaling(32.0, original_max_position_embeddings=4096,
+                                 rope_type="yarn", truncate=False),
+        sliding_window=128, global_every=2, qkv_bias=True, attn_out_bias=True, attn_sinks=True,
+        n_experts=experts, top_k=4, moe_impl="dropless", router_score="topk_softmax",
+        moe_bias=True, swiglu_limit=7.0, moe_aux_weight=0.001)
+       for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
 }
 
 

@@ -57,6 +57,7 @@ def param_count(config: LlamaConfig) -> int:
         attn += c.head_dim * (c.n_heads + 2 * c.n_kv_heads)
     if c.qk_norm:
         attn += 2 * c.head_dim
+    attn += c.dim * c.attn_out_bias + c.n_heads * c.attn_sinks
     if c.mla:
         h, r, kl, ql = c.n_heads, c.qk_rope_head_dim, c.kv_lora_rank, c.q_lora_rank
         q = (c.dim * ql + ql + ql * h * c.head_dim) if ql else c.dim * h * c.head_dim
@@ -66,6 +67,8 @@ def param_count(config: LlamaConfig) -> int:
     mlp = dense
     if c.n_experts:
         mlp = c.n_experts * 3 * c.dim * c.mlp_dim + c.dim * c.n_experts
+        if c.moe_bias:
+            mlp += c.n_experts * (2 * c.mlp_dim + c.dim + 1)
         if c.shared_expert_dim:
             mlp += 3 * c.dim * c.shared_expert_dim + (c.dim if c.shared_expert_gate else 0)
     layer = attn + (4 if c.post_norms else 2) * c.dim
@@ -122,6 +125,10 @@ class Attention(AttentionLayer):
         if c.qk_norm:
             self.q_norm = _norm(c, hd, rngs)
             self.k_norm = _norm(c, hd, rngs)
+        if c.attn_out_bias:
+            self.bo = param(rngs.params(), _zeros, (c.dim,), ("embed",), pd)
+        if c.attn_sinks:  # gpt-oss: one logit per head in the softmax denominator
+            self.sinks = param(rngs.params(), _zeros, (c.n_heads,), ("heads",), pd)
         # Per-layer attention kind; `Llama` sets it per layer when the layers differ.
         self.window: int | None = c.sliding_window
         self.local_rope = False
@@ -133,6 +140,8 @@ class Attention(AttentionLayer):
         implementation, ring attention); ``masks``: more keyword arguments of it."""
         c = self.config
         q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        if c.attn_sinks:
+            masks["sinks"] = self.sinks[...]
         out = fn(q, k, v, window=self.window, softcap=c.attn_softcap, scale=c.attn_scale,
                  **masks)
         return checkpoint_name(out, "attn_out")
@@ -154,7 +163,8 @@ class Attention(AttentionLayer):
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection of attention results [b, s, heads, d] -> [b, s, dim]."""
-        return jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(self.dtype))
+        y = jnp.einsum("bshd,hde->bse", attended, self.wo[...].astype(self.dtype))
+        return y + self.bo[...].astype(self.dtype) if self.config.attn_out_bias else y
 
     def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [b, s, heads, d], k and v [b, s, kv_heads, d], before RoPE (q and k normed per

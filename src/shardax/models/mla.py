@@ -111,9 +111,10 @@ class MLAttention(AttentionLayer):
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, fn: Callable = attention,
                **masks: Any) -> jax.Array:
         """Attention of roped q, k and (padded) v through ``fn`` (scale ``1/sqrt(nope +
-        rope)``); see ``llama.Attention.attend``."""
+        rope)``, times YaRN's mscale squared: ``attn_scale``); see ``llama.Attention.attend``."""
         q, k, v = (checkpoint_name(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        return checkpoint_name(fn(q, k, v, window=self.window, **masks), "attn_out")
+        out = fn(q, k, v, window=self.window, scale=self.config.attn_scale, **masks)
+        return checkpoint_name(out, "attn_out")
 
     def out(self, attended: jax.Array) -> jax.Array:
         """The output projection of the value dims of ``attended`` [b, s, heads, d]."""

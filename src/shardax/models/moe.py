@@ -13,7 +13,10 @@ Router: softmax over all experts in float32, top-k, optionally renormalised over
 (auxiliary-loss-free balancing: training moves it, `shardax.train.balance`), the weights
 times ``routed_scaling_factor``, optionally limited to the experts of the best groups
 (``n_group`` / ``topk_group``). ``shared_expert_dim > 0`` adds
-Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. Expert weights
+Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. gpt-oss
+(``router_score='topk_softmax'``, ``moe_bias``, ``swiglu_limit``): a router with a bias, the
+top-k logits softmaxed, biases on every expert's projections and a clamped SwiGLU
+(`expert_glu`). Expert weights
 carry the logical name 'expert' first, so a rule on 'expert' splits them over the devices
 (expert parallelism through the rules, `shardax.layout.presets`; XLA moves rows or weights as
 the shardings require).
@@ -45,9 +48,10 @@ from shardax.models.remat import checkpoint_name
 if TYPE_CHECKING:
     from shardax.models.configs import LlamaConfig
 
-__all__ = ["DroplessMoE", "RouterBias", "route"]
+__all__ = ["DroplessMoE", "RouterBias", "expert_glu", "route"]
 
 _normal = nnx.initializers.normal
+_zeros = nnx.initializers.zeros
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softmax",
@@ -70,6 +74,10 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
         w, e, aux = route(logits, 8, True, score="sigmoid", bias=b, n_group=8, topk_group=4)
     """
     logits = logits.astype(jnp.float32)
+    if score == "topk_softmax":  # gpt-oss: top-k of the logits, softmax over those k
+        top, experts = jax.lax.top_k(logits, top_k)
+        weights = jax.nn.softmax(top, axis=-1)
+        return weights, experts, _balance_loss(logits, experts, jax.nn.softmax(logits, -1))
     if score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
@@ -87,10 +95,30 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     if scale != 1.0:
         weights = weights * scale
+    return weights, experts, _balance_loss(logits, experts, probs)
+
+
+def _balance_loss(logits: jax.Array, experts: jax.Array, probs: jax.Array) -> jax.Array:
+    """``n_experts * sum_e(f_e * p_e)`` (see the module docstring)."""
     n = logits.shape[-1]
     counts = jnp.zeros((n,), jnp.float32).at[experts.reshape(-1)].add(1.0)
-    aux = n * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
-    return weights, experts, aux
+    return n * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
+
+
+def expert_glu(c: LlamaConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The experts' gated activation: ``silu(gate) * up``, or with ``swiglu_limit`` gpt-oss's
+    clamped ``(up + 1) * gate * sigmoid(alpha * gate)`` (gate clamped above, up both sides).
+
+    Example::
+
+        h = expert_glu(cfg, x @ w_gate, x @ w_up)
+    """
+    if c.swiglu_limit is None:
+        return jax.nn.silu(gate) * up
+    limit = c.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(gate * c.swiglu_alpha)
 
 
 def _limit_to_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
@@ -118,6 +146,12 @@ class DroplessMoE(nnx.Module):
     def __init__(self, c: LlamaConfig, rngs: nnx.Rngs):
         self.config = c
         init_experts(self, c, rngs)
+        if c.moe_bias:  # gpt-oss: router and expert biases
+            e, m, pd = c.n_experts, c.mlp_dim, c.param_dtype
+            self.router_b = param(rngs.params(), _zeros, (e,), (None,), pd)
+            self.b_gate = param(rngs.params(), _zeros, (e, m), ("expert", "mlp"), pd)
+            self.b_up = param(rngs.params(), _zeros, (e, m), ("expert", "mlp"), pd)
+            self.b_down = param(rngs.params(), _zeros, (e, c.dim), ("expert", "embed"), pd)
         if c.router_bias:
             self.router_bias = RouterBias(jnp.zeros((c.n_experts,), jnp.float32),
                                           out_sharding=(None,), eager_sharding=False)
@@ -138,6 +172,8 @@ class DroplessMoE(nnx.Module):
         b, s, d = x.shape
         tokens = x.reshape(b * s, d)
         logits = tokens @ self.router[...].astype(dt)
+        if c.moe_bias:
+            logits = logits + self.router_b[...].astype(dt)
         bias = self.router_bias[...] if c.router_bias else None
         weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk, score=c.router_score,
                                       bias=bias, scale=c.routed_scaling_factor,
@@ -150,8 +186,13 @@ class DroplessMoE(nnx.Module):
         xs = jnp.take(tokens, rows, axis=0)
         gate = jax.lax.ragged_dot(xs, self.w_gate[...].astype(dt), sizes)
         up = jax.lax.ragged_dot(xs, self.w_up[...].astype(dt), sizes)
-        h = checkpoint_name(jax.nn.silu(gate) * up, "mlp_hidden")
+        if c.moe_bias:  # each sorted row's expert's bias
+            row_expert = flat[order]
+            gate, up = gate + self._bias("b_gate", row_expert), up + self._bias("b_up", row_expert)
+        h = checkpoint_name(expert_glu(c, gate, up), "mlp_hidden")
         ys = jax.lax.ragged_dot(h, self.w_down[...].astype(dt), sizes)
+        if c.moe_bias:
+            ys = ys + self._bias("b_down", row_expert)
         ys = ys.astype(jnp.float32) * jnp.take(weights.reshape(-1), order)[:, None]
         y = jnp.zeros((b * s, d), jnp.float32).at[rows].add(ys).astype(dt)
         if c.shared_expert_dim:
@@ -164,3 +205,7 @@ class DroplessMoE(nnx.Module):
         y = constrain(y.reshape(b, s, d), ("batch", "length", "embed"))
         stats = MoEStats(aux, sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
         return checkpoint_name(y, "mlp_out"), stats
+
+    def _bias(self, name: str, expert_of_row: jax.Array) -> jax.Array:
+        """The expert bias ``name`` of each sorted row's expert ``[rows, units]``."""
+        return jnp.take(getattr(self, name)[...].astype(self.config.dtype), expert_of_row, axis=0)

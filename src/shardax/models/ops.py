@@ -20,8 +20,8 @@ import numpy as np
 
 from shardax.parallel import attention_kernel as kernel
 
-__all__ = ["RopeScaling", "apply_rope", "gqa_attention", "layer_norm", "rms_norm",
-           "rope_frequencies", "rope_tables"]
+__all__ = ["ROPE_TYPES", "RopeScaling", "apply_rope", "gqa_attention", "layer_norm", "rms_norm",
+           "rope_frequencies", "rope_tables", "yarn_mscale"]
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
@@ -53,15 +53,19 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: Llama-3's (Hugging Face ``rope_scaling`` with
-    ``rope_type='llama3'``), or with ``rope_type='linear'`` every frequency divided by
-    ``factor`` (Gemma 3's global layers; the other fields unused).
+    """RoPE frequency scaling, as Hugging Face's ``rope_scaling`` / ``rope_parameters``:
+    ``rope_type='llama3'`` (Llama 3.1), ``'linear'`` (every frequency divided by ``factor``:
+    Gemma 3's global layers) or ``'yarn'`` (gpt-oss, DeepSeek-V3: frequencies interpolated
+    outside the ``beta_fast`` .. ``beta_slow`` rotation band, and cos/sin multiplied by
+    :attr:`attention_factor`). Fields a type does not use are ignored.
 
     Example::
 
         RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
         RopeScaling(factor=8.0, rope_type='linear')
+        RopeScaling(factor=32.0, original_max_position_embeddings=4096, rope_type='yarn',
+                    truncate=False)   # gpt-oss
     """
 
     factor: float = 8.0
@@ -69,10 +73,65 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    yarn_attention_factor: float | None = None  # HF's "attention_factor" (None: from factor)
 
     def __post_init__(self):
-        if self.rope_type not in ("llama3", "linear"):
-            raise ValueError(f"rope_type must be 'llama3' or 'linear', got {self.rope_type!r}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+
+    @property
+    def attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (so q.k by its square); 1 for other types.
+
+        >>> RopeScaling(factor=32.0, rope_type='yarn').attention_factor
+        1.3465735902799727
+        """
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.yarn_attention_factor is not None:
+            return float(self.yarn_attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return float(yarn_mscale(self.factor, self.mscale)
+                         / yarn_mscale(self.factor, self.mscale_all_dim))
+        return yarn_mscale(self.factor)
+
+
+ROPE_TYPES = ("llama3", "linear", "yarn")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``).
+
+    >>> yarn_mscale(1.0)
+    1.0
+    """
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(exponents: np.ndarray, head_dim: int, theta: float, s: RopeScaling
+                      ) -> np.ndarray:
+    """transformers' ``_compute_yarn_parameters`` inverse frequencies (float32)."""
+    def correction_dim(rotations):
+        return (head_dim * math.log(s.original_max_position_embeddings
+                                    / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos = (np.float32(theta) ** exponents).astype(np.float32)
+    inv = (1.0 / pos).astype(np.float32)
+    interpolation = (1.0 / (np.float32(s.factor) * pos)).astype(np.float32)
+    return (interpolation * (1 - extrapolation) + inv * extrapolation).astype(np.float32)
 
 
 def rope_frequencies(head_dim: int, theta: float,
@@ -90,6 +149,8 @@ def rope_frequencies(head_dim: int, theta: float,
     s = scaling
     if s.rope_type == "linear":
         return (inv / np.float32(s.factor)).astype(np.float32)
+    if s.rope_type == "yarn":
+        return _yarn_frequencies(exponents, head_dim, theta, s)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = (2 * math.pi / inv).astype(np.float32)
@@ -103,7 +164,8 @@ def rope_frequencies(head_dim: int, theta: float,
 
 def rope_tables(positions: jax.Array, head_dim: int, theta: float,
                 scaling: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables of shape [batch, length, head_dim // 2] for rotary embeddings.
+    """cos/sin tables of shape [batch, length, head_dim // 2] for rotary embeddings (times
+    YaRN's ``attention_factor``, as transformers scales them).
 
     Example::
 
@@ -111,7 +173,11 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float,
     """
     freqs = jnp.asarray(rope_frequencies(head_dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * freqs
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    factor = 1.0 if scaling is None else scaling.attention_factor
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -120,10 +120,12 @@ def _scores(qg: jax.Array, k: jax.Array, spec: Spec) -> tuple[jax.Array, jax.Arr
     return spec.softcap * t, t
 
 
-def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, spec: Spec
-              ) -> jax.Array:
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, spec: Spec,
+              sinks: jax.Array | None = None) -> jax.Array:
     """Einsum attention with a dense ``mask`` [b, sq, sk] (true = may attend): the whole
     score matrix at once, float32 softmax; the result has q's dtype. The tests' reference.
+    ``sinks`` [heads]: a learned logit per head in every row's softmax denominator, with no
+    value (gpt-oss's attention sinks).
 
     Example::
 
@@ -133,9 +135,20 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, spec: S
     s, _ = _scores(_group(q, k.shape[2]), k, spec)
     m = mask[:, None, None]
     s = jnp.where(m, s, _NEG)
-    p = jax.nn.softmax(s, axis=-1) * jnp.any(m, axis=-1, keepdims=True)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1) * jnp.any(m, axis=-1, keepdims=True)
+    else:  # the sink as one more column of the softmax, dropped after it
+        sink = jnp.broadcast_to(_group_heads(sinks, k.shape[2])[None, :, :, None, None],
+                                (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+        p = p * jnp.any(m, axis=-1, keepdims=True)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return _ungroup(o).astype(q.dtype)
+
+
+def _group_heads(sinks: jax.Array, kv_heads: int) -> jax.Array:
+    """Per-head values [heads] (float32) as [kv_heads, group], the layout of the scores."""
+    return sinks.astype(jnp.float32).reshape(kv_heads, -1)
 
 
 def _blocks(x: jax.Array, size: int, fill) -> jax.Array:
@@ -332,12 +345,43 @@ def _flash_bwd(spec, residuals, dout):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _flash_lse(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec):
+    return forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
+
+
+def _flash_lse_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec):
+    out, lse = forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec)
+    return (out, lse), (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _flash_lse_bwd(spec, residuals, cotangents):
+    q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg = residuals
+    dout, dlse = cotangents
+    # d lse / d s = p: a log-sum-exp cotangent enters the backward as ``delta - dlse``.
+    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1) - dlse
+    dq, dk, dv = backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
+
+
+def _flash_sinks(q, k, v, ints, spec, sinks):
+    """Blockwise attention with sinks: ``out * sigmoid(lse - sink)`` rescales each row's
+    softmax to the denominator ``exp(lse) + exp(sink)``."""
+    out, lse = _flash_lse(q, k, v, *ints, spec)
+    keep = jax.nn.sigmoid(lse - sinks.astype(jnp.float32))
+    return (out * keep[..., None]).astype(q.dtype)
+
+
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                     kv_pos: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, *,
-                    spec: Spec = Spec()) -> jax.Array:
+                    spec: Spec = Spec(), sinks: jax.Array | None = None) -> jax.Array:
     """Blockwise (flash-style) attention with a recomputing backward; result in q's dtype.
 
-    Positions and segment ids are ``[batch, length]`` integers (see the module docstring).
+    Positions and segment ids are ``[batch, length]`` integers (see the module docstring);
+    ``sinks`` [heads]: attention sinks (see :func:`reference`).
 
     Example::
 
@@ -345,4 +389,6 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     """
     check_qkv(q, k, v)
     ints = [jnp.asarray(x, jnp.int32) for x in (q_pos, kv_pos, q_seg, kv_seg)]
+    if sinks is not None:
+        return _flash_sinks(q, k, v, ints, spec, sinks)
     return _flash(q, k, v, *ints, spec)

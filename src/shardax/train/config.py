@@ -207,6 +207,18 @@ class TrainConfig:
     """log the loss every this many steps"""
     eval_every: int = 100
     """compute the validation loss every this many steps (and at the last step); 0: never"""
+    eval_tasks: Annotated[list[str], _SAYS_DEFAULT] = field(default_factory=list)
+    """lm-evaluation-harness tasks to run on the model while it trains, comma-separated (e.g.
+    arc_easy,hellaswag; logged as eval/<task>/<metric>); needs pip install 'shardax[eval]'"""
+    eval_tasks_every: Annotated[int | None, _SAYS_DEFAULT] = None
+    """run --eval-tasks every this many steps (and at the last step); 0: at the last step
+    only (default: --eval-every)"""
+    include_path: str | None = None
+    """directory of local lm-eval task YAMLs for --eval-tasks"""
+    num_fewshot: Annotated[int | None, _SAYS_DEFAULT] = None
+    """few-shot examples per --eval-tasks question (default: each task's own)"""
+    eval_limit: float | None = None
+    """--eval-tasks: at most this many examples per task (below 1: that fraction of them)"""
     data: Annotated[list[str], _SAYS_DEFAULT] = field(default_factory=list)
     """text, .jsonl, .parquet or token files (.u8/.u16/.u32, .bin) and directories of them
     (default: the Python standard library); see docs/data.md"""
@@ -301,7 +313,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("data", "val_data", "tokenizer", "text_field", "data_split", "val_split", "loss_on",
              "token_dtype", "pack"),
     "checkpoint": ("out", "ckpt_every", "resume", "resume_step"),
-    "metrics": ("log_every", "eval_every", "log_to", "profile_steps", "peak_tflops"),
+    "metrics": ("log_every", "eval_every", "eval_tasks", "eval_tasks_every", "include_path",
+                "num_fewshot", "eval_limit", "log_to", "profile_steps", "peak_tflops"),
 }
 
 #: The `TrainConfig` fields that change the compiled step (the rest are run bookkeeping): what
@@ -405,6 +418,9 @@ class EvalConfig:
     """checkpoint step to evaluate (default: the newest good one)"""
     text_field: str = "text"
     """field (jsonl) or column (Parquet) holding the text"""
+    data_split: str = "validation"
+    """the split of a Hugging Face datasets folder in --data (save_to_disk, or Parquet shards;
+    a folder of one split is read whole), as train's --val-split"""
     token_dtype: Literal["uint16", "uint32"] | None = None
     """dtype of .bin token files"""
     tasks: list[str] = field(default_factory=list)
@@ -633,6 +649,7 @@ def check(config: TrainConfig) -> TrainConfig:
             LoRA(config.lora_rank, config.lora_alpha, config.lora_targets)
         except ValueError as e:
             raise UsageError(f"--lora-targets: {e}") from None
+    config = _check_eval_tasks(config)
     _check_objective(config)
     _usage(config.model in models.CONFIGS,
            f"unknown --model {config.model!r}; known models: {sorted(models.CONFIGS)}")
@@ -832,24 +849,60 @@ def check_eval(config: EvalConfig) -> EvalConfig:
     _usage(config.seq_len >= 2, f"--seq-len {config.seq_len}: must be >= 2")
     _usage(config.batch_size >= 1, f"--batch-size {config.batch_size}: must be >= 1")
     _usage(bool(config.text_field), "--text-field: give the name of the text field")
+    _usage(bool(config.data_split.strip()), "--data-split: give the name of a split")
+    # a datasets folder's layout, split and field, before the backend starts
+    check_dataset_entries(config.data, config.data_split, config.text_field)
     if config.mesh is not None:
         parse_mesh(config.mesh)
     _usage(config.step is None or config.step >= 1, f"--step {config.step}: must be >= 1")
     return config
 
 
+def _task_names(tasks: list[str], include_path: str | None, num_fewshot: int | None,
+                limit: float | None, names: tuple[str, str]) -> list[str]:
+    """The checked lm-eval flags shared by ``eval --tasks`` and ``train --eval-tasks``
+    (``names``: the flags of the tasks and of the limit); returns the task names of
+    ``a,b``. The tasks need lm-eval installed."""
+    tasks = [t.strip() for t in ",".join(tasks).split(",") if t.strip()]
+    _usage(not tasks or importlib.util.find_spec("lm_eval") is not None,
+           f"{names[0]}: lm-evaluation-harness is not installed: pip install 'shardax[eval]'")
+    _usage(include_path is None or Path(include_path).is_dir(),
+           f"--include-path {include_path}: no such directory")
+    _usage(num_fewshot is None or num_fewshot >= 0, f"--num-fewshot {num_fewshot}: must be >= 0")
+    _usage(limit is None or limit > 0, f"{names[1]} {limit}: must be > 0")
+    return tasks
+
+
+def _check_eval_tasks(config: TrainConfig) -> TrainConfig:
+    """``--eval-tasks`` and its flags: lm-eval installed, given only with ``--eval-tasks``,
+    and a run whose model `shardax.train.harness.ShardaxLM` can score; returns the config
+    with the task names split."""
+    tasks = _task_names(config.eval_tasks, config.include_path, config.num_fewshot,
+                        config.eval_limit, ("--eval-tasks", "--eval-limit"))
+    config = dataclasses.replace(config, eval_tasks=tasks)
+    for name in ("eval_tasks_every", "include_path", "num_fewshot", "eval_limit"):
+        _usage(getattr(config, name) is None or bool(tasks),
+               f"{flag(name)}: only with --eval-tasks")
+    _usage(config.eval_tasks_every is None or config.eval_tasks_every >= 0,
+           f"--eval-tasks-every {config.eval_tasks_every}: must be >= 0 (0: at the last step)")
+    if tasks:
+        _usage(config.objective != "grpo", "--eval-tasks: --objective grpo has its own loop, "
+                                           "without task evaluation; leave it out")
+        axes = parse_mesh(config.mesh)
+        for axis in ("pp", "cp"):
+            _usage(axes.get(axis, 1) == 1,
+                   f"--eval-tasks: --mesh {config.mesh!r}: lm-eval tasks run the model's plain "
+                   f"forward, not over a {axis!r} axis; evaluate the checkpoints with shardax "
+                   "eval --tasks instead")
+    return config
+
+
 def _check_tasks(config: EvalConfig) -> EvalConfig:
     """The lm-eval flags of `EvalConfig` (``--tasks`` needs lm-eval installed); returns it
     with ``--tasks a,b`` split into names."""
-    tasks = [t.strip() for t in ",".join(config.tasks).split(",") if t.strip()]
+    tasks = _task_names(config.tasks, config.include_path, config.num_fewshot, config.limit,
+                        ("--tasks", "--limit"))
     config = dataclasses.replace(config, tasks=tasks)
-    _usage(not config.tasks or importlib.util.find_spec("lm_eval") is not None,
-           "--tasks: lm-evaluation-harness is not installed: pip install 'shardax[eval]'")
-    path = config.include_path
-    _usage(path is None or Path(path).is_dir(), f"--include-path {path}: no such directory")
-    _usage(config.num_fewshot is None or config.num_fewshot >= 0,
-           f"--num-fewshot {config.num_fewshot}: must be >= 0")
-    _usage(config.limit is None or config.limit > 0, f"--limit {config.limit}: must be > 0")
     out = config.output_path
     if out is not None:
         _usage(not Path(out).is_dir(), f"--output-path {out}: is a directory; give a file")

@@ -1,6 +1,7 @@
 """``shardax eval``: loss, perplexity and bits per byte of a model on held-out files.
 
-Each ``--data`` entry (a file or directory, any format ``train --data`` takes) is tokenized
+Each ``--data`` entry (a file or directory, any format ``train --data`` takes; of a Hugging
+Face ``datasets`` folder, the ``--data-split`` split, ``validation`` by default) is tokenized
 with the run's tokenizer (or the ``--from`` model's) and packed as training packs it; its
 tokens are scored in windows of ``seq_len + 1`` that start ``seq_len`` apart, so every token
 but the first is predicted once, from up to ``seq_len`` tokens before it (the last, partial
@@ -73,10 +74,12 @@ def _window_count(tokens: int, seq_len: int) -> int:
     return max(math.ceil((tokens - 1) / seq_len), 0)
 
 
-def _text_bytes(path: str, text_field: str, token_dtype: str | None) -> int | None:
-    """UTF-8 bytes of the text of a ``--data`` entry; None when it holds token files."""
+def _text_bytes(path: str, text_field: str, token_dtype: str | None,
+                split: str = "train") -> int | None:
+    """UTF-8 bytes of the text of a ``--data`` entry (of a datasets folder, its ``split``);
+    None when it holds token files."""
     total = 0
-    for file in list_data_files([path], token_dtype):
+    for file in list_data_files([path], token_dtype, split):
         if file.kind == "tokens":
             return None
         for piece in read_pieces(file, text_field):
@@ -131,7 +134,8 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
     batch = -(-config.batch_size // split) * split  # rows divide over the batch axes
     results = []
     for path in config.data:
-        stream = open_data([path], tokenizer, config.text_field, config.token_dtype)
+        stream = open_data([path], tokenizer, config.text_field, config.token_dtype,
+                           split=config.data_split)
         sums = []
         # batches read one at a time: host memory stays flat in the file's size
         for first in range(0, _window_count(len(stream), config.seq_len), batch):
@@ -144,7 +148,7 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
         # added up in float64 on the host, after the last batch is dispatched
         nll = float(np.sum([float(t) for t, _ in sums], dtype=np.float64))
         tokens = sum(int(c) for _, c in sums)
-        size = _text_bytes(path, config.text_field, config.token_dtype)
+        size = _text_bytes(path, config.text_field, config.token_dtype, config.data_split)
         loss = nll / tokens if tokens else float("nan")
         results.append({"data": path, "tokens": tokens, "nll": nll, "loss": loss,
                         "perplexity": math.exp(loss) if tokens else float("nan"),
@@ -155,11 +159,12 @@ def evaluate_files(config: EvalConfig, run_dir: RunDir | None = None) -> list[di
 
 def evaluate(out: str | None = None, data: Sequence[str] = (), *, source: str | None = None,
              seq_len: int = 128, batch_size: int = 8, mesh: str | None = None,
-             step: int | None = None, text_field: str = "text") -> list[dict]:
+             step: int | None = None, text_field: str = "text",
+             data_split: str = "validation") -> list[dict]:
     """Loss, perplexity and bits per byte of each of ``data`` (files or directories) under the
     newest good checkpoint of run directory ``out`` (or checkpoint ``step``), or the Hugging
-    Face model ``source`` (``'hf:DIR'``), on ``mesh`` (default ``dp=<all devices>``):
-    `evaluate_files` of an `EvalConfig`.
+    Face model ``source`` (``'hf:DIR'``), on ``mesh`` (default ``dp=<all devices>``); of a
+    ``datasets`` folder, its ``data_split``: `evaluate_files` of an `EvalConfig`.
 
     Example::
 
@@ -168,5 +173,5 @@ def evaluate(out: str | None = None, data: Sequence[str] = (), *, source: str | 
     """
     config = check_eval(EvalConfig(data=list(data), out=out, source=source, seq_len=seq_len,
                                    batch_size=batch_size, mesh=mesh, step=step,
-                                   text_field=text_field))
+                                   text_field=text_field, data_split=data_split))
     return evaluate_files(config)

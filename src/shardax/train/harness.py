@@ -57,7 +57,7 @@ from shardax.train.objectives import sequence_logps
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer
 
-__all__ = ["ShardaxLM", "make_table", "run_tasks"]
+__all__ = ["ShardaxLM", "evaluate_tasks", "make_table", "run_tasks", "task_manager"]
 
 _MIN_WIDTH = 16  # narrowest padded row: short requests share one compiled shape
 
@@ -101,6 +101,14 @@ class ShardaxLM(TemplateLM):
         self._step = mesh.sjit(partial(_scores, self._graphdef, self.layout),
                                in_shardings=(self.rules, spec, spec, spec),
                                out_shardings=None)  # under the rules, as `evaluate` runs
+
+    def use(self, model: nnx.Module) -> ShardaxLM:
+        """Scores ``model`` from now on: the same architecture with its parameters sharded
+        alike (e.g. the train state of a later step, merged without copying); the compiled
+        forward is reused."""
+        self.model = model
+        self._state = nnx.split(model)[1]
+        return self
 
     @property
     def eot_token_id(self) -> int:
@@ -224,22 +232,35 @@ def _task_manager(config: EvalConfig) -> TaskManager:
     return TaskManager(include_path=config.include_path)
 
 
-def run_tasks(config: EvalConfig, run_dir: RunDir | None = None) -> dict:
-    """lm-eval's results (``simple_evaluate``) of ``--tasks`` for a checked config, written
-    as JSON to ``--output-path`` when given (atomically, that file only, by process 0)."""
+def task_manager(config: EvalConfig, name: str = "--tasks") -> TaskManager:
+    """lm-eval's task index for ``config.tasks``, each name checked to be in it (a
+    `UsageError` naming the flag ``name`` and the task if not)."""
     manager = _task_manager(config)
     for task in config.tasks:
         if not manager.match_tasks([task]):
             where = (f"in lm-eval or {config.include_path}" if config.include_path else
                      "in lm-eval (local task YAMLs need --include-path DIR)")
-            raise UsageError(f"--tasks {task}: no such task {where}")
-    lm = ShardaxLM(*load_model(config, run_dir), batch_size=config.batch_size)
+            raise UsageError(f"{name} {task}: no such task {where}")
+    return manager
+
+
+def evaluate_tasks(lm: ShardaxLM, config: EvalConfig, manager: TaskManager) -> dict:
+    """lm-eval's results (``simple_evaluate``) of ``config.tasks`` on ``lm``, with the
+    config's ``num_fewshot`` and ``limit`` (from 1 up: a count of examples)."""
     limit = config.limit
     limit = int(limit) if limit is not None and limit >= 1 else limit
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(config.tasks),
-                                      num_fewshot=config.num_fewshot, limit=limit,
-                                      batch_size=config.batch_size, task_manager=manager,
-                                      log_samples=False)
+    return lm_eval.simple_evaluate(model=lm, tasks=list(config.tasks),
+                                   num_fewshot=config.num_fewshot, limit=limit,
+                                   batch_size=config.batch_size, task_manager=manager,
+                                   log_samples=False)
+
+
+def run_tasks(config: EvalConfig, run_dir: RunDir | None = None) -> dict:
+    """lm-eval's results (``simple_evaluate``) of ``--tasks`` for a checked config, written
+    as JSON to ``--output-path`` when given (atomically, that file only, by process 0)."""
+    manager = task_manager(config)
+    lm = ShardaxLM(*load_model(config, run_dir), batch_size=config.batch_size)
+    results = evaluate_tasks(lm, config, manager)
     if config.output_path is not None and jax.process_index() == 0:
         write_text(config.output_path, json.dumps(results, indent=2, ensure_ascii=False,
                                                   default=handle_non_serializable) + "\n")

@@ -30,13 +30,13 @@ from shardax.train.chat import ChatTemplate, chat_records, is_chat_file
 from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
 from shardax.train.config import TrainConfig
 from shardax.train.mixture import weighted_entries
-from shardax.train.mixture_data import MixtureBatches
+from shardax.train.mixture_data import MixtureBatches, source_names
 from shardax.train.notes import note
 from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir
 from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
-__all__ = ["Inputs", "checked_tokenizer", "prepare_inputs"]
+__all__ = ["Inputs", "checked_tokenizer", "holds_out", "prepare_inputs"]
 
 #: validation batches per evaluation (fewer if the validation split is short)
 VAL_BATCHES = 4
@@ -54,6 +54,8 @@ class Inputs:
     val: list
     sharding: jax.sharding.NamedSharding
     rows: int
+    #: the ``--val-data`` source of each of ``val`` (`source_names`; None: one source)
+    val_sources: list[str] | None = None
 
     def global_batch(self, local: tuple) -> tuple[jax.Array, ...]:
         """This process's rows of a batch -> one global array per field, ``rows`` rows,
@@ -122,10 +124,12 @@ def _open(paths: list[str], config: TrainConfig, tokenizer: Tokenizer, log: Any,
         raise data_lib.DataError(str(e).replace("--data", name, 1)) from None
 
 
-def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
+def _fit_split(config: TrainConfig, tokens: Any, say: bool = True) -> tuple[Any, Any]:
     """The automatic split of ``--data`` into (train, val): the last tenth, or, when that is
     short of one batch, exactly one batch if it leaves three quarters of the data to train on,
-    else no validation at all (each with a one-line note) instead of refusing the run."""
+    else no validation at all (each with a one-line note unless not ``say``: the held-out
+    part is not what validates) instead of refusing the run."""
+    tell = _note if say else (lambda *a: None)
     train, val = data_lib.split_tokens(tokens)
     need = config.batch_size * config.seq_len + 1
     if data_lib.count_batches(len(val), config.seq_len, config.batch_size) >= 1:
@@ -133,19 +137,31 @@ def _fit_split(config: TrainConfig, tokens: Any) -> tuple[Any, Any]:
     if len(tokens) < config.seq_len + 1:  # too short to train at all: `check_splits` says so
         return tokens, None
     if need <= len(tokens) // 4:
-        _note(f"note: validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
-              f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1); "
-              "its last tenth is less than that)")
+        tell(f"note: validation: the last {need:,} of the {len(tokens):,} tokens of --data (one "
+             f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1); "
+             "its last tenth is less than that)")
         return data_lib.split_tokens(tokens, need / len(tokens))
-    _note(f"note: validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
-          f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1) = "
-          f"{need:,} and train on the rest; pass --val-data for a validation set, or "
-          "--eval-every 0 to say so")
+    tell(f"note: validation: skipped: --data holds {len(tokens):,} tokens, too few to hold out a "
+         f"batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} (+1) = "
+         f"{need:,} and train on the rest; pass --val-data for a validation set, or "
+         "--eval-every 0 to say so")
     return tokens, None
 
 
 def _val_data(config: TrainConfig, tokenizer: Tokenizer, log: Any) -> Any:
-    """The tokens of ``--val-data``, checked to hold one batch."""
+    """The tokens of ``--val-data``, checked to hold one batch; of several entries that each
+    hold a batch, a dict of each one's tokens by its `source_names` name (a validation loss
+    per source; with a note, one stream of them all when one is short of a batch)."""
+    if len(config.val_data) > 1:
+        streams = {name: _open([path], config, tokenizer, log, "--val-data")
+                   for name, path in zip(source_names(config.val_data), config.val_data)}
+        short = [(name, len(t)) for name, t in streams.items()
+                 if data_lib.count_batches(len(t), config.seq_len, config.batch_size) < 1]
+        if not short:
+            return streams
+        _note(f"note: validation: --val-data {short[0][0]} holds {short[0][1]:,} tokens, fewer "
+              f"than a batch of --batch-size {config.batch_size} x --seq-len {config.seq_len} "
+              "(+1): one validation loss over all the --val-data entries, none per entry")
     val = _open(config.val_data, config, tokenizer, log, "--val-data")
     if data_lib.count_batches(len(val), config.seq_len, config.batch_size) < 1:
         raise UsageError(
@@ -156,23 +172,48 @@ def _val_data(config: TrainConfig, tokenizer: Tokenizer, log: Any) -> Any:
     return val
 
 
+def holds_out(config: TrainConfig) -> bool:
+    """Whether a run trains on ``--data`` less a validation split it holds out itself (no
+    ``--val-data``, ``--eval-every`` > 0). A resumed run keeps the split of the run it
+    continues (its saved config), whatever its own ``--val-data`` says: validation data may
+    be added, changed or removed on resume without changing the training batches.
+
+    >>> holds_out(TrainConfig(data=["a.txt"])), holds_out(TrainConfig(val_data=["v.txt"]))
+    (True, False)
+    """
+    return not config.val_data and config.eval_every > 0
+
+
+def _unheld(config: TrainConfig) -> None:
+    """The note of a resumed run that asks for validation the run never held out."""
+    _note("note: validation: skipped: this run trains on all of --data (it was started with "
+          "--val-data or --eval-every 0); pass --val-data for a validation set")
+
+
 def _mixture_tokens(config: TrainConfig, tokenizer: Tokenizer,
-                    entries: list[tuple[str, float]], log: Any) -> tuple[list, Any]:
+                    entries: list[tuple[str, float]], log: Any,
+                    split: bool) -> tuple[list, Any]:
     """Each source's training tokens and the validation tokens of a weighted mixture:
     ``--val-data``, nothing with ``--eval-every 0``, else each source's last tenth (a list,
-    mixed by the same weights; none, with a note, when one is short of a window)."""
+    mixed by the same weights; none, with a note, when one is short of a window). ``split``:
+    the run holds out those tenths (`holds_out` of the config it started with)."""
     streams = [_open([path], config, tokenizer, log) for path, _ in entries]
+    held = None
+    if split:
+        splits = [data_lib.split_tokens(s) for s in streams]
+        if all(len(v) > config.seq_len for _, v in splits):
+            streams, held = [t for t, _ in splits], [v for _, v in splits]
+        elif holds_out(config):
+            _note(f"note: validation: skipped: the last tenth of a --data source holds fewer "
+                  f"than --seq-len + 1 = {config.seq_len + 1} tokens; pass --val-data for a "
+                  "validation set, or --eval-every 0 to say so")
     val = None
     if config.val_data:
         val = _val_data(config, tokenizer, log)
     elif config.eval_every:
-        splits = [data_lib.split_tokens(s) for s in streams]
-        if all(len(v) > config.seq_len for _, v in splits):
-            streams, val = [t for t, _ in splits], [v for _, v in splits]
-        else:
-            _note(f"note: validation: skipped: the last tenth of a --data source holds fewer "
-                  f"than --seq-len + 1 = {config.seq_len + 1} tokens; pass --val-data for a "
-                  "validation set, or --eval-every 0 to say so")
+        val = held
+        if not split:
+            _unheld(config)
     for (path, _), tokens in zip(entries, streams):
         data_lib.check_splits(len(tokens), 1 << 62, config.seq_len, config.batch_size,
                               data=[path])
@@ -180,24 +221,38 @@ def _mixture_tokens(config: TrainConfig, tokenizer: Tokenizer,
 
 
 def _load_tokens(config: TrainConfig, tokenizer: Tokenizer,
-                 entries: list[tuple[str, float]] | None = None) -> tuple[Any, Any]:
+                 entries: list[tuple[str, float]] | None = None,
+                 split: bool | None = None) -> tuple[Any, Any]:
     """The (train, val) token streams (val None: no evaluation), tokenized ahead of training
     (into the token cache, once) and checked to hold a window and a validation batch:
     ``--val-data`` if given, nothing with ``--eval-every 0`` (all of ``--data`` trains), else
     an automatic split of ``--data`` (`_fit_split`) or the built-in corpus's val files.
-    With weighted ``entries``: one training stream per entry (`_mixture_tokens`)."""
+    With weighted ``entries``: one training stream per entry (`_mixture_tokens`). ``split``:
+    whether the run holds out part of ``--data`` (default `holds_out` of ``config``; a
+    resumed run's is that of the run it continues)."""
     log = print if jax.process_index() == 0 else None
+    split = holds_out(config) if split is None else split
     try:
         if entries is not None:
-            return _mixture_tokens(config, tokenizer, entries, log)
-        if config.val_data or config.eval_every == 0:
+            return _mixture_tokens(config, tokenizer, entries, log, split)
+        if not config.data:
+            train, val = data_lib.load_splits([], tokenizer, log=log)
+            val = None if config.eval_every == 0 else val
+            if config.val_data:
+                val = _val_data(config, tokenizer, log)
+        elif split:
+            train, val = _fit_split(config, _open(config.data, config, tokenizer, log),
+                                    say=holds_out(config))
+            if not holds_out(config):
+                val = _val_data(config, tokenizer, log) if config.val_data else None
+        else:
             train = _open(config.data, config, tokenizer, log)
             val = _val_data(config, tokenizer, log) if config.val_data else None
-        elif config.data:
-            train, val = _fit_split(config, _open(config.data, config, tokenizer, log))
-        else:
-            train, val = data_lib.load_splits([], tokenizer, log=log)
-        data_lib.check_splits(len(train), len(val) if val is not None else 1 << 62,
+            if val is None and config.eval_every:
+                _unheld(config)
+        # a dict of --val-data sources: each already checked to hold a batch
+        data_lib.check_splits(len(train), len(val) if val is not None
+                              and not isinstance(val, dict) else 1 << 62,
                               config.seq_len, config.batch_size, data=config.data)
     except (OSError, ValueError) as e:
         if isinstance(e, UsageError):
@@ -263,7 +318,8 @@ def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
     if chat:
         raise UsageError(f"--data {chat[0]}: chat records ('messages') are not mixed by weight; "
                          "give text or token files with weights, or chat files without")
-    train_tokens, val_tokens = _load_tokens(config, tokenizer, entries)
+    started = run_dir.saved if config.resume and run_dir.saved is not None else config
+    train_tokens, val_tokens = _load_tokens(config, tokenizer, entries, holds_out(started))
     sharding = jax.sharding.NamedSharding(
         mesh.mesh, run.rules.spec_for(("batch", "length"), mesh.mesh))
     try:
@@ -276,10 +332,10 @@ def prepare_inputs(run: Resolved, run_dir: RunDir) -> Inputs:
         batches = data_lib.TokenBatches(
             train_tokens, config.seq_len, config.batch_size, seed=config.seed,
             process_index=part, process_count=parts, vocab_size=tokenizer.vocab_size)
-        val = _val_rows(config, val_tokens, part, parts)
+        val, sources = _val_rows(config, val_tokens, part, parts)
     except ValueError as e:
         raise UsageError(f"data: {e}") from None
-    return Inputs(tokenizer, batches, val, sharding, config.batch_size)
+    return Inputs(tokenizer, batches, val, sharding, config.batch_size, sources)
 
 
 def _mixture_inputs(config: TrainConfig, tokenizer: Tokenizer, entries: list[tuple[str, float]],
@@ -298,21 +354,28 @@ def _mixture_inputs(config: TrainConfig, tokenizer: Tokenizer, entries: list[tup
     say = (lambda m: print(f"shardax train: {m}", flush=True)) if jax.process_index() == 0 \
         else None
     batches = mix(train, say)
+    sources = None
     if isinstance(val, list):
         held = mix(val)
         val_rows = [held.batch(i) for i in range(VAL_BATCHES)]
     else:
-        val_rows = _val_rows(config, val, part, parts)
-    return Inputs(tokenizer, batches, val_rows, sharding, config.batch_size)
+        val_rows, sources = _val_rows(config, val, part, parts)
+    return Inputs(tokenizer, batches, val_rows, sharding, config.batch_size, sources)
 
 
-def _val_rows(config: TrainConfig, tokens: Any, part: int, parts: int) -> list:
+def _val_rows(config: TrainConfig, tokens: Any, part: int, parts: int
+              ) -> tuple[list, list[str] | None]:
     """This process's rows of up to `VAL_BATCHES` validation batches of ``tokens`` (None:
-    none)."""
+    none; a dict of sources: up to that many of each) and the source of each batch (None:
+    one source)."""
     if tokens is None:
-        return []
+        return [], None
+    if isinstance(tokens, dict):
+        rows = {name: _val_rows(config, t, part, parts)[0] for name, t in tokens.items()}
+        return ([b for batches in rows.values() for b in batches],
+                [name for name, batches in rows.items() for _ in batches])
     return data_lib.val_batches(
         tokens, config.seq_len, config.batch_size,
         num_batches=min(VAL_BATCHES, data_lib.count_batches(
             len(tokens), config.seq_len, config.batch_size)),
-        process_index=part, process_count=parts)
+        process_index=part, process_count=parts), None

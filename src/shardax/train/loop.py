@@ -20,6 +20,7 @@ saving it (the CLI exits with 3).
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -52,6 +53,7 @@ from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_
 from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
 from shardax.train.stop import Stopped, StopRequests
+from shardax.train.task_evals import TaskEvals
 from shardax.train.tokenizer import BYTES
 from shardax.utils import tree_path_to_string
 
@@ -65,6 +67,8 @@ class Prepared:
     run: Resolved
     run_dir: RunDir
     inputs: Inputs
+    #: ``--eval-tasks`` (`shardax.train.task_evals`); None without them
+    tasks: TaskEvals | None = None
 
 
 def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
@@ -81,7 +85,9 @@ def prepare(config: TrainConfig, run_dir: RunDir | None = None) -> Prepared:
         raise UsageError(f"--resume: {run.batch_why} differs from the run being resumed "
                          f"(--batch-size {saved.batch_size})")  # see check_resume
     with report.phase("preparing the data and tokenizer"):
-        return Prepared(run, run_dir, objective_of(config).inputs(run, run_dir))
+        inputs = objective_of(config).inputs(run, run_dir)
+    with report.phase("indexing the lm-eval tasks") if config.eval_tasks else nullcontext():
+        return Prepared(run, run_dir, inputs, TaskEvals.start(run, inputs.tokenizer))
 
 
 _note = partial(note, "train")  # also handed to the run lock, the NaN watch, the clean-up
@@ -268,8 +274,10 @@ class _Steps:
     the non-finite loss policy, checkpoints, and stopping on SIGTERM / Ctrl-C."""
 
     def __init__(self, p: Prepared, start: int, records: list[dict], evaluate: Any,
-                 metrics_log: report.MetricsLog, clock: report.StepClock, skipped: int = 0):
+                 metrics_log: report.MetricsLog, clock: report.StepClock, skipped: int = 0,
+                 graphdef: Any = None):
         self.run, self.inputs, self.config = p.run, p.inputs, p.run.config
+        self.tasks, self.graphdef = p.tasks, graphdef
         self.start, self.records, self.evaluate = start, records, evaluate
         self.metrics_log, self.clock = metrics_log, clock
         self.is_main = jax.process_index() == 0
@@ -307,7 +315,9 @@ class _Steps:
         if self.inputs.val and config.eval_every and (done % config.eval_every == 0
                                                       or done == config.steps):
             val = [float(self.evaluate(state, b)) for b in self.inputs.val_batches()]
-            record = {"step": done, **record, "val_loss": float(np.mean(val))}
+            record = {"step": done, **record, **_val_record(val, self.inputs.val_sources)}
+        if self.tasks is not None and self.tasks.due(done):
+            record = {"step": done, **record, **self.tasks.scores(self.graphdef, state)}
         if record:
             record.update(self.inputs.data_metrics(done))  # data/tokens/<source> of a mixture
             self.records.append(record)
@@ -344,6 +354,20 @@ class _Steps:
         self.ckpt.close()
         if self.trackers is not None:
             self.trackers.close()
+
+
+def _val_record(losses: list[float], sources: list[str] | None) -> dict[str, float]:
+    """``val_loss``, the mean loss over every validation token (each batch holds as many),
+    and with several ``--val-data`` sources ``val_loss/<source>`` over each one's tokens.
+
+    >>> _val_record([1.0, 2.0, 4.0], ["a", "a", "b"])
+    {'val_loss': 2.3333333333333335, 'val_loss/a': 1.5, 'val_loss/b': 4.0}
+    """
+    record = {"val_loss": float(np.mean(losses))}
+    for name in dict.fromkeys(sources or []):
+        record[f"val_loss/{name}"] = float(np.mean([x for x, s in zip(losses, sources)
+                                                    if s == name]))
+    return record
 
 
 def _train(p: Prepared, stop: StopRequests) -> list[dict]:
@@ -383,7 +407,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
         _banner(p, state_shape, plan, per_token, peak)
     clock = report.StepClock(inputs.rows * config.seq_len, start, per_token, peak,
                              jax.device_count())
-    steps = _Steps(p, start, records, evaluate, metrics_log, clock, skipped)
+    steps = _Steps(p, start, records, evaluate, metrics_log, clock, skipped, graphdef)
     profiler = StepProfiler(parse_profile_steps(config.profile_steps), run_dir.profile)
     try:
         with report.Progress(config.steps, start) as progress:
