@@ -8,10 +8,10 @@ layers, soft-capping, GeGLU, pre+post norms), Gemma 3 text (q/k norm, local/glob
 sliding pattern 3), Mistral with an 8-token window (shorter than the 16-token prompts and the
 48 tokens generated), and the mixtures of experts Mixtral, Qwen2-MoE (shared expert, top-k not
 renormalised), Qwen3-MoE (4 experts, top 2; shardax's dropless MoE), DeepSeek-V3 (latent
-attention, a first dense layer, sigmoid routing with a correction bias, a shared expert, YaRN
-with mscale_all_dim) and gpt-oss (attention sinks, alternating window-8/full layers, q/k/v/o
-biases, biased experts with the clamped SwiGLU, YaRN), with transformers' float32 logits for
-fixed tokens and 32 greedy tokens per prompt.
+attention, a first dense layer, sigmoid routing with a correction bias limited to the best of
+2 expert groups, a shared expert, YaRN with mscale_all_dim) and gpt-oss (attention sinks,
+alternating window-8/full layers, q/k/v/o biases, biased experts with the clamped SwiGLU,
+YaRN), with transformers' float32 logits for fixed tokens and 32 greedy tokens per prompt.
 Tolerance: logits within 1e-4 relative to the largest reference logit (float32; seen <= 1.1e-6);
 greedy tokens, import -> export -> import and exported bytes: exact.
 """

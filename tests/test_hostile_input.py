@@ -193,9 +193,9 @@ def config_zero_heads(d):
 
 
 def deepseek_grouped_routing(d):
-    """DeepSeek-V3's real group-limited routing (8 groups, top 4), which shardax does not do."""
+    """Group-limited routing that cannot split the fixture's 4 experts (3 groups)."""
     cfg = json.loads((FIXTURE.parent / "deepseek_v3" / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps({**cfg, "n_group": 8, "topk_group": 4}))
+    (d / "config.json").write_text(json.dumps({**cfg, "n_group": 3, "topk_group": 1}))
 
 
 # (damage, words the one line must contain; {d} is the damaged directory)
@@ -229,8 +229,8 @@ HF_CASES = [
     (config_no_hidden_size, "{d}/config.json: missing key 'hidden_size'"),
     (config_string_hidden_size, "{d}/config.json: hidden_size='32' must be a positive integer"),
     (config_zero_heads, "{d}/config.json: num_attention_heads=0 must be a positive integer"),
-    (deepseek_grouped_routing, "n_group/topk_group=(8, 4) is not supported",
-     "group-limited routing"),
+    (deepseek_grouped_routing, "n_group/topk_group=(3, 1) is not supported",
+     "n_group must split the n_routed_experts=4 into groups"),
 ]
 
 

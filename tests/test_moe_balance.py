@@ -58,6 +58,52 @@ def test_sigmoid_router_picks_by_biased_scores_and_weighs_by_unbiased():
     np.testing.assert_array_equal(route(logits, 2, True, score="sigmoid")[1], [[0, 1], [3, 2]])
 
 
+def _grouped_route_numpy(logits, bias, top_k, n_group, topk_group, scale):
+    """transformers' DeepseekV3TopkRouter in numpy (float64): group score = the sum of its 2
+    best biased scores, the topk_group best groups kept, the top-k of their experts."""
+    s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    choice = s + bias
+    t, n = choice.shape
+    grouped = choice.reshape(t, n_group, n // n_group)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+    mask = np.zeros((t, n_group), bool)
+    np.put_along_axis(mask, kept, True, axis=-1)
+    masked = np.where(np.repeat(mask, n // n_group, axis=-1), choice, -np.inf)
+    experts = np.argsort(-masked, axis=-1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(s, experts, axis=-1)
+    return scale * w / w.sum(-1, keepdims=True), experts
+
+
+def test_group_limited_routing_picks_from_the_best_groups_only():
+    # 6 experts in 3 groups of 2, keep 1 group, top 2. Row 0: groups score 0.9+0.1 | 0.8+0.7
+    # | 0.6+0.5 (as sigmoids), so group 1 wins though expert 0 is the best single one.
+    p = np.array([[0.9, 0.1, 0.8, 0.7, 0.6, 0.5], [0.2, 0.3, 0.4, 0.1, 0.9, 0.95]])
+    logits = jnp.asarray(np.log(p / (1 - p)), jnp.float32)
+    w, e, _ = route(logits, 2, True, score="sigmoid", bias=jnp.zeros(6), n_group=3,
+                    topk_group=1)
+    np.testing.assert_array_equal(np.sort(e, axis=-1), [[2, 3], [4, 5]])
+    np.testing.assert_allclose(w[0], np.array([0.8, 0.7]) / 1.5, rtol=1e-6)
+    # Ungrouped, row 0 would take experts 0 and 2.
+    np.testing.assert_array_equal(route(logits, 2, True, score="sigmoid")[1][0], [0, 2])
+    # DeepSeek-V3's shape of routing (groups of 8 scaled down): 32 experts in 8 groups, the
+    # best 4 groups, top 4, with a bias; random logits against the numpy reference.
+    logits = 2 * jax.random.normal(jax.random.key(0), (64, 32))
+    bias = 0.3 * jax.random.normal(jax.random.key(1), (32,))
+    w, e, _ = route(logits, 4, True, score="sigmoid", bias=bias, scale=2.5, n_group=8,
+                    topk_group=4)
+    want_w, want_e = _grouped_route_numpy(np.asarray(logits), np.asarray(bias, np.float64), 4,
+                                          8, 4, 2.5)
+    order = np.argsort(np.asarray(e), axis=-1)  # top-k order is not part of the contract
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(e), order, -1),
+                                  np.sort(want_e, axis=-1))
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, -1),
+                               np.take_along_axis(want_w, np.argsort(want_e, -1), -1),
+                               rtol=1e-5)
+    ungrouped = route(logits, 4, True, score="sigmoid", bias=bias)[1]
+    assert (np.sort(ungrouped, -1) != np.sort(want_e, -1)).any(axis=-1).sum() > 10
+
+
 @nnx.jit
 def _router_inputs(model, tokens, end_id):
     """Each layer's router logits [layers, tokens, E] and bias [layers, E] for packed

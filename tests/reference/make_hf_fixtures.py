@@ -84,11 +84,12 @@ MODELS = {
         mlp_only_layers=[], tie_word_embeddings=False), None),
     # DeepSeek-V3: latent attention (q rank 16, kv rank 16, rope 8 interleaved, nope 8, v 8),
     # a dense layer then one of top-2 of 4 sigmoid-routed experts (a correction bias, scaled
-    # weights) plus 1 shared expert; one group (n_group = topk_group = 1).
+    # weights) plus 1 shared expert; group-limited: the 4 experts in 2 groups, the top 2 taken
+    # from the best group only (n_group = 2, topk_group = 1).
     "deepseek_v3": (transformers.DeepseekV3Config, dict(
         COMMON, num_key_value_heads=4, first_k_dense_replace=1,
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=32, n_group=1, topk_group=1, norm_topk_prob=True,
+        moe_intermediate_size=32, n_group=2, topk_group=1, norm_topk_prob=True,
         routed_scaling_factor=2.5, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, rope_interleave=True, tie_word_embeddings=False,
         rope_scaling=YARN_TINY | {"mscale": 1.0, "mscale_all_dim": 0.8}), None),

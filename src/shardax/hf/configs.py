@@ -181,9 +181,13 @@ def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
     """DeepSeek-V3's fields: latent attention, first dense layers, sigmoid routing."""
     mt = "deepseek_v3"
     groups = (hf.get("n_group") or 1, hf.get("topk_group") or 1)
-    if groups != (1, 1):
-        raise _unsupported(mt, "n_group/topk_group", groups, "group-limited routing is not "
-                           "implemented: only n_group = topk_group = 1")
+    n, k = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    g, kg = groups
+    if not (isinstance(g, int) and isinstance(kg, int) and g >= 1 and n % g == 0
+            and (g == 1 or n // g >= 2) and 1 <= kg <= g and kg * (n // g) >= k):
+        raise _unsupported(mt, "n_group/topk_group", groups, f"n_group must split the "
+                           f"n_routed_experts={n} into groups of 2 or more, topk_group be in "
+                           f"[1, n_group] and its groups hold num_experts_per_tok={k} experts")
     if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get(
             "scoring_func", "sigmoid") != "sigmoid":
         raise _unsupported(mt, "topk_method/scoring_func", (hf.get("topk_method"),
@@ -192,6 +196,7 @@ def _deepseek_from_hf(hf: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
         n_experts=hf["n_routed_experts"], mlp_dim=hf["moe_intermediate_size"],
         moe_norm_topk=bool(hf.get("norm_topk_prob", True)), router_score="sigmoid",
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_group=g, topk_group=kg,
         shared_expert_dim=(hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"],
         shared_expert_gate=False, moe_aux_weight=0.0,
         first_k_dense=hf.get("first_k_dense_replace", 0), dense_mlp_dim=hf["intermediate_size"],
@@ -299,6 +304,9 @@ def _llama_to_hf(c: LlamaConfig) -> dict[str, Any]:
 def _moe_to_hf(c: LlamaConfig, mt: str) -> dict[str, Any]:
     out: dict[str, Any] = {"num_experts_per_tok": c.top_k,
                            "router_aux_loss_coef": c.moe_aux_weight}
+    if (c.n_group, c.topk_group) != (1, 1):
+        raise ValueError(f"{mt} has no group-limited routing: n_group={c.n_group}, topk_group="
+                         f"{c.topk_group} export only as DeepSeek-V3 (kv_lora_rank > 0)")
     if mt == "mixtral":
         if not c.moe_norm_topk:
             raise ValueError("Mixtral renormalises the top-k router weights: moe_norm_topk "
@@ -332,7 +340,7 @@ def _deepseek_to_hf(c: LlamaConfig) -> dict[str, Any]:
         "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_heads,
         "intermediate_size": c.dense_mlp_dim or m, "moe_intermediate_size": m,
         "n_routed_experts": c.n_experts, "n_shared_experts": shared // m,
-        "num_experts_per_tok": c.top_k, "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": c.top_k, "n_group": c.n_group, "topk_group": c.topk_group,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": c.moe_norm_topk,
         "routed_scaling_factor": c.routed_scaling_factor,
         "first_k_dense_replace": c.first_k_dense,

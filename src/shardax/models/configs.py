@@ -59,6 +59,9 @@ class LlamaConfig:
     equal load (auxiliary-loss-free balancing, `shardax.train.balance`), and the weights
     times ``routed_scaling_factor``. ``shared_expert_gate=False``: the shared expert is added
     ungated (DeepSeek-V3's ``n_shared_experts * moe_intermediate_size`` units).
+    Group-limited routing (DeepSeek-V3's ``n_group`` / ``topk_group``): the experts form
+    ``n_group`` equal groups, a group scores the sum of its 2 best (biased) scores, and the
+    top-k is taken among the experts of the ``topk_group`` best groups only.
 
     DeepSeek-V3's multi-head latent attention (``kv_lora_rank > 0``, `shardax.models.mla`):
     q through a rank-``q_lora_rank`` bottleneck (0: one projection), keys and values
@@ -115,6 +118,8 @@ class LlamaConfig:
     router_score: str = "softmax"
     router_bias_update: float = 0.0
     routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
     shared_expert_gate: bool = True
     kv_lora_rank: int = 0
     q_lora_rank: int = 0
@@ -166,6 +171,8 @@ class LlamaConfig:
                              "moe_impl='dropless'")
         if self.mla and (self.attn_sinks or self.attn_out_bias):
             raise ValueError("multi-head latent attention has no attn_sinks or attn_out_bias")
+        if self.n_group != 1 or self.topk_group != 1:
+            self._check_groups()
         if self.global_every < 0:
             raise ValueError(f"global_every={self.global_every} must be >= 0")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -173,6 +180,15 @@ class LlamaConfig:
         if self.n_experts < 0 or (self.n_experts and not 1 <= self.top_k <= self.n_experts):
             raise ValueError(f"n_experts={self.n_experts} must be >= 0 and top_k={self.top_k} "
                              "in [1, n_experts]")
+
+    def _check_groups(self) -> None:
+        g, kg, n = self.n_group, self.topk_group, self.n_experts
+        if (self.moe_impl != "dropless" or g < 1 or n % g or n // g < 2
+                or not 1 <= kg <= g or kg * (n // g) < self.top_k):
+            raise ValueError(f"group-limited routing (n_group={g}, topk_group={kg}) needs "
+                             f"moe_impl='dropless', n_group dividing n_experts={n} into groups "
+                             f"of 2 or more, 1 <= topk_group <= n_group, and top_k={self.top_k}"
+                             " experts in the groups kept")
 
     def _check_mla(self) -> None:
         r, v = self.qk_rope_head_dim, self.v_head_dim
@@ -298,15 +314,16 @@ LLAMA_CONFIGS: dict[str, LlamaConfig] = {
                                            moe_impl="dropless", router_score="sigmoid",
                                            router_bias_update=0.001, moe_aux_weight=0.0),
     # DeepSeek-V3 shapes (671B without its multi-token-prediction layer): latent attention,
-    # 3 dense layers, 256 routed experts top-8 plus one shared. Its layers differ, so they are
-    # listed: `shardax plan` compiles all 61 (over 400 s on 2 CPU cores at ep=8,fsdp=8).
+    # 3 dense layers, 256 routed experts top-8 (from the 4 best of 8 groups) plus one shared.
+    # Its layers differ, so they are listed: `shardax plan` compiles 4 and 5 of them and
+    # extends to 61 (`shardax.plan.depth`).
     "deepseek-v3": LlamaConfig(
         vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, mlp_dim=2048,
         max_seq_len=4096, norm_eps=1e-6, n_experts=256, top_k=8, moe_impl="dropless",
         router_score="sigmoid", routed_scaling_factor=2.5, moe_aux_weight=0.0,
-        shared_expert_dim=2048, shared_expert_gate=False, first_k_dense=3,
-        dense_mlp_dim=18432, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-        head_dim_override=192, v_head_dim=128),
+        n_group=8, topk_group=4, shared_expert_dim=2048, shared_expert_gate=False,
+        first_k_dense=3, dense_mlp_dim=18432, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, head_dim_override=192, v_head_dim=128),
     # gpt-oss shapes (openai/gpt-oss-20b and -120b config.json): sliding (128) and full layers
     # alternating, attention sinks, biases, top-4 experts with the clamped SwiGLU, YaRN x32.
     **{name: LlamaConfig(

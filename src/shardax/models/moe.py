@@ -13,7 +13,8 @@ Router: softmax over all experts in float32, top-k, optionally renormalised over
 (``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE); or DeepSeek-V3's sigmoid scores
 (``router_score='sigmoid'``) with a `RouterBias` that picks the top-k but does not weigh them
 (auxiliary-loss-free balancing: training moves it, `shardax.train.balance`), the weights
-times ``routed_scaling_factor``. ``shared_expert_dim > 0`` adds
+times ``routed_scaling_factor``, optionally limited to the experts of the best groups
+(``n_group`` / ``topk_group``). ``shared_expert_dim > 0`` adds
 Qwen2-MoE's shared SwiGLU expert, scaled by ``sigmoid(x @ shared_router)``. gpt-oss
 (``router_score='topk_softmax'``, ``moe_bias``, ``swiglu_limit``): a router with a bias, the
 top-k logits softmaxed, biases on every expert's projections and a clamped SwiGLU
@@ -59,8 +60,8 @@ _zeros = nnx.initializers.zeros
 
 
 def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softmax",
-          bias: jax.Array | None = None, scale: float = 1.0
-          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+          bias: jax.Array | None = None, scale: float = 1.0, n_group: int = 1,
+          topk_group: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(weights [t, k], experts [t, k], aux)`` from router logits [t, n_experts]: scores in
     float32 (``score`` 'softmax' over the experts, or 'sigmoid' per expert as DeepSeek-V3),
     top-k of ``scores + bias`` (the auxiliary-loss-free balancing bias: it picks the experts
@@ -68,9 +69,14 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
     ``normalize``, times ``scale`` (DeepSeek's ``routed_scaling_factor``); ``aux`` the
     load-balancing loss (sigmoid scores normalised per token for it).
 
+    ``n_group > 1``: group-limited routing as transformers' ``DeepseekV3TopkRouter``: the
+    experts split into ``n_group`` contiguous groups, each scored by the sum of its 2 best
+    ``scores + bias``; the top-k is taken among the experts of the ``topk_group`` best groups.
+
     Example::
 
         w, e, aux = route(x @ router, top_k=2, normalize=True)
+        w, e, aux = route(logits, 8, True, score="sigmoid", bias=b, n_group=8, topk_group=4)
     """
     logits = logits.astype(jnp.float32)
     if score == "topk_softmax":  # gpt-oss: top-k of the logits, softmax over those k
@@ -82,10 +88,13 @@ def route(logits: jax.Array, top_k: int, normalize: bool, *, score: str = "softm
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
         scores = probs = jax.nn.softmax(logits, axis=-1)
-    if bias is None:
+    if bias is None and n_group == 1:
         weights, experts = jax.lax.top_k(scores, top_k)
     else:
-        experts = jax.lax.top_k(scores + bias.astype(jnp.float32), top_k)[1]
+        choice = scores if bias is None else scores + bias.astype(jnp.float32)
+        if n_group > 1:
+            choice = _limit_to_groups(choice, n_group, topk_group)
+        experts = jax.lax.top_k(choice, top_k)[1]
         weights = jnp.take_along_axis(scores, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -137,6 +146,17 @@ def expert_mlp(c: LlamaConfig, xs: jax.Array, groups: Groups, w_gate: jax.Array,
         up = up + jnp.take(b_up, row_expert, axis=0)
     h = checkpoint_name(expert_glu(c, gate, up), "mlp_hidden")
     return grouped_matmul(h, w_down, groups)
+
+
+def _limit_to_groups(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """``choice`` [t, n] with -inf outside each token's ``topk_group`` best groups (a group's
+    score: the sum of its 2 best)."""
+    t, n = choice.shape
+    grouped = choice.reshape(t, n_group, n // n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+    kept = jax.lax.top_k(group_scores, topk_group)[1]
+    keep = jnp.any(kept[:, :, None] == jnp.arange(n_group), axis=1)  # [t, n_group]
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, n)
 
 
 class RouterBias(nnx.Variable):
@@ -191,7 +211,8 @@ class DroplessMoE(nnx.Module):
             logits = logits + self.router_b[...].astype(dt)
         bias = self.router_bias[...] if c.router_bias else None
         weights, experts, aux = route(logits, c.top_k, c.moe_norm_topk, score=c.router_score,
-                                      bias=bias, scale=c.routed_scaling_factor)
+                                      bias=bias, scale=c.routed_scaling_factor,
+                                      n_group=c.n_group, topk_group=c.topk_group)
         sizes = jnp.bincount(experts.reshape(-1), length=c.n_experts)
         params = [self.w_gate, self.w_up, self.w_down]
         if c.moe_bias:  # gpt-oss: the gate and up biases split with the hidden units

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from shardax.devices import DeviceSpec
 from shardax.hlo import peak_bytes
+from shardax.plan import depth
 from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
 from shardax.train.config import STEP_FIELDS, TrainConfig
@@ -65,6 +66,9 @@ class Compiled:
     # str(devices per host) -> collective bytes (x 2 for all-reduce) whose device groups span
     # hosts of that size; a host size not listed: none cross (one host) or all do.
     across: dict[str, int] = field(default_factory=dict)
+    # the depths compiled when the model's listed layers were extended from two shallow
+    # copies of it (`shardax.plan.depth`); empty: the whole model was compiled
+    depths: list[int] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -255,7 +259,17 @@ def _names_factor(c: Any, policy: str, seq_len: int) -> float:
 def compile_config(run: Resolved) -> Compiled:
     """Compiles the train step of a resolved config from abstract shapes on
     ``jax.device_count()`` devices (of the TPU slice of ``shardax plan --topology``, if any:
-    `shardax.plan.topology`)."""
+    `shardax.plan.topology`). A deep model of listed layers is compiled cut to one and two
+    repeats of its layers and extended to its depth (`shardax.plan.depth`)."""
+    cut = depth.repeats(run.model_config)
+    if cut is None:
+        return _compile(run)
+    one, two = (_compile(dataclasses.replace(
+        run, model_config=depth.shallow(run.model_config, cut, k))) for k in (1, 2))
+    return depth.extend(one, two, cut)
+
+
+def _compile(run: Resolved) -> Compiled:
     start = time.perf_counter()
     run = on_target(run)
     config = run.config
@@ -282,11 +296,16 @@ def estimate(run: Resolved, compiled: Compiled, device: DeviceSpec,
     bubble = run.bubble
     compute_s = flops / (device.peak_flops * device.flops_fraction) / (1.0 - bubble)
     comm_s, across_s = comm_seconds(compiled, device)
+    notes = []
+    if compiled.depths:
+        notes.append(f"{run.model_config.n_layers} listed layers: compiled at "
+                     f"{' and '.join(map(str, compiled.depths))} layers and extended "
+                     f"linearly to {run.model_config.n_layers} (shardax.plan.depth)")
     return Estimate(
         config={k: getattr(config, k) for k in STEP_FIELDS}, compiled=compiled, device=device,
         hbm_bytes=hbm_bytes if hbm_bytes is not None else device.hbm_bytes, bubble=bubble,
         flops_per_device=flops, compute_s=compute_s, comm_s=comm_s,
-        across_s=across_s, hidden_s=hidden_seconds(compiled, device, compute_s))
+        across_s=across_s, hidden_s=hidden_seconds(compiled, device, compute_s), notes=notes)
 
 
 def usable_bytes(device: DeviceSpec, hbm_bytes: float | None = None) -> float:

@@ -5,8 +5,8 @@
    'pp' divides the layers; 'cp' divides the sequence into 2·cp chunks; 'ep' divides the
    experts; the batch axes divide the batch per microbatch), each with the rule preset that
    uses its axes, remat none / save_dots / full, scanned or unrolled layers (scanned only above
-   12 layers), gradient accumulation 1 / 2 / 4, and for 'pp' the gpipe and 1f1b schedules with
-   P or 2P microbatches.
+   12 layers; listed only, and no 'pp', where the layers differ), gradient accumulation
+   1 / 2 / 4, and for 'pp' the gpipe and 1f1b schedules with P or 2P microbatches.
 2. Prune analytically, before compiling: drop candidates whose parameters, gradients and
    optimizer state alone exceed the memory per device, and order the rest by an analytic step
    time (the roofline's compute term plus textbook collective bytes).
@@ -164,6 +164,7 @@ def candidates(base: TrainConfig, devices: int, *, devices_per_host: int = 8,
     Pipeline layouts only where each stage is whole hosts, unless ``pipeline``."""
     c = models.get_config(base.model)
     llama = isinstance(c, models.LlamaConfig)
+    mixed = getattr(c, "mixed_layers", False)  # its layers cannot be stacked
     attentions = ("auto", "xla") if llama and base.seq_len >= BLOCKWISE_MIN_LEN else ("auto",)
     out = []
     for sizes_t in _factorizations(devices, len(AXES)):
@@ -181,7 +182,9 @@ def candidates(base: TrainConfig, devices: int, *, devices_per_host: int = 8,
         if ep > 1 and (not getattr(c, "n_experts", 0) or c.n_experts % ep):
             continue
         batch_split = dp * fsdp * ep
-        scans = (True,) if pp > 1 or c.n_layers > 12 else (False, True)
+        if mixed and pp > 1:  # a pipeline needs stacked layers
+            continue
+        scans = (False,) if mixed else (True,) if pp > 1 or c.n_layers > 12 else (False, True)
         # Rule-based layouts only (no explicit TP): a pipeline's schedules, else none.
         pipelines = layout.pipeline_layouts(pp) or [None]
         accums = GRAD_ACCUM if pp == 1 else (1,)
