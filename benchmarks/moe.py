@@ -25,9 +25,9 @@ import functools
 from _common import (
     LogicalAxisRules,
     MeshShardingHelper,
+    abstract_train_state,
     emit,
     goal_row,
-    init_state,
     interleaved,
     jax,
     jnp,
@@ -82,16 +82,9 @@ def expert_parallel() -> dict:
     cfg = models.LlamaConfig(**SHAPE, moe_impl="dropless")
     mesh = MeshShardingHelper.from_string(f"ep={EP}")
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
-    tx, graphdefs = optax.sgd(0.1), []
-
-    def state_only():
-        graphdef, state = init_state(
-            lambda: models.create(cfg, nnx.Rngs(0), scan_layers=True), tx)
-        graphdefs.append(graphdef)
-        return state
-
-    state = jax.eval_shape(state_only)
-    step = mesh.sjit(functools.partial(train_step, graphdef=graphdefs[0], tx=tx,
+    tx = optax.sgd(0.1)
+    graphdef, state = abstract_train_state(cfg, tx, scan_layers=True)
+    step = mesh.sjit(functools.partial(train_step, graphdef=graphdef, tx=tx,
                                        param_rules=rules, layout=Layout(scan_layers=True)),
                      in_shardings=(rules, None), out_shardings=(rules, None))
     batch = (jax.ShapeDtypeStruct((EP_BATCH, EP_SEQ), jnp.int32),) * 2
