@@ -233,4 +233,3 @@ class DroplessMoE(nnx.Module):
         y = constrain(y.reshape(b, s, d), ("batch", "length", "embed"))
         stats = MoEStats(aux, sizes.astype(jnp.float32), jnp.zeros((), jnp.float32))
         return checkpoint_name(y, "mlp_out"), stats
-
