@@ -256,6 +256,12 @@ CASES = [
      ["--pack concat", "--objective grpo"]),
     ("grpo batch of part groups", ["train", "--objective", "grpo", "--reward", "r.py:f",
                                    "--batch-size", "12"], ["--batch-size 12", "--group-size 8"]),
+    ("eval limit without tasks", ["train", "--eval-limit", "5"],
+     ["--eval-limit", "only with --eval-tasks"]),
+    ("eval tasks under pp", ["train", "--eval-tasks", "tiny_mc", "--mesh", "pp=2,fsdp=-1"],
+     ["--eval-tasks", "'pp'", "shardax eval"]),
+    ("eval tasks every -1", ["train", "--eval-tasks", "tiny_mc", "--eval-tasks-every", "-1"],
+     ["--eval-tasks-every -1", ">= 0"]),
 ]
 
 
