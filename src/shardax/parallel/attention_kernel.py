@@ -335,9 +335,11 @@ def _flash_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec):
     return out, (q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg)
 
 
-def _flash_bwd(spec, residuals, dout):
+def _flash_bwd(spec, residuals, dout, dlse=None):
     q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg = residuals
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    if dlse is not None:  # d lse / d s = p: a log-sum-exp cotangent enters as ``delta - dlse``
+        delta = delta - dlse
     dq, dk, dv = backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
@@ -356,12 +358,7 @@ def _flash_lse_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, spec):
 
 
 def _flash_lse_bwd(spec, residuals, cotangents):
-    q, k, v, out, lse, q_pos, kv_pos, q_seg, kv_seg = residuals
-    dout, dlse = cotangents
-    # d lse / d s = p: a log-sum-exp cotangent enters the backward as ``delta - dlse``.
-    delta = jnp.sum(dout.astype(jnp.float32) * out, axis=-1) - dlse
-    dq, dk, dv = backward(q, k, v, dout, lse, delta, q_pos, kv_pos, q_seg, kv_seg, spec)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    return _flash_bwd(spec, residuals, *cotangents)
 
 
 _flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
