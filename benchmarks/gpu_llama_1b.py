@@ -5,7 +5,7 @@
     python benchmarks/gpu_llama_1b.py --batch-per-device 8 --remat full --json out.json
 
 MFU = model FLOPs per second / peak dense bf16 FLOPs of all devices, with model FLOPs per token
-= 6·N + 12·L·d·T and the peak from the device table, both from ``shardax.train.mfu`` (the same
+= 6·N + 12·L·d·T and the peak from the device table, both from ``shardax.train.run.mfu`` (the same
 numbers ``shardax train`` logs and ``shardax plan`` estimates with). Recomputation under remat
 is not model FLOPs, so it lowers MFU. Data are random tokens: this measures speed, not
 learning.
@@ -65,8 +65,8 @@ def main() -> None:
     from shardax.mesh import MeshShardingHelper
     from shardax.precision import Policy
     from shardax.rules import LogicalAxisRules
-    from shardax.train.mfu import flops_per_token, mfu
     from shardax.train.optimizers import make_optimizer
+    from shardax.train.run.mfu import flops_per_token, mfu
     from shardax.train.step import init_state, train_step
 
     policy = Policy.from_string(args.precision)

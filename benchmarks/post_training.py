@@ -7,7 +7,7 @@ One process, one model (llama-tiny's byte vocabulary widened to dim 256, 4 layer
 MLP 704, float32), the CLI's resolved run on fsdp=8 (8 emulated CPU devices: mesh, rules,
 layout, AdamW), compile excluded (warm-up calls), medians of interleaved rounds:
 
-1. GRPO rollout (`shardax.train.grpo.rollout`, on the mesh under the run's rules, as
+1. GRPO rollout (`shardax.train.post.grpo.rollout`, on the mesh under the run's rules, as
    ``train --objective grpo`` samples) against `shardax.models.decode.generate` with the same
    rows, mesh, rules, prompt length, new tokens and temperature 1.0 (no stop token, so every
    row samples every token): tokens/s. Same decoder, so goal ≥ 0.9. Control row: the
@@ -18,7 +18,7 @@ layout, AdamW), compile excluded (warm-up calls), medians of interleaved rounds:
    forward + backward, so ≈ 1. With β > 0 or ``num_iterations`` > 1 each rollout batch also
    pays a forward for the reference / old log-probabilities (`completion_logps`, ≈ 1/3 of a
    step, measured too): a rollout batch costs it·step + [it > 1]·fwd + [β > 0]·fwd.
-3. The DPO step (`shardax.train.preference_step`) on 2B rows of T tokens (B pairs) against
+3. The DPO step (`shardax.train.post.preference_step`) on 2B rows of T tokens (B pairs) against
    the SFT step on B rows of 2T: the same tokens, one forward + backward: ≈ 1.
 4. Evaluation (the perplexity path of `shardax.train.evaluate`: its jitted summed-NLL
    forward) against the SFT step on the same rows: forward only is ≈ 1/3 of a step's FLOPs,
@@ -47,8 +47,9 @@ from _common import (
 )
 
 from shardax.models import decode
-from shardax.train import build, evaluate, grpo, preference_step
+from shardax.train import build, evaluate
 from shardax.train.config import TrainConfig, check
+from shardax.train.post import grpo, preference_step
 from shardax.train.resolve import resolve
 
 SHAPE = dict(dim=256, n_heads=8, n_kv_heads=4, mlp_dim=704, n_layers=4, max_seq_len=256)

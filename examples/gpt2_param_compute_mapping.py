@@ -34,7 +34,7 @@ from shardax.sharding import (  # noqa: E402
     MeshShardingHelper,
     with_sharding_annotation,
 )
-from shardax.train.data import TokenBatches, default_corpus, load_bytes  # noqa: E402
+from shardax.train.data.lm_data import TokenBatches, default_corpus, load_bytes  # noqa: E402
 
 STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 40))
 

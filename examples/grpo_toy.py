@@ -3,7 +3,7 @@
     python examples/grpo_toy.py
 
 A randomly initialised byte-level Llama (``llama-tiny`` shapes, 2 layers) is post-trained
-with GRPO (`shardax.train.grpo`, TRL's algorithm and metric names): each step samples
+with GRPO (`shardax.train.post.grpo`, TRL's algorithm and metric names): each step samples
 ``group_size`` completions of each prompt with the sharded KV-cache decoder, scores them with
 a reward function written as for TRL (``digits``: the fraction of the completion's bytes
 that are digits), and takes a clipped policy-gradient step on the group-normalised
@@ -28,10 +28,10 @@ from flax import nnx  # noqa: E402
 
 from shardax import layout, models  # noqa: E402
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper  # noqa: E402
-from shardax.train.grpo import GRPOConfig, train_grpo  # noqa: E402
-from shardax.train.rewards import RewardSet  # noqa: E402
+from shardax.train.data.tokenizer import load_tokenizer  # noqa: E402
+from shardax.train.post.grpo import GRPOConfig, train_grpo  # noqa: E402
+from shardax.train.post.rewards import RewardSet  # noqa: E402
 from shardax.train.step import init_state  # noqa: E402
-from shardax.train.tokenizer import load_tokenizer  # noqa: E402
 
 STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 20))
 PROMPTS = [f"{a}+{b}=" for a, b in [(2, 3), (7, 1), (4, 4), (9, 5), (1, 8), (6, 2)]]

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardax.train.checkpoint import list_steps
+from shardax.train.run.checkpoint import list_steps
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -44,7 +44,8 @@ COVERED: dict[tuple[str, str], str] = {
     ("README.md", ".venv/bin/shardax train --out runs/latest --steps 600 --resume "
                   "--mesh dp=2,fsdp=2,tp=2"):
         "tests/test_train.py::test_resume_onto_another_mesh_continues_training",
-    ("docs/checkpoints.md", "from shardax.train.checkpoint import Checkpointer, abstract_state"):
+    ("docs/checkpoints.md",
+     "from shardax.train.run.checkpoint import Checkpointer, abstract_state"):
         "tests/test_checkpoint.py::test_async_save_is_not_affected_by_donation",
     ("docs/checkpoints.md", 'ckpt = Checkpointer("runs/exp1/ckpt")'):
         "tests/test_checkpoint.py::test_resume_gives_bit_identical_training",

@@ -32,7 +32,7 @@ import pytest
 from _cli import cli_command, multiprocess_env, read_metrics
 
 from shardax.launch import launch
-from shardax.train.checkpoint import list_steps
+from shardax.train.run.checkpoint import list_steps
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,4 @@
-"""GRPO (shardax.train.grpo) against a hand-computed reference and against one device.
+"""GRPO (shardax.train.post.grpo) against a hand-computed reference and against one device.
 
 The reference follows TRL's ``GRPOTrainer`` (trl/trainer/grpo_trainer.py):
 ``_generate_and_score_completions`` (rewards summed, advantages ``(r - mean) / (std + 1e-4)``
@@ -21,10 +21,10 @@ from shardax import layout, models
 from shardax.layout import forward
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
-from shardax.train import grpo
-from shardax.train.rewards import RewardError, RewardSet
+from shardax.train.data.tokenizer import load_tokenizer
+from shardax.train.post import grpo
+from shardax.train.post.rewards import RewardError, RewardSet
 from shardax.train.step import init_state
-from shardax.train.tokenizer import load_tokenizer
 
 CONFIG = models.get_config("llama-tiny", n_layers=1)
 TX = optax.sgd(0.5)

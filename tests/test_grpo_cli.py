@@ -1,4 +1,4 @@
-"""``shardax train --objective grpo`` (`shardax.train.grpo_run`): a 3-step run of llama-tiny on
+"""``shardax train --objective grpo`` (`shardax.train.post.grpo_run`): a 3-step run of llama-tiny on
 the bytes tokenizer logs TRL's GRPO metrics, a run stopped at step 2 and resumed equals the
 straight one bit for bit, and bad GRPO input is one line, exit 2. The algorithm itself
 (rollouts, advantages, loss, sharded = one device) is tested in test_grpo.py."""
@@ -96,9 +96,9 @@ def test_chat_prompts_are_the_templates_generation_prompts(name, tmp_path):
     text whose ids are ``apply_chat_template(..., add_generation_prompt=True)``'s; other
     columns stay for the rewards."""
     pytest.importorskip("jinja2")
-    from shardax.train.chat import ChatTemplate
-    from shardax.train.grpo_run import read_prompts
-    from shardax.train.tokenizer import load_tokenizer
+    from shardax.train.data.chat import ChatTemplate
+    from shardax.train.data.tokenizer import load_tokenizer
+    from shardax.train.post.grpo_run import read_prompts
 
     chat = Path(__file__).parent / "fixtures" / "chat" / name
     convs = [json.loads(line)["messages"][:-1] for line in

@@ -24,8 +24,8 @@ from test_hostile_input import FIXTURE, one_line_error, shardax
 
 from shardax.cli import main
 from shardax.hf.configs import HF_MODEL_TYPES
-from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, UsageError, check
+from shardax.train.run.checkpoint import list_steps
 from shardax.train.rundir import check_run_dir
 
 RUN = ["--batch-size", "12", "--seq-len", "32", "--optimizer", "sgd", "--lr", "0.03",

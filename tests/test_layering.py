@@ -219,6 +219,48 @@ def test_training_sits_below_the_planner():
     assert not up, f"shardax.train imports the planner: {up}"
 
 
+# The training wing's floors, lowest first: the data pipeline, the run machinery, the core of a
+# run (config, resolve, step, build, inputs, ...: shardax.train's own modules), the post-training
+# objectives, then the commands. An import in shardax.train goes to its own floor or one below.
+TRAIN_COMMANDS = {"loop", "generate", "evaluate", "harness", "task_evals", "export"}
+
+
+def _train_floor(module: str) -> int:
+    """0 ``shardax.train.data``, 1 ``.run``, 2 the core modules, 3 ``.post``, 4 the commands
+    and the package's own face."""
+    part = module.split(".")[2] if module.count(".") >= 2 else "__init__"
+    return {"data": 0, "run": 1, "post": 3}.get(
+        part, 4 if part in TRAIN_COMMANDS or part == "__init__" else 2)
+
+
+def _train_imports_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((module, target) for module, targets in graph.items()
+                  if module.startswith("shardax.train") for target in targets
+                  if target.startswith("shardax.train")
+                  and _train_floor(target) > _train_floor(module))
+
+
+def test_training_imports_go_down_its_floors():
+    """``train/data`` imports nothing else of training, ``train/run`` only the data, and no
+    post-training objective imports a command (``loop``, ``generate``, ...)."""
+    graph = _graph()
+    assert any(m.startswith("shardax.train.data.") for m in graph), "the floors are read"
+    assert not (up := _train_imports_up(graph)), f"shardax.train imports up its floors: {up}"
+
+
+def test_the_training_floor_check_can_fail():
+    graph = {"shardax.train.data.chat": {"shardax.train.run.notes", "shardax.train.data.readers"},
+             "shardax.train.run.report": {"shardax.train.config", "shardax.train.data.encode"},
+             "shardax.train.post.grpo": {"shardax.train.step", "shardax.train.loop"},
+             "shardax.train.step": {"shardax.train.post.objectives", "shardax.models"},
+             "shardax.train.loop": {"shardax.train.post.grpo", "shardax.train.build"}}
+    assert _train_imports_up(graph) == [
+        ("shardax.train.data.chat", "shardax.train.run.notes"),
+        ("shardax.train.post.grpo", "shardax.train.loop"),
+        ("shardax.train.run.report", "shardax.train.config"),
+        ("shardax.train.step", "shardax.train.post.objectives")]
+
+
 # What a model may use of shardax.parallel: kernels and remat, no schedule (pipeline, 1f1b,
 # FSDP, tensor, context, expert): the layout applies those from outside (shardax.layout).
 MODEL_MAY_USE = {"shardax.parallel.attention_kernel", "shardax.parallel.grouped_kernel",

@@ -1,5 +1,5 @@
-"""Weighted mixtures (`shardax.train.mixture`): shares follow the weights, the global batch is a
-pure function of the step on any process count and across resumes, and changing the weights on
+"""Weighted mixtures (`shardax.train.data.mixture`): shares follow the weights, the global batch
+is a pure function of the step on any process count and across resumes, and changing the weights on
 resume keeps every source's position."""
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardax.errors import UsageError
-from shardax.train.mixture import Mixture, parse_weighted
+from shardax.train.data.mixture import Mixture, parse_weighted
 
 STEPS, BATCH = 2000, 8
 

@@ -1,4 +1,4 @@
-"""Weighted ``--data`` mixtures as training reads them (`shardax.train.mixture_data`): each
+"""Weighted ``--data`` mixtures as training reads them (`shardax.train.data.mixture_data`): each
 source's share of the tokens follows its weight, the batch of a step is the same on 1 and 2
 processes and across a resume, a resume with other weights keeps every source's position, and
 ``data/tokens/<source>`` is in every metrics record. The schedule itself is tested in
@@ -17,10 +17,10 @@ from _cli import committed_steps, read_metrics, stopped_at
 from _reference import TINY_TRAIN
 
 from shardax.train.config import check
-from shardax.train.data import TokenStream
+from shardax.train.data.lm_data import TokenStream
+from shardax.train.data.mixture import Mixture
+from shardax.train.data.mixture_data import MixtureBatches
 from shardax.train.loop import TrainConfig, prepare, train
-from shardax.train.mixture import Mixture
-from shardax.train.mixture_data import MixtureBatches
 from shardax.train.rundir import RunDir
 
 # Source "low" holds tokens 1..99, "high" 150..249: a token says which source it came from.

@@ -23,9 +23,10 @@ from shardax import models
 from shardax.models.llama_moe import MoE
 from shardax.models.moe import route
 from shardax.models.protocol import MoEStats
-from shardax.train import balance, packing
-from shardax.train.checkpoint import Checkpointer, flat
+from shardax.train import balance
+from shardax.train.data import packing
 from shardax.train.loop import TrainConfig, prepare, train
+from shardax.train.run.checkpoint import Checkpointer, flat
 
 MODEL = "llama-moe-aux-free-tiny"
 STEPS = 5

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardax.train import objectives
+from shardax.train.post import objectives
 
 # jitted, as the train step will run them (and 10x faster than op-by-op here)
 dpo_loss = jax.jit(objectives.dpo_loss, static_argnames="loss_type")

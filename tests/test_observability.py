@@ -25,10 +25,10 @@ from _reference import init_train_state
 
 from shardax import models
 from shardax.devices import device_spec
-from shardax.train.mfu import flops_per_token, matmul_params, mfu
-from shardax.train.profiler import parse_profile_steps, trace_files
+from shardax.train.run.mfu import flops_per_token, matmul_params, mfu
+from shardax.train.run.profiler import parse_profile_steps, trace_files
+from shardax.train.run.trackers import parse_log_to
 from shardax.train.step import train_step
-from shardax.train.trackers import parse_log_to
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",

@@ -17,9 +17,9 @@ from shardax.mesh import MeshShardingHelper
 from shardax.plan.estimate import compile_config
 from shardax.rules import FSDPShardingRule, HostOffloadRule
 from shardax.train.config import check
-from shardax.train.fingerprint import fingerprints
 from shardax.train.loop import TrainConfig, train
 from shardax.train.resolve import resolve
+from shardax.train.run.fingerprint import fingerprints
 
 MESH = "fsdp=4,tp=2"
 

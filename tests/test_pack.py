@@ -25,9 +25,9 @@ from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.config import check
+from shardax.train.data.packing import documents, loss_weights
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, train
-from shardax.train.packing import documents, loss_weights
 from shardax.train.resolve import resolve
 from shardax.train.rundir import load_run_config
 from shardax.train.step import eval_loss, train_step

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from shardax.errors import DataError
-from shardax.train.objectives import sequence_logps
-from shardax.train.preference_data import encode_preferences, read_preferences
-from shardax.train.tokenizer import ByteTokenizer, load_tokenizer
+from shardax.train.data.preference_data import encode_preferences, read_preferences
+from shardax.train.data.tokenizer import ByteTokenizer, load_tokenizer
+from shardax.train.post.objectives import sequence_logps
 
 CHAT = Path(__file__).parent / "fixtures" / "chat"
 STANDARD = [{"prompt": "The sky is", "chosen": " blue.", "rejected": " green, surely."},
@@ -88,7 +88,7 @@ def test_chat_records_render_with_the_template(tmp_path, name):
     an assistant message, as ChatTemplate renders prompt + reply."""
     pytest.importorskip("jinja2")
     pytest.importorskip("tokenizers")
-    from shardax.train.chat import ChatTemplate
+    from shardax.train.data.chat import ChatTemplate
 
     template, tok = ChatTemplate(CHAT / name), load_tokenizer(CHAT / name)
     conversations = [json.loads(line)["messages"]

@@ -4,7 +4,7 @@ copy of the weights, SimPO and ORPO train, bad input is one line.
 
 One module-scoped DPO run (llama-tiny, bytes tokenizer, 8 pairs x 32 tokens, plain SGD, mesh
 fsdp=4,tp=2) is the reference of most tests; the one-device reference is written here from
-the model's own logits and `shardax.train.objectives.dpo_loss`, outside the train step.
+the model's own logits and `shardax.train.post.objectives.dpo_loss`, outside the train step.
 """
 
 import json
@@ -24,16 +24,17 @@ from flax import nnx
 
 from shardax.cli import main
 from shardax.errors import UsageError
-from shardax.train import build, preference_step
-from shardax.train.checkpoint import Checkpointer, flat
+from shardax.train import build
 from shardax.train.config import ExportConfig, check, check_export
+from shardax.train.data.preference_data import encode_preferences, read_preferences
+from shardax.train.data.tokenizer import load_tokenizer
 from shardax.train.export import export_run
 from shardax.train.loop import TrainConfig, train
-from shardax.train.objectives import dpo_loss, sequence_logps
-from shardax.train.preference_batches import REFERENCE_FILE, PreferenceBatches
-from shardax.train.preference_data import encode_preferences, read_preferences
+from shardax.train.post import preference_step
+from shardax.train.post.objectives import dpo_loss, sequence_logps
+from shardax.train.post.preference_batches import REFERENCE_FILE, PreferenceBatches
 from shardax.train.resolve import resolve
-from shardax.train.tokenizer import load_tokenizer
+from shardax.train.run.checkpoint import Checkpointer, flat
 
 PAIRS, SEQ, STEPS, LR = 8, 32, 5, 0.03
 RTOL = 1e-5

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shardax.errors import UsageError
-from shardax.train.rewards import RewardError, RewardSet, load_reward, reward_metrics
+from shardax.train.post.rewards import RewardError, RewardSet, load_reward, reward_metrics
 
 REWARDS = """
 def exact(prompts, completions, answer, **fields):

@@ -22,7 +22,7 @@ from _cli import cli_command, cli_env, committed_steps, read_metrics, wait_for_l
 from _reference import TINY_TRAIN
 
 from shardax.errors import UsageError
-from shardax.train.runlock import LOCK_FILE, RunLock
+from shardax.train.run.runlock import LOCK_FILE, RunLock
 
 TINY = {**TINY_TRAIN, "steps": 6, "mesh": "fsdp=-1"}
 BOUND_S = 300
@@ -276,7 +276,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_resto
 
 def test_a_checkpointer_leaves_the_process_alone(tmp_path):
     """Building a Checkpointer installs no hook and no logger filter: dropping orbax's reports
-    is the ``shardax`` command's choice (`shardax.train.orbax_logs.drop_orbax_errors`)."""
+    is the ``shardax`` command's choice (`shardax.train.run.orbax_logs.drop_orbax_errors`)."""
     import logging
 
     from shardax.train import Checkpointer
@@ -294,7 +294,7 @@ def test_orbax_late_reports_are_dropped_and_others_are_not(monkeypatch, capsys):
     "Exception ignored in" of a closed event loop), is dropped; anything else still shows."""
     from types import SimpleNamespace
 
-    from shardax.train.orbax_logs import drop_orbax_errors
+    from shardax.train.run.orbax_logs import drop_orbax_errors
 
     shown = []
     monkeypatch.setattr(sys, "unraisablehook", shown.append)

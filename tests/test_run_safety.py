@@ -25,11 +25,12 @@ from _reference import TINY_TRAIN
 
 from shardax.cli import main
 from shardax.errors import UsageError
-from shardax.train import Checkpointer, report
+from shardax.train import Checkpointer
 from shardax.train.config import TrainConfig
 from shardax.train.generate import generate
 from shardax.train.loop import train
 from shardax.train.optimizers import make_optimizer
+from shardax.train.run import report
 from shardax.train.rundir import SET_ASIDE_DIR
 
 TINY = {**TINY_TRAIN, "steps": 6, "mesh": "fsdp=-1"}
@@ -249,7 +250,7 @@ def test_generate_reads_a_moved_run_from_anywhere_without_writing(reference, tmp
     assert len(notes) == 1 and "checkpoint step 6 is unusable" in notes[0], proc.stderr
     # No traceback at all: not shardax's, nor orbax's after-effects of the failed read of
     # step 6 (TensorStore's callbacks into orbax's closed event loop, its abandoned read
-    # coroutines at exit), which shardax drops (shardax.train.orbax_logs.drop_orbax_errors).
+    # coroutines at exit), which shardax drops (shardax.train.run.orbax_logs.drop_orbax_errors).
     assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr, (
         proc.stderr[-3000:])
     assert _snapshot(out) == before  # nothing written, the in-flight save left alone

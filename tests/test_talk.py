@@ -17,8 +17,8 @@ from shardax.plan.search import _fold
 from shardax.train.build import abstract
 from shardax.train.config import TrainConfig
 from shardax.train.loop import axis_findings
-from shardax.train.report import Progress, fit, phase
 from shardax.train.resolve import resolve
+from shardax.train.run.report import Progress, fit, phase
 
 FLAGS = ["--model", "llama-tiny", "--batch-size", "8", "--seq-len", "16"]
 

@@ -278,7 +278,7 @@ def _start_backend(devices: int) -> None:
     orbax's own reports of the checkpoint failures shardax reports are dropped."""
     _set_devices(devices)
     from shardax import distributed
-    from shardax.train.orbax_logs import drop_orbax_errors
+    from shardax.train.run.orbax_logs import drop_orbax_errors
 
     drop_orbax_errors()
 
@@ -292,7 +292,7 @@ def _start_backend(devices: int) -> None:
 def _compile_cache(off: bool) -> None:
     """The persistent compilation cache, unless ``--no-compile-cache`` (before any compile)."""
     if not off:
-        from shardax.train.compile_cache import enable
+        from shardax.train.run.compile_cache import enable
 
         enable()
 
@@ -401,7 +401,7 @@ def _train_check(args: Any) -> Any:
 
     config = check(args.run)
     if config.objective == "grpo":  # its prompts and rewards, before a backend starts
-        from shardax.train.grpo_run import check_inputs
+        from shardax.train.post.grpo_run import check_inputs
 
         check_inputs(config)
     return dataclasses.replace(args, run=config)
@@ -411,8 +411,8 @@ def _train_run_dir(args: Any) -> Any:
     """The run directory ``train`` writes (an elastic restart resumes in it), checked before a
     backend starts."""
     from shardax import distributed
+    from shardax.train.run.runlock import check_free
     from shardax.train.rundir import check_run_dir
-    from shardax.train.runlock import check_free
 
     config = _elastic_resume(args.run)
     if not distributed.requested():  # in a job, process 0 may hold the lock already
@@ -459,7 +459,7 @@ def _restart() -> int:
 
 def _elastic_resume(config: Any) -> Any:
     """A restarted elastic job resumes from the newest checkpoint, if one was committed."""
-    from shardax.train.checkpoint import list_steps
+    from shardax.train.run.checkpoint import list_steps
     from shardax.train.rundir import RunDir
 
     if _restart() == 0 or config.resume:

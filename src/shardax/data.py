@@ -6,6 +6,6 @@
 ...                               {"role": "assistant", "content": "red"}])  # doctest: +SKIP
 """
 
-from shardax.train.chat import render_chat
+from shardax.train.data.chat import render_chat
 
 __all__ = ["render_chat"]

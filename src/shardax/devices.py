@@ -1,6 +1,6 @@
 """The accelerator table: peak FLOP/s, memory and link bandwidths by ``device_kind``.
 
-MFU (`shardax.train.mfu`) divides by the peak dense bf16 FLOP/s; the planner (``shardax plan``)
+MFU (`shardax.train.run.mfu`) divides by the peak dense bf16 FLOP/s; the planner (``shardax plan``)
 takes its hardware model from here: peak FLOP/s, HBM per device, two bandwidth tiers (one
 device's links within a host / an ICI domain, and its share of the network across hosts), the
 devices per host, and the fractions of peak FLOP/s and bandwidth a real training step achieves.

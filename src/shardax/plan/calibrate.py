@@ -31,8 +31,8 @@ from shardax.filecheck import parse_json, read_json, read_text
 from shardax.plan.estimate import Compiled, comm_seconds, hidden_seconds, remat_factor, seconds
 from shardax.train.config import TrainConfig
 from shardax.train.configfile import from_dict
-from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import layout_of
+from shardax.train.run.mfu import flops_per_token
 
 __all__ = ["RunFit", "calibrate", "read_run"]
 

@@ -37,8 +37,8 @@ from shardax.plan import depth
 from shardax.plan.topology import memory_source, on_target
 from shardax.train.build import abstract, step_function
 from shardax.train.config import STEP_FIELDS, TrainConfig
-from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, resolve
+from shardax.train.run.mfu import flops_per_token
 from shardax.utils import human_bytes as _human
 
 __all__ = ["Compiled", "Estimate", "across_bytes", "assumptions", "comm_seconds",

@@ -53,8 +53,8 @@ from shardax.plan.estimate import (
     usable_bytes,
 )
 from shardax.train.config import STEP_FIELDS, TrainConfig, with_layout
-from shardax.train.mfu import flops_per_token
 from shardax.train.resolve import Resolved, layout_of, resolve
+from shardax.train.run.mfu import flops_per_token
 from shardax.utils import human_bytes as _human
 
 __all__ = ["SearchResult", "analytic", "candidates", "layout_text", "search"]

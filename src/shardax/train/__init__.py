@@ -1,21 +1,24 @@
-"""Training: data, checkpoints, the train step and the ``shardax`` train/generate/export commands.
+"""Training: data, checkpoints, the train step and the ``shardax`` train/generate/eval/export
+commands.
 
-Modules, one job each: ``config`` (the command dataclasses and their checks), ``configfile``
-(settings from a ``--config`` file), ``resolve`` (a config -> the resolved run, once),
-``rundir`` (every path and check of a run directory), ``inputs`` (tokenizer and sharded
-batches of a run), ``build`` (train state and compiled step of a resolved run), ``step``
-(the train step and `TrainState`), ``optimizers`` (``--optimizer`` and its schedule, and
-their defaults), ``checkpoint`` (sharded checkpoints and the train state's checkpoint format),
-``fingerprint`` (what a checkpoint verifies its arrays against), ``orbax_logs`` (orbax's log
-noise), ``loop`` (the training loop), ``notes`` (what a command tells the user), ``stop``
-(SIGTERM / Ctrl-C), ``report`` and
-``trackers`` (progress, ``metrics.jsonl``, ``loss.png``, TensorBoard / W&B), ``profiler``,
-``mfu`` (model FLOPs), ``generate`` and ``export``, ``data`` / ``readers`` / ``encode`` /
-``tokenizer`` (the data pipeline).
+Sub-packages by concern, imports only going down the list:
+
+- ``data``: what turns ``--data`` files into batches (readers, tokenizers, the token cache,
+  chat templates, packing, mixtures, preference pairs);
+- ``run``: the machinery around a run (checkpoints, fingerprints, the run lock, stopping,
+  non-finite steps, profiler, progress and metrics, MFU, the compilation cache);
+- this package's own modules, one job each: ``config`` (the command dataclasses and their
+  checks), ``configfile`` (settings from a ``--config`` file), ``optimizers`` (``--optimizer``
+  and its schedule), ``rundir`` (every path and check of a run directory), ``resolve`` (a
+  config -> the resolved run, once), ``step`` (the train step and `TrainState`), ``balance``
+  (MoE router bias), ``build`` (train state and compiled step of a resolved run), ``inputs``
+  (tokenizer and sharded batches of a run), ``elastic`` (a config fitted to the devices left);
+- ``post``: post-training objectives (DPO/SimPO/ORPO, GRPO) on top of the step;
+- the commands: ``loop`` (``shardax train``), ``generate``, ``evaluate`` / ``harness`` /
+  ``task_evals`` (``shardax eval``, lm-eval tasks), ``export``.
 """
 
-from shardax.train.checkpoint import Checkpointer, CorruptCheckpointError, Restored, abstract_state
-from shardax.train.data import (
+from shardax.train.data.lm_data import (
     SEPARATOR,
     DataError,
     TokenBatches,
@@ -27,7 +30,13 @@ from shardax.train.data import (
     split_tokens,
     val_batches,
 )
-from shardax.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from shardax.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from shardax.train.run.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    Restored,
+    abstract_state,
+)
 
 __all__ = [
     "Checkpointer",

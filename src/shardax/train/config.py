@@ -36,12 +36,12 @@ from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
-from shardax.train.mixture import weighted_entries
+from shardax.train.data.mixture import weighted_entries
+from shardax.train.data.readers import check_dataset_entries
+from shardax.train.data.tokenizer import has_tokenizer
 from shardax.train.optimizers import defaults as optimizer_defaults
-from shardax.train.profiler import parse_profile_steps
-from shardax.train.readers import check_dataset_entries
-from shardax.train.tokenizer import has_tokenizer
-from shardax.train.trackers import check_installed, parse_log_to
+from shardax.train.run.profiler import parse_profile_steps
+from shardax.train.run.trackers import check_installed, parse_log_to
 
 __all__ = [
     "LAYOUT_FLAGS",
@@ -732,7 +732,7 @@ def _check_objective(config: TrainConfig) -> None:
 
 def _check_grpo(config: TrainConfig) -> None:
     """The flags of ``--objective grpo``; the reward functions are loaded (their modules
-    imported: a reward is the user's code) and the prompts read in `shardax.train.grpo_run`."""
+    imported: a reward is the user's code) and the prompts read in `shardax.train.post.grpo_run`."""
     _usage(bool(config.reward), "--objective grpo needs --reward FILE.py:FUNCTION (or "
                                 "package.module:function), the reward of each completion")
     _usage(not config.reward_weights or len(config.reward_weights) == len(config.reward),

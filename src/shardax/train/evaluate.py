@@ -32,13 +32,13 @@ from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train.config import EvalConfig, check_eval
-from shardax.train.data import TokenStream, open_data
+from shardax.train.data.lm_data import TokenStream, open_data
+from shardax.train.data.readers import list_data_files, read_pieces
+from shardax.train.data.tokenizer import Tokenizer, run_tokenizer
 from shardax.train.generate import load_hf, restore_model
-from shardax.train.objectives import sequence_logps
-from shardax.train.readers import list_data_files, read_pieces
+from shardax.train.post.objectives import sequence_logps
 from shardax.train.resolve import make_mesh
 from shardax.train.rundir import RunDir, check_run
-from shardax.train.tokenizer import Tokenizer, run_tokenizer
 
 __all__ = ["evaluate", "evaluate_files", "load_model", "windows"]
 

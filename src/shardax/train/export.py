@@ -28,9 +28,9 @@ from shardax.hf.export import EXPORTED
 from shardax.hf.peft import save_adapters
 from shardax.models.lora import merge_lora
 from shardax.train.config import ExportConfig
+from shardax.train.data.tokenizer import Tokenizer, run_tokenizer
 from shardax.train.generate import restore_model
 from shardax.train.rundir import RunDir, check_run
-from shardax.train.tokenizer import Tokenizer, run_tokenizer
 
 __all__ = ["export_run"]
 

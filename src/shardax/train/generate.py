@@ -30,19 +30,19 @@ from shardax.models.lora import merge_lora
 from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
-from shardax.train.chat import ChatTemplate, chat_messages, chat_records
-from shardax.train.checkpoint import Checkpointer, restore_state
 from shardax.train.config import GenerateConfig, check_generate, hf_dir
-from shardax.train.notes import note
-from shardax.train.resolve import make_mesh, model_config, optimizer
-from shardax.train.rundir import RunDir, check_run, pipelined
-from shardax.train.tokenizer import (
+from shardax.train.data.chat import ChatTemplate, chat_messages, chat_records
+from shardax.train.data.tokenizer import (
     BYTES,
     Tokenizer,
     has_tokenizer,
     load_tokenizer,
     run_tokenizer,
 )
+from shardax.train.resolve import make_mesh, model_config, optimizer
+from shardax.train.run.checkpoint import Checkpointer, restore_state
+from shardax.train.run.notes import note
+from shardax.train.rundir import RunDir, check_run, pipelined
 
 __all__ = ["Chat", "Sampler", "generate", "load_hf", "load_sampler", "restore_model", "sample"]
 

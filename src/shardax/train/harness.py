@@ -52,10 +52,10 @@ from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
 from shardax.rules import LogicalAxisRules
 from shardax.train.config import EvalConfig
+from shardax.train.data.tokenizer import Tokenizer
 from shardax.train.evaluate import load_model
-from shardax.train.objectives import sequence_logps
+from shardax.train.post.objectives import sequence_logps
 from shardax.train.rundir import RunDir
-from shardax.train.tokenizer import Tokenizer
 
 __all__ = ["ShardaxLM", "evaluate_tasks", "make_table", "run_tasks", "task_manager"]
 

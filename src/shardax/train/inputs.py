@@ -25,16 +25,16 @@ import jax
 from shardax import models
 from shardax.distributed import batch_part
 from shardax.errors import UsageError
-from shardax.train import data as data_lib
-from shardax.train.chat import ChatTemplate, chat_records, is_chat_file
-from shardax.train.chat_data import ChatBatches, chat_val_batches, pack_chats
 from shardax.train.config import TrainConfig
-from shardax.train.mixture import weighted_entries
-from shardax.train.mixture_data import MixtureBatches, source_names
-from shardax.train.notes import note
+from shardax.train.data import lm_data as data_lib
+from shardax.train.data.chat import ChatTemplate, chat_records, is_chat_file
+from shardax.train.data.chat_data import ChatBatches, chat_val_batches, pack_chats
+from shardax.train.data.mixture import weighted_entries
+from shardax.train.data.mixture_data import MixtureBatches, source_names
+from shardax.train.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 from shardax.train.resolve import Resolved
+from shardax.train.run.notes import note
 from shardax.train.rundir import RunDir
-from shardax.train.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 
 __all__ = ["Inputs", "checked_tokenizer", "holds_out", "prepare_inputs"]
 
@@ -48,7 +48,7 @@ class Inputs:
     empty: no evaluation)."""
 
     tokenizer: Tokenizer
-    # TokenBatches, ChatBatches, MixtureBatches or (shardax.train.preference_batches)
+    # TokenBatches, ChatBatches, MixtureBatches or (shardax.train.post.preference_batches)
     # PreferenceBatches: batch(step), state(), restore()
     train: Any
     val: list

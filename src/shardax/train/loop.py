@@ -7,11 +7,11 @@ the numbers (model, seed, data order, optimizer state, step) is in the checkpoin
 ``--resume`` continues bit for bit, on the same mesh or, resharded, on another one.
 
 `prepare` checks and resolves a config once (`check`, `check_run_dir`, `resolve`, the
-``--objective``'s inputs: `shardax.train.objective_steps`; a `UsageError` names the flag or
+``--objective``'s inputs: `shardax.train.post.objective_steps`; a `UsageError` names the flag or
 file, nothing is written); `train` runs the loop with the objective's step. SIGTERM or a
 first Ctrl-C finishes the current step, saves it and raises `Stopped` (the CLI exits with
 128 + the signal number); a second Ctrl-C aborts at once. A step whose loss is not finite is
-handled by ``--on-nan`` (`shardax.train.nonfinite`): by default `NonFinite` is raised without
+handled by ``--on-nan`` (`shardax.train.run.nonfinite`): by default `NonFinite` is raised without
 saving it (the CLI exits with 3).
 
 >>> metrics = train(TrainConfig(steps=20, out="runs/demo"))  # doctest: +SKIP
@@ -37,24 +37,26 @@ from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
 from shardax.rulecheck import rule_findings
-from shardax.train import balance, build, grpo_run, report
-from shardax.train.chat_data import ChatBatches
-from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
+from shardax.train import balance, build
 from shardax.train.config import TrainConfig, check
-from shardax.train.fingerprint import fingerprints
+from shardax.train.data.chat_data import ChatBatches
+from shardax.train.data.tokenizer import BYTES
 from shardax.train.inputs import Inputs
-from shardax.train.mfu import flops_per_token
-from shardax.train.nonfinite import NonFinite, NonFiniteWatch
-from shardax.train.notes import note
-from shardax.train.objective_steps import objective_of
-from shardax.train.profiler import StepProfiler, parse_profile_steps
+from shardax.train.post import grpo_run
+from shardax.train.post.objective_steps import objective_of
 from shardax.train.resolve import Resolved, resolve, schedule_change
+from shardax.train.run import report
+from shardax.train.run.checkpoint import Checkpointer, Restored, flat, restore_state
+from shardax.train.run.fingerprint import fingerprints
+from shardax.train.run.mfu import flops_per_token
+from shardax.train.run.nonfinite import NonFinite, NonFiniteWatch
+from shardax.train.run.notes import note
+from shardax.train.run.profiler import StepProfiler, parse_profile_steps
+from shardax.train.run.runlock import RunLock
+from shardax.train.run.stop import Stopped, StopRequests
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
-from shardax.train.runlock import RunLock
 from shardax.train.step import TrainState, eval_loss
-from shardax.train.stop import Stopped, StopRequests
 from shardax.train.task_evals import TaskEvals
-from shardax.train.tokenizer import BYTES
 from shardax.utils import tree_path_to_string
 
 __all__ = ["NonFinite", "Prepared", "Stopped", "TrainConfig", "UsageError", "prepare", "train"]
@@ -165,7 +167,7 @@ def train(config: TrainConfig, prepared: Prepared | None = None, *,
     Raises `UsageError` for bad input (before writing anything) and `Stopped` after saving
     the step at which SIGTERM or Ctrl-C stopped it. ``prepared`` / ``run_dir``: what
     `prepare` / `check_run_dir` already returned for ``config``. The run directory is
-    locked (`shardax.train.runlock`) while it trains: a second trainer on it is refused."""
+    locked (`shardax.train.run.runlock`) while it trains: a second trainer on it is refused."""
     with _lock(Path(config.out)), StopRequests() as stop:
         if config.objective == "grpo" and prepared is None:
             return grpo_run.train_grpo_run(config, run_dir, stop)

@@ -27,11 +27,11 @@ from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import check_target_dir, remove_tree, write_text
 from shardax.mesh import parse_mesh_string
-from shardax.train.checkpoint import list_steps
 from shardax.train.config import TrainConfig, flag, with_defaults
 from shardax.train.configfile import from_dict
-from shardax.train.mixture import weighted_entries
-from shardax.train.tokenizer import TOKENIZER_DIR, Tokenizer
+from shardax.train.data.mixture import weighted_entries
+from shardax.train.data.tokenizer import TOKENIZER_DIR, Tokenizer
+from shardax.train.run.checkpoint import list_steps
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "FIXED_ON_RESUME", "PROFILE_DIR", "SET_ASIDE_DIR",
            "RunDir", "check_resume", "check_run", "check_run_dir", "load_run_config",
@@ -44,7 +44,7 @@ CHECKPOINT_DIR = "checkpoints"
 #: ones, or those past ``--resume-step``), so that the run can save those steps again.
 SET_ASIDE_DIR = "checkpoints-set-aside"
 PROFILE_DIR = "profile"
-# The folders a run writes into (the trackers' too: `shardax.train.trackers`).
+# The folders a run writes into (the trackers' too: `shardax.train.run.trackers`).
 _WRITTEN_DIRS = (CHECKPOINT_DIR, SET_ASIDE_DIR, PROFILE_DIR, TOKENIZER_DIR, "tensorboard",
                  "wandb")
 #: Settings a resumed run must share with the run it continues (the mesh and the split of
@@ -156,7 +156,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
 
 def _fixed(config: TrainConfig, key: str) -> object:
     """What of setting ``key`` a resume keeps: of a weighted ``--data``, its paths (the weights
-    may change: `shardax.train.mixture_data`)."""
+    may change: `shardax.train.data.mixture_data`)."""
     if key != "data":
         return getattr(config, key)
     entries = weighted_entries(config.data)

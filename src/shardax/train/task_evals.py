@@ -28,9 +28,9 @@ from flax import nnx
 
 from shardax import layout
 from shardax.train.config import EvalConfig
+from shardax.train.data.tokenizer import Tokenizer
 from shardax.train.resolve import Resolved
 from shardax.train.step import TrainState
-from shardax.train.tokenizer import Tokenizer
 
 __all__ = ["TaskEvals", "metric_record"]
 

@@ -35,8 +35,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 from shardax import _compat
 from shardax.errors import CheckpointWriteError, CorruptCheckpointError
 from shardax.filewrite import remove_tree
-from shardax.train.fingerprint import fingerprints
-from shardax.train.orbax_logs import quiet_orbax
+from shardax.train.run.fingerprint import fingerprints
+from shardax.train.run.orbax_logs import quiet_orbax
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",

@@ -40,8 +40,8 @@ import numpy as np
 
 from shardax.errors import DataError
 from shardax.filewrite import remove_tree
-from shardax.train.readers import DataFile, Piece, TokenFile, open_token_file, read_pieces
-from shardax.train.tokenizer import Tokenizer
+from shardax.train.data.readers import DataFile, Piece, TokenFile, open_token_file, read_pieces
+from shardax.train.data.tokenizer import Tokenizer
 
 __all__ = ["CACHE_ENV", "cache_root", "encode_files", "encode_pieces", "token_dtype"]
 

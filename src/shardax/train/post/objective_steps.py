@@ -8,7 +8,7 @@ inputs, graphdef, state, start)``: DPO's reference log-probabilities, computed f
 initial state and saved, or read back when the run resumes).
 
 >>> objective_of(TrainConfig(objective="dpo")).step.__module__
-'shardax.train.preference_step'
+'shardax.train.post.preference_step'
 """
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ from typing import Any, NamedTuple
 import jax
 
 from shardax import _compat
-from shardax.train import build, preference_step
+from shardax.train import build
 from shardax.train.config import TrainConfig
 from shardax.train.inputs import Inputs, prepare_inputs
-from shardax.train.preference_batches import (
+from shardax.train.post import preference_step
+from shardax.train.post.preference_batches import (
     REFERENCE_FILE,
     preference_inputs,
     read_reference,
     write_reference,
 )
-from shardax.train.report import phase
 from shardax.train.resolve import Resolved
+from shardax.train.run.report import phase
 from shardax.train.rundir import RunDir
 
 __all__ = ["OBJECTIVES", "Objective", "objective_of"]

@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 
 from shardax.errors import UsageError
-from shardax.train import notes
+from shardax.train.run import notes
 
 __all__ = ["LOCK_FILE", "RunLock", "check_free"]
 

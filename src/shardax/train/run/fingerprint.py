@@ -1,7 +1,7 @@
 """Position-sensitive 32-bit fingerprints of array leaves, the same on any mesh.
 
 A checkpoint stores one per array and verifies them on restore
-(`shardax.train.checkpoint`); ``shardax train`` logs one per batch (``data_hash``). Each
+(`shardax.train.run.checkpoint`); ``shardax train`` logs one per batch (``data_hash``). Each
 leaf's bits are hashed with their flat position (murmur3's finaliser) and summed in uint32,
 which wraps, so the sum is exact in any reduction order: any mesh, any process count.
 

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from shardax.errors import DataError
-from shardax.train.data import TokenBatches, TokenStream
-from shardax.train.mixture import Mixture
+from shardax.train.data.lm_data import TokenBatches, TokenStream
+from shardax.train.data.mixture import Mixture
 
 __all__ = ["MixtureBatches", "source_names"]
 

@@ -1,11 +1,12 @@
 """The train step of a preference objective (DPO, SimPO, ORPO) and its reference log-probabilities.
 
-A batch is ``(inputs, labels, completion_mask, reference)`` of `shardax.train.preference_batches`:
-``2B`` rows, the ``B`` chosen sequences then their ``B`` rejected ones, and each row's
-reference log-probability (zeros for the reference-free SimPO and ORPO). One forward over all
-``2B`` rows gives the logits, `shardax.train.objectives.sequence_logps` the summed
-log-probability of each completion, and `PREFERENCE_LOSSES` the objective's loss as TRL defines
-it (`shardax.train.objectives`); its gradient goes through the optimizer as in the SFT step
+A batch is ``(inputs, labels, completion_mask, reference)`` of
+`shardax.train.post.preference_batches`: ``2B`` rows, the ``B`` chosen sequences then their
+``B`` rejected ones, and each row's reference log-probability (zeros for the reference-free
+SimPO and ORPO). One forward over all ``2B`` rows gives the logits,
+`shardax.train.post.objectives.sequence_logps` the summed log-probability of each completion,
+and `PREFERENCE_LOSSES` the objective's loss as TRL defines it
+(`shardax.train.post.objectives`); its gradient goes through the optimizer as in the SFT step
 (`shardax.train.step.apply_gradients`). The metrics are TRL's (``rewards/chosen``, ...), batch
 means, beside ``loss``.
 
@@ -36,7 +37,7 @@ from shardax.layout import forward
 from shardax.layout.spec import Layout
 from shardax.precision import Policy
 from shardax.train.config import TrainConfig
-from shardax.train.objectives import dpo_loss, orpo_loss, sequence_logps, simpo_loss
+from shardax.train.post.objectives import dpo_loss, orpo_loss, sequence_logps, simpo_loss
 from shardax.train.resolve import Resolved
 from shardax.train.step import FULL_PRECISION, ONE_DEVICE, TrainState, apply_gradients
 

@@ -1,5 +1,5 @@
 """What a training run reports: the progress bar, ``metrics.jsonl``, ``loss.png`` and the
-``--log-to`` trackers (TensorBoard, W&B: `shardax.train.trackers`).
+``--log-to`` trackers (TensorBoard, W&B: `shardax.train.run.trackers`).
 
 ``metrics.jsonl`` holds one JSON object per logged step (``step``, ``loss``, ``grad_norm``,
 ``lr``, ``step_time_s``, ``tokens_per_s``, ``tflops_per_device``, ``mfu`` (null where the
@@ -30,9 +30,9 @@ import jax
 from shardax.errors import MissingExtra, UsageError
 from shardax.filewrite import append_text, replacing, write_text
 from shardax.phase import HEARTBEAT_S, Beat, phase, say
-from shardax.train.mfu import mfu
-from shardax.train.notes import note
-from shardax.train.trackers import make_trackers
+from shardax.train.run.mfu import mfu
+from shardax.train.run.notes import note
+from shardax.train.run.trackers import make_trackers
 
 __all__ = ["MetricsLog", "Progress", "StepClock", "Trackers", "fit", "memory_in_use", "phase",
            "plot"]

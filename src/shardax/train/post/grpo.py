@@ -4,7 +4,7 @@ One GRPO step, as TRL's ``GRPOTrainer``: each prompt of the step's batch is samp
 ``group_size`` times from the current policy (`rollout`, with `shardax.models.decode`),
 the completions are scored by the user's reward functions and turned into group-normalised
 advantages (`score`), and ``num_iterations`` optimizer steps minimise
-`shardax.train.objectives.grpo_loss` on that batch (`grpo_step`). Sampling and updates run
+`shardax.train.post.objectives.grpo_loss` on that batch (`grpo_step`). Sampling and updates run
 on the same mesh, under the same rules as the train state; `train_grpo` is the loop.
 
 Defaults follow TRL's current ``GRPOConfig``: ``beta=0.0`` (no reference model is held or
@@ -40,10 +40,11 @@ from shardax.layout import forward
 from shardax.layout.spec import Layout
 from shardax.models import decode
 from shardax.precision import Policy
-from shardax.train import objectives, packing
-from shardax.train.rewards import RewardSet, reward_metrics
+from shardax.train.data import packing
+from shardax.train.data.tokenizer import Tokenizer
+from shardax.train.post import objectives
+from shardax.train.post.rewards import RewardSet, reward_metrics
 from shardax.train.step import FULL_PRECISION, ONE_DEVICE, TrainState, apply_gradients
-from shardax.train.tokenizer import Tokenizer
 
 __all__ = ["GRPOConfig", "Rollout", "Rollouts", "completion_logps", "grpo_step",
            "reference_params", "rollout", "rollout_arrays", "rollout_seed", "score",
@@ -147,7 +148,7 @@ def grpo_step(state: TrainState, batch: Rollouts, *, graphdef: Any,
               policy: Policy = FULL_PRECISION, epsilon: float = 0.2,
               epsilon_high: float | None = None, beta: float = 0.0
               ) -> tuple[TrainState, dict]:
-    """One optimizer step on `shardax.train.objectives.grpo_loss` of ``batch``.
+    """One optimizer step on `shardax.train.post.objectives.grpo_loss` of ``batch``.
 
     ``batch.old_logps`` None: the batch was sampled by these very parameters (TRL's
     ``num_iterations=1``: ratio 1, no clipping); ``batch.ref_logps`` is needed when
@@ -286,7 +287,7 @@ def score(rollout: Rollout, records: Sequence[Mapping], reward_set: RewardSet,
     functions as TRL passes a dataset's). Completions are decoded without their stop token;
     the rewards of ``reward_set`` (a `RewardError`, one line, for a function that raises or
     returns something else than one number per completion) are summed and normalised per
-    group (`shardax.train.objectives.group_advantages`). ``metrics`` are TRL's: ``reward``,
+    group (`shardax.train.post.objectives.group_advantages`). ``metrics`` are TRL's: ``reward``,
     ``reward_std``, ``rewards/<function>/mean`` and ``/std``, ``completion_length``.
 
     Example::

@@ -1,4 +1,4 @@
-"""``shardax train --objective grpo``: a GRPO run of `shardax.train.grpo` with checkpoints.
+"""``shardax train --objective grpo``: a GRPO run of `shardax.train.post.grpo` with checkpoints.
 
 The prompts are the records of ``--data PROMPTS.jsonl``: a ``prompt`` string, or chat
 ``messages`` rendered by the tokenizer's chat template with the generation prompt (as TRL's
@@ -6,7 +6,7 @@ The prompts are the records of ``--data PROMPTS.jsonl``: a ``prompt`` string, or
 ``--reward`` functions, as TRL passes a dataset's. The model is ``--model`` or
 ``--init-from hf:DIR``, LoRA or full, on any ``--mesh`` the train step supports; each step
 samples ``--batch-size`` completions (``--batch-size / --group-size`` prompts) and takes
-``--num-iterations`` optimizer steps (`shardax.train.grpo.train_grpo`). ``metrics.jsonl`` and
+``--num-iterations`` optimizer steps (`shardax.train.post.grpo.train_grpo`). ``metrics.jsonl`` and
 the trackers get TRL's metric names; checkpoints hold the same `TrainState` as any fine-tune
 (so ``shardax export`` and ``generate`` read them) and the data position, and the prompt
 order and sampling keys are functions of ``(--seed, step)``: ``--resume`` continues bit for
@@ -28,18 +28,19 @@ import jax
 from shardax import _compat
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import parse_json
-from shardax.train import build, report
-from shardax.train.chat import ChatTemplate, chat_messages
-from shardax.train.checkpoint import Checkpointer, Restored, flat, restore_state
+from shardax.train import build
 from shardax.train.config import TrainConfig, check
-from shardax.train.grpo import GRPOConfig, reference_params, train_grpo
+from shardax.train.data.chat import ChatTemplate, chat_messages
+from shardax.train.data.tokenizer import BYTES, load_tokenizer
 from shardax.train.inputs import checked_tokenizer
-from shardax.train.notes import note
+from shardax.train.post.grpo import GRPOConfig, reference_params, train_grpo
+from shardax.train.post.rewards import RewardSet
 from shardax.train.resolve import resolve
-from shardax.train.rewards import RewardSet
+from shardax.train.run import report
+from shardax.train.run.checkpoint import Checkpointer, Restored, flat, restore_state
+from shardax.train.run.notes import note
+from shardax.train.run.stop import Stopped, StopRequests
 from shardax.train.rundir import RunDir, check_run_dir, tidy_checkpoints, write_config
-from shardax.train.stop import Stopped, StopRequests
-from shardax.train.tokenizer import BYTES, load_tokenizer
 
 __all__ = ["check_inputs", "grpo_settings", "read_prompts", "train_grpo_run"]
 

@@ -2,7 +2,7 @@
 
 A tracker has two methods: ``log(step, scalars)`` and ``close()``. ``shardax train --log-to
 jsonl,tensorboard,wandb`` picks them; JSONL is always on and written by
-`shardax.train.report.MetricsLog` (``--resume`` and the loss plot read it back), so
+`shardax.train.run.report.MetricsLog` (``--resume`` and the loss plot read it back), so
 `make_trackers` builds only the others. TensorBoard event files are written by ``tensorboardX``
 (no TensorFlow needed) into ``<run>/tensorboard``; W&B runs in offline mode unless
 ``WANDB_MODE`` says otherwise, into ``<run>/wandb`` (``wandb sync`` uploads it later). Both are

@@ -33,7 +33,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from shardax import _compat
-from shardax.train.notes import note
+from shardax.train.run.notes import note
 
 __all__ = ["StopRequests", "Stopped"]
 
