@@ -59,6 +59,13 @@ def stopped_at(run: Path, dest: Path, step: int) -> Path:
     return dest
 
 
+def compile_flags() -> str:
+    """The suite's XLA flags (conftest.py) without the emulated device count, for a process
+    that sets its own devices (a multi-process run, an example)."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def multiprocess_env() -> dict[str, str]:
     """Environment of every process of a multi-process run: this source tree, CPU, no forced
     device count.
@@ -67,9 +74,7 @@ def multiprocess_env() -> dict[str, str]:
     differ and it may not write), so process 0 would race ahead and gloo's 30 s rendezvous
     at the first collective would fail on a busy machine.
     """
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env = cli_env(XLA_FLAGS=flags)
+    env = cli_env(XLA_FLAGS=compile_flags())
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     return env
 

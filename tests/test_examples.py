@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _cli import compile_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6  # every example prints the loss of step 0 and of step STEPS - 1
@@ -27,9 +28,6 @@ EXAMPLES = {
                        "Adam mu of c_fc: P(None, 'model', 'data')", "(equal within 1e-5: True)"],
 }
 NEEDS = {"haliax_gpt2.py": "haliax"}  # example -> the optional extra's module it imports
-# Examples whose compile time is most of their cost run with XLA's code generation at -O0, as
-# the tests do (conftest.py); what they print does not depend on it.
-FAST_COMPILE = {"haliax_gpt2.py"}
 # examples with their own output (no fixed step count): example -> text the output must contain
 SELF_CHECKING = {
     "quickstart.py": ["step  29  loss"],
@@ -45,11 +43,9 @@ REWARD_EXAMPLES = {"grpo_toy.py"}  # post-training examples: their mean reward r
 
 
 def run_example(name: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the example sets it
-    env.update(PYTHONPATH=str(ROOT / "src"), JAX_PLATFORMS="cpu",
-               SHARDAX_EXAMPLE_STEPS=str(STEPS))
-    if name in FAST_COMPILE:
-        env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    # The example adds the device count itself; the suite's compile-time flags go with it.
+    env = dict(os.environ, XLA_FLAGS=compile_flags(), PYTHONPATH=str(ROOT / "src"),
+               JAX_PLATFORMS="cpu", SHARDAX_EXAMPLE_STEPS=str(STEPS))
     result = subprocess.run([sys.executable, str(ROOT / "examples" / name)], env=env,
                             capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"

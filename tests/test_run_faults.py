@@ -18,7 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-from _cli import cli_command, cli_env, committed_steps, read_metrics, wait_for_line
+from _cli import (
+    cli_command,
+    cli_env,
+    committed_steps,
+    multiprocess_env,
+    read_metrics,
+    wait_for_line,
+)
 from _reference import TINY_TRAIN
 
 from shardax.errors import UsageError
@@ -172,10 +179,7 @@ def test_two_processes_stop_together_at_the_nan_step(tmp_path):
     """Every process reads the same flag and stops at the same step; process 0 says so once,
     the launcher exits with 3."""
     out = tmp_path / "run"
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
-    env = {**cli_env(PYTHONUNBUFFERED="1"), "XLA_FLAGS": flags}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # see test_multiprocess.py
+    env = {**multiprocess_env(), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         cli_command("launch", "--nproc", "2", "--devices-per-proc", "4", "--",
                     *_cmd(out, **EXPLODING)), env=env, capture_output=True, text=True,
