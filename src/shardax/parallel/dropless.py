@@ -22,17 +22,21 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardax import _compat
 from shardax.parallel.axes import axis_size, manual_axes
 from shardax.parallel.grouped_kernel import combine, routed_experts, sort_by_expert, tile_rows
 
 Array = jax.Array
 
-__all__ = ["dropless_moe", "send_bound"]
+__all__ = ["chunk_rows", "dropless_moe", "exchange", "pair_counts", "send_bound"]
+
+_PER_PAIR = False
 
 
 def send_bound(tokens: int, top_k: int, local_experts: int) -> int:
@@ -45,34 +49,141 @@ def send_bound(tokens: int, top_k: int, local_experts: int) -> int:
     return tokens * min(top_k, local_experts)
 
 
+def chunk_rows(pairs: int, ep: int) -> int:
+    """Rows each loop step of the exchange moves: the power of two nearest a quarter of the
+    mean rows one device sends another (``pairs / ep``), within [8, 256]: a pair's rows are
+    rounded up to whole chunks (about an eighth of a mean pair, on average), and fewer, larger
+    chunks mean fewer loop steps.
+
+    >>> chunk_rows(512, 8)
+    16
+    """
+    want = max(pairs / ep / 4, 1)
+    rows = 1 << round(want).bit_length() - 1
+    if want / rows > 1.5:
+        rows *= 2
+    return min(max(rows, 8), 256)
+
+
+def pair_counts(experts: Array, n_experts: int, axis: str) -> Array:
+    """``[ep, n_experts]`` int32, the same on every device of ``axis``: row ``i`` the pairs
+    device ``i`` routes to each expert (an all-gather of each device's ``bincount``).
+
+    Example (inside ``shard_map`` over 'ep')::
+
+        counts = pair_counts(experts, 8, "ep")
+    """
+    counts = jnp.bincount(experts.reshape(-1), length=n_experts).astype(jnp.int32)
+    return jax.lax.all_gather(counts, axis, to="invarying")
+
+
+def _trips(rows: Array, chunk: int) -> Array:
+    return (rows + chunk - 1) // chunk
+
+
+def _exchange_loops(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
+    ep = pairs.shape[0]
+    block = x.shape[0] // ep
+    me = jax.lax.axis_index(axis)
+    rows = jnp.arange(x.shape[0], dtype=jnp.int32)
+    # The rows a device keeps for its own experts move no further.
+    y = jnp.where(((rows // block == me) & (rows % block < pairs[me, me]))[:, None], x, 0)
+    step = jnp.arange(chunk, dtype=jnp.int32)
+    # Every device runs every loop as often (XLA:CPU's collectives wait for all the devices of
+    # the program): the most steps over the other axes the counts vary over (batch, pipeline).
+    steps = _trips(pairs, chunk)
+    others = tuple(sorted(_compat.varying_axes(steps)))
+    steps = jax.lax.pmax(steps, others) if others else steps
+
+    def loop(trips, perm, send_block, recv_block, count):
+        def body(carry):
+            c, y = carry
+            got = jax.lax.ppermute(
+                jax.lax.dynamic_slice_in_dim(x, send_block * block + c * chunk, chunk),
+                axis, perm)
+            at = recv_block * block + c * chunk
+            keep = (c * chunk + step < count)[:, None]
+            old = jax.lax.dynamic_slice_in_dim(y, at, chunk)
+            return c + 1, jax.lax.dynamic_update_slice_in_dim(y, jnp.where(keep, got, old),
+                                                              at, 0)
+        return jax.lax.while_loop(lambda carry: carry[0] < trips, body, (0, y))[1]
+
+    if _PER_PAIR:
+        for src in range(ep):
+            for dst in range(ep):
+                if src != dst:
+                    count = jnp.where(me == dst, pairs[src, dst], 0)
+                    y = loop(steps[src, dst], [(src, dst)], dst, src, count)
+    else:
+        for s in range(1, ep):
+            frm = (me - s) % ep
+            y = loop(jnp.max(steps[jnp.arange(ep), (jnp.arange(ep) + s) % ep]),
+                     [(i, (i + s) % ep) for i in range(ep)], (me + s) % ep, frm,
+                     pairs[frm, me])
+    return y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def exchange(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
+    """Rows from every device to every device over ``axis``, moving only the rows sent:
+    block ``j`` (of ``ep`` equal blocks) of device ``i``'s ``x [ep * block, d]`` holds, first,
+    the ``pairs[i, j]`` rows it sends device ``j``; block ``i`` of device ``j``'s result holds
+    them (the rest of each block is zeros). ``pairs [ep, ep]`` (int32) is the same on every
+    device. One ``while_loop`` of `jax.lax.ppermute` per ordered pair of devices, ``chunk``
+    rows a step, ``ceil(pairs[i, j] / chunk)`` steps; the rows a device sends itself stay.
+    Linear in ``x``: its transpose (the backward pass) is the exchange with ``pairs.T``.
+
+    Example (inside ``shard_map`` over 'ep')::
+
+        y = exchange(x, pairs, "ep", chunk=16)
+    """
+    return _exchange_loops(x, pairs, axis, chunk)
+
+
+def _exchange_fwd(x, pairs, axis, chunk):
+    return _exchange_loops(x, pairs, axis, chunk), pairs
+
+
+def _exchange_bwd(axis, chunk, pairs, g):
+    return (_exchange_loops(g, pairs.T, axis, chunk),
+            jnp.zeros(pairs.shape, jax.dtypes.float0))
+
+
+exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
 def _exchange(tokens: Array, weights: Array, experts: Array, mlp: Callable[..., Array],
               params: Sequence[Array], axis: str, tensor_axis: str | None) -> Array:
     """One device's part: its ``tokens [t, d]`` to their experts' devices over ``axis``,
     ``mlp`` on the rows its local experts received, and back, combined per token."""
     t, k = experts.shape
     local, ep = params[0].shape[0], axis_size(axis)
-    bound = send_bound(t, k, local)
-    # Buffer position of each pair: its destination's block, in the pairs' order there.
+    chunk = chunk_rows(t * k, ep)
+    # Each destination's block: the most pairs one device can route there, whole chunks.
+    block = _trips(send_bound(t, k, local), chunk) * chunk
+    counts = pair_counts(experts, local * ep, axis)
+    pairs = counts.reshape(ep, ep, local).sum(-1)
+    # Pairs sorted by expert (so by destination), each at its destination's block.
     flat = experts.reshape(-1).astype(jnp.int32)
-    dest = flat // local
-    order = jnp.argsort(dest, stable=True)
-    sizes = jnp.bincount(dest, length=ep)
-    start = jnp.cumsum(sizes) - sizes
-    to = dest[order]
-    pos = to * bound + jnp.arange(t * k, dtype=jnp.int32) - start[to]
+    order = jnp.argsort(flat, stable=True)
+    dest = flat[order] // local
+    start = jnp.cumsum(pairs[jax.lax.axis_index(axis)]) - pairs[jax.lax.axis_index(axis)]
+    pos = dest * block + jnp.arange(t * k, dtype=jnp.int32) - start[dest]
     slots = jnp.zeros((t * k,), jnp.int32).at[order].set(pos, unique_indices=True)
-    rows = jnp.zeros((ep * bound,), jnp.int32).at[pos].set(order // k, unique_indices=True)
-    # A padding row carries expert `local`: the receiver gives it no row.
-    sent_expert = jnp.full((ep * bound,), local, jnp.int32).at[pos].set(flat[order] % local)
-    a2a = dict(axis_name=axis, split_axis=0, concat_axis=0, tiled=True)
-    x = jax.lax.all_to_all(jnp.take(tokens, rows, axis=0), **a2a)
-    got_expert = jax.lax.all_to_all(sent_expert, **a2a)
+    rows = jnp.zeros((ep * block,), jnp.int32).at[pos].set(order // k, unique_indices=True)
+    x = exchange(jnp.take(tokens, rows, axis=0), pairs, axis, chunk)
+    # The expert of each row received: source i's block holds its pairs for this device's
+    # experts in expert order (`local`, no expert, past them).
+    mine = jax.lax.dynamic_slice_in_dim(counts, jax.lax.axis_index(axis) * local, local, 1)
+    got = jnp.arange(ep * block, dtype=jnp.int32)
+    ends = jnp.cumsum(mine, axis=1)[got // block]
+    got_expert = jnp.sum(got[:, None] % block >= ends, axis=1, dtype=jnp.int32)
     lay = sort_by_expert(got_expert[:, None], local, tile_rows(t * k, local))
     ys = mlp(jnp.take(x, lay.rows, axis=0), lay.groups, *params)
     back = jnp.take(ys, lay.slots[:, 0], axis=0, mode="fill", fill_value=0)
     if tensor_axis is not None:
         back = jax.lax.psum(back, tensor_axis)
-    return combine(jax.lax.all_to_all(back, **a2a), slots.reshape(t, k), weights)
+    return combine(exchange(back, pairs.T, axis, chunk), slots.reshape(t, k), weights)
 
 
 def dropless_moe(tokens: Array, weights: Array, experts: Array, mlp: Callable[..., Array],
