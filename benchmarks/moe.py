@@ -20,7 +20,10 @@ layer. Goal: <= 1.1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import re
+import time
 
 from _common import (
     LogicalAxisRules,
@@ -36,20 +39,23 @@ from _common import (
     models,
     nnx,
     np,
+    real_batch,
+    real_train_state,
     train_step,
 )
 
 from shardax import layout
 from shardax.hlo import hlo_collectives
-from shardax.layout import Layout
+from shardax.layout import Layout, blocks, forward
 from shardax.parallel import moe_mlp
-from shardax.parallel.dropless import send_bound
+from shardax.parallel.dropless import chunk_rows, send_bound
 
 IMPLS = ("capacity", "dropless")
 SHAPE = dict(vocab_size=4096, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, mlp_dim=512,
              n_experts=8, top_k=2, max_seq_len=512)
 BATCH, SEQ = 4, 512
 EP, EP_BATCH, EP_SEQ = 8, 8, 256  # the ep row's mesh and batch (the same tokens per step)
+LAYOUT = Layout(scan_layers=True)
 
 
 def _program(impl: str):
@@ -74,27 +80,93 @@ def dropped_fraction(tokens: jax.Array) -> float:
     return float(aux["dropped_fraction"])
 
 
-def expert_parallel() -> dict:
-    """All-to-all bytes per device of the dropless train step on ``ep=EP`` (compiled from
-    shapes, not run), theory's, and the padded exchange's static size."""
+def expert_parallel(rounds: int) -> dict:
+    """The dropless train step on ``ep=EP`` run on a real batch: compile and step seconds,
+    and per device and step the bytes its exchange moved (`_exchange_bytes`), theory's, and
+    the padded all-to-all's (``ep x send_bound`` rows each way)."""
     import optax
 
     cfg = models.LlamaConfig(**SHAPE, moe_impl="dropless")
     mesh = MeshShardingHelper.from_string(f"ep={EP}")
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
     tx = optax.sgd(0.1)
-    graphdef, state = abstract_train_state(cfg, tx, scan_layers=True)
+    graphdef, shape = abstract_train_state(cfg, tx, scan_layers=True)
+    _, state = real_train_state(cfg, tx, mesh.match_sharding_rule(rules, shape), True)
+    batch = real_batch(EP_BATCH, EP_SEQ, cfg.vocab_size)
     step = mesh.sjit(functools.partial(train_step, graphdef=graphdef, tx=tx,
-                                       param_rules=rules, layout=Layout(scan_layers=True)),
+                                       param_rules=rules, layout=LAYOUT),
                      in_shardings=(rules, None), out_shardings=(rules, None))
-    batch = (jax.ShapeDtypeStruct((EP_BATCH, EP_SEQ), jnp.int32),) * 2
-    hlo = step.lower(state, batch).compile().as_text()
-    moved = sum(c.bytes for c in hlo_collectives(hlo) if c.kind == "all-to-all")
+    start = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - start
+    step_s = median(interleaved({"ep": functools.partial(compiled, state, batch)},
+                                rounds=rounds, warmup=1)["ep"])
+    counts = routing_counts(mesh, rules, graphdef, state, batch[0])
     local_tokens, k, d = EP_BATCH * EP_SEQ // EP, SHAPE["top_k"], SHAPE["dim"]
+    moved, gathered = _exchange_bytes(compiled.as_text(), counts, chunk_rows(local_tokens * k, EP))
     theory = local_tokens * k * d * 4 * 2 * 2 * SHAPE["n_layers"]
     padded = EP * send_bound(local_tokens, k, SHAPE["n_experts"] // EP) * d * 4 * 2 * 2 * \
         SHAPE["n_layers"]
-    return {"a2a_bytes": moved, "theory_bytes": theory, "padded_bytes": padded}
+    return {"moved_bytes": moved, "counts_bytes": gathered, "theory_bytes": theory,
+            "padded_bytes": padded, "compile_s": compile_s, "step_s": step_s,
+            "kept_fraction": float(np.trace(counts.reshape(-1, EP, EP, SHAPE["n_experts"] // EP)
+                                            .sum(-1), axis1=1, axis2=2).sum() / counts.sum())}
+
+
+def routing_counts(mesh, rules, graphdef, state, tokens: jax.Array) -> np.ndarray:
+    """``[layers, EP, n_experts]`` (layers in any order): the pairs each ``ep`` device's tokens route to each
+    expert, per layer: the routing that the forward of the same program (same mesh, same
+    parameters, same batch) hands the dropless exchange (device ``i`` holds batch rows
+    ``i * EP_BATCH / EP`` on)."""
+    seen, exchange = [], blocks.dropless_moe
+
+    def record(tokens, weights, experts, *args, **kwargs):
+        jax.debug.callback(lambda e: seen.append(np.asarray(e)), experts)
+        return exchange(tokens, weights, experts, *args, **kwargs)
+
+    def run(state, tokens):
+        return forward.logits(nnx.merge(graphdef, state.params, state.rest), LAYOUT, tokens)
+
+    with _patched(blocks, "dropless_moe", record):
+        fn = mesh.sjit(run, in_shardings=(rules, None))
+        jax.block_until_ready(fn(state, tokens))
+    assert len(seen) == SHAPE["n_layers"], len(seen)
+    return np.stack([np.stack([np.bincount(e.ravel(), minlength=SHAPE["n_experts"])
+                               for e in np.split(layer, EP)]) for layer in seen])
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _exchange_bytes(hlo: str, counts: np.ndarray, chunk: int) -> tuple[int, int]:
+    """Bytes per device the step's exchanges moved, and the count matrices' all-gathers.
+
+    Each collective-permute in the optimized HLO (one loop per shift ``s`` of the ``ep``
+    devices, per exchange) moves its bytes per loop step (read from the HLO); the loop of
+    shift ``s`` runs ``max_i ceil(c[i, i+s] / chunk)`` steps, ``c`` the layer's count matrix
+    (`shardax.parallel.dropless.exchange`). Of each shift's loops, half (the send forward,
+    its transpose backward) run on ``c``, half (the return and its transpose) on ``c.T``."""
+    ops = hlo_collectives(hlo)
+    pairs = counts.reshape(len(counts), EP, EP, -1).sum(-1)
+    steps = -(-pairs // chunk)
+    moved = 0
+    for op in (o for o in ops if o.kind == "collective-permute"):
+        line = next(line for line in hlo.splitlines() if f"%{op.name} = " in line)
+        src, dst = np.array([tuple(map(int, p)) for p in re.findall(
+            r"\{(\d+),(\d+)\}", re.search(r"source_target_pairs=\{(.*?\})\}", line)[1])]).T
+        per_step = op.bytes // op.multiplier  # the layer scan's trips are the layers
+        for layer in steps:  # the busiest pair sets the steps; bytes per device: / EP
+            moved += per_step * len(src) * int(layer[src, dst].max() + layer[dst, src].max())
+    moved //= 2 * EP
+    gathered = sum(o.bytes for o in ops if o.kind == "all-gather" and o.dtype == "s32")
+    return int(moved), int(gathered)
 
 
 def measure(rounds: int) -> dict:
@@ -107,7 +179,7 @@ def measure(rounds: int) -> dict:
         fns[impl] = functools.partial(fn, params, tokens)
     samples = interleaved(fns, rounds=rounds, warmup=1)
     return {"step_s": {impl: median(s) for impl, s in samples.items()}, "temp_bytes": temp,
-            "dropped_fraction": dropped_fraction(tokens), "ep": expert_parallel()}
+            "dropped_fraction": dropped_fraction(tokens), "ep": expert_parallel(rounds)}
 
 
 def render(r: dict) -> str:

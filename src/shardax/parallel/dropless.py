@@ -1,14 +1,19 @@
 """Dropless expert parallelism: each device sends its routed (token, expert) pairs to the
-devices that own those experts with an all-to-all over ``axis``, runs its experts' grouped
-matmuls on what it received, and sends the rows back to be combined; no token is dropped.
+devices that own those experts over ``axis``, runs its experts' grouped matmuls on what it
+received, and sends the rows back to be combined; no token is dropped.
 
-The exchange is an all-to-all of one buffer per destination device, each padded to its
-static bound: ``tokens * min(top_k, local experts)`` rows (a token's top-k experts are
-distinct, so no device can send more than that to one destination). XLA:CPU has no
-``ragged-all-to-all`` (``UNIMPLEMENTED`` in JAX 0.10), so the buffers move whole: ``ep *
-min(top_k, local experts) / top_k`` times the bytes of the routed rows. Inside an expert the
-hidden units may be split over ``tensor_axis`` (Megatron column / row): the rows sent back are
-summed over it.
+The devices first all-gather each one's count of pairs per expert (`pair_counts`: ``[ep,
+experts]`` int32, the same everywhere). The rows then move with `exchange`: each ordered pair
+of devices ``(i, j)`` moves its ``c[i, j]`` rows in ``ceil(c[i, j] / chunk)`` steps of
+`jax.lax.ppermute` inside one ``while_loop`` whose trip count comes from that matrix (the rows
+a device routes to its own experts stay): the routed rows plus at most ``chunk - 1`` rows of
+rounding per pair, where an all-to-all of buffers padded to their static bound would move
+``ep * min(top_k, local experts) / top_k`` times the routed rows. A ragged all-to-all would do
+the same in one collective; XLA:CPU has none (``UNIMPLEMENTED`` in JAX 0.10), and this runs
+on every backend. The loop is not reverse-differentiable, so `exchange` has a custom VJP:
+the exchange is linear and its transpose is the same exchange the other way. Inside an
+expert the hidden units may be split over ``tensor_axis`` (Megatron column / row): the rows
+sent back are summed over it.
 
 Routing stays outside (the model routes every token, so its statistics are the one-device
 ones); this function takes each token's ``weights`` and ``experts``.
@@ -26,6 +31,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from shardax import _compat
@@ -35,8 +41,6 @@ from shardax.parallel.grouped_kernel import combine, routed_experts, sort_by_exp
 Array = jax.Array
 
 __all__ = ["chunk_rows", "dropless_moe", "exchange", "pair_counts", "send_bound"]
-
-_PER_PAIR = False
 
 
 def send_bound(tokens: int, top_k: int, local_experts: int) -> int:
@@ -81,46 +85,38 @@ def _trips(rows: Array, chunk: int) -> Array:
     return (rows + chunk - 1) // chunk
 
 
-def _exchange_loops(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
+def _exchange_loop(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
+    """`exchange` as one ``while_loop``: every ordered pair's steps in turn, each step's
+    ``ppermute`` (static source and target) picked by a ``switch`` on its pair."""
     ep = pairs.shape[0]
     block = x.shape[0] // ep
     me = jax.lax.axis_index(axis)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)
     # The rows a device keeps for its own experts move no further.
     y = jnp.where(((rows // block == me) & (rows % block < pairs[me, me]))[:, None], x, 0)
-    step = jnp.arange(chunk, dtype=jnp.int32)
-    # Every device runs every loop as often (XLA:CPU's collectives wait for all the devices of
+    src, dst = (np.array(a) for a in zip(*[(i, j) for i in range(ep) for j in range(ep)
+                                           if i != j]))
+    steps = _trips(pairs[src, dst], chunk)
+    # Every device runs the loop as often (XLA:CPU's collectives wait for all the devices of
     # the program): the most steps over the other axes the counts vary over (batch, pipeline).
-    steps = _trips(pairs, chunk)
     others = tuple(sorted(_compat.varying_axes(steps)))
     steps = jax.lax.pmax(steps, others) if others else steps
+    ends = jnp.cumsum(steps)
+    moves = [partial(jax.lax.ppermute, axis_name=axis, perm=[(int(a), int(b))])
+             for a, b in zip(src, dst)]
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
 
-    def loop(trips, perm, send_block, recv_block, count):
-        def body(carry):
-            c, y = carry
-            got = jax.lax.ppermute(
-                jax.lax.dynamic_slice_in_dim(x, send_block * block + c * chunk, chunk),
-                axis, perm)
-            at = recv_block * block + c * chunk
-            keep = (c * chunk + step < count)[:, None]
-            old = jax.lax.dynamic_slice_in_dim(y, at, chunk)
-            return c + 1, jax.lax.dynamic_update_slice_in_dim(y, jnp.where(keep, got, old),
-                                                              at, 0)
-        return jax.lax.while_loop(lambda carry: carry[0] < trips, body, (0, y))[1]
+    def body(carry):
+        i, y = carry
+        p = jnp.sum(ends <= i, dtype=jnp.int32)
+        c, a, b = (i - ends[p] + steps[p]) * chunk, jnp.asarray(src)[p], jnp.asarray(dst)[p]
+        got = jax.lax.switch(p, moves, jax.lax.dynamic_slice_in_dim(x, b * block + c, chunk))
+        keep = (c + offsets < jnp.where(me == b, pairs[a, b], 0))[:, None]
+        old = jax.lax.dynamic_slice_in_dim(y, a * block + c, chunk)
+        return i + 1, jax.lax.dynamic_update_slice_in_dim(y, jnp.where(keep, got, old),
+                                                          a * block + c, 0)
 
-    if _PER_PAIR:
-        for src in range(ep):
-            for dst in range(ep):
-                if src != dst:
-                    count = jnp.where(me == dst, pairs[src, dst], 0)
-                    y = loop(steps[src, dst], [(src, dst)], dst, src, count)
-    else:
-        for s in range(1, ep):
-            frm = (me - s) % ep
-            y = loop(jnp.max(steps[jnp.arange(ep), (jnp.arange(ep) + s) % ep]),
-                     [(i, (i + s) % ep) for i in range(ep)], (me + s) % ep, frm,
-                     pairs[frm, me])
-    return y
+    return jax.lax.while_loop(lambda carry: carry[0] < ends[-1], body, (0, y))[1]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -129,23 +125,28 @@ def exchange(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
     block ``j`` (of ``ep`` equal blocks) of device ``i``'s ``x [ep * block, d]`` holds, first,
     the ``pairs[i, j]`` rows it sends device ``j``; block ``i`` of device ``j``'s result holds
     them (the rest of each block is zeros). ``pairs [ep, ep]`` (int32) is the same on every
-    device. One ``while_loop`` of `jax.lax.ppermute` per ordered pair of devices, ``chunk``
-    rows a step, ``ceil(pairs[i, j] / chunk)`` steps; the rows a device sends itself stay.
+    device. Each ordered pair ``(i, j)``'s rows move ``chunk`` at a time with
+    `jax.lax.ppermute` from ``i`` to ``j``, ``ceil(pairs[i, j] / chunk)`` steps of one
+    ``while_loop``; the rows a device sends itself stay.
     Linear in ``x``: its transpose (the backward pass) is the exchange with ``pairs.T``.
+    ``block`` must be a whole number of chunks, each ``pairs[i, j] <= block``.
 
     Example (inside ``shard_map`` over 'ep')::
 
         y = exchange(x, pairs, "ep", chunk=16)
     """
-    return _exchange_loops(x, pairs, axis, chunk)
+    if x.shape[0] % (pairs.shape[0] * chunk):
+        raise ValueError(f"exchange: {x.shape[0]} rows are not {pairs.shape[0]} blocks of "
+                         f"whole chunks of {chunk} rows")
+    return _exchange_loop(x, pairs, axis, chunk)
 
 
 def _exchange_fwd(x, pairs, axis, chunk):
-    return _exchange_loops(x, pairs, axis, chunk), pairs
+    return _exchange_loop(x, pairs, axis, chunk), pairs
 
 
 def _exchange_bwd(axis, chunk, pairs, g):
-    return (_exchange_loops(g, pairs.T, axis, chunk),
+    return (_exchange_loop(g, pairs.T, axis, chunk),
             jnp.zeros(pairs.shape, jax.dtypes.float0))
 
 
