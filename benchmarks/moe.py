@@ -153,23 +153,21 @@ def _patched(module, name: str, value):
 def _exchange_bytes(hlo: str, counts: np.ndarray, chunk: int) -> tuple[int, int]:
     """Bytes per device the step's exchanges moved, and the count matrices' all-gathers.
 
-    Each collective-permute in the optimized HLO (one loop per shift ``s`` of the ``ep``
-    devices, per exchange) moves its bytes per loop step (read from the HLO); the loop of
-    shift ``s`` runs ``max_i ceil(c[i, i+s] / chunk)`` steps, ``c`` the layer's count matrix
-    (`shardax.parallel.dropless.exchange`). Of each shift's loops, half (the send forward,
-    its transpose backward) run on ``c``, half (the return and its transpose) on ``c.T``."""
+    Each collective-permute in the optimized HLO (one per ordered pair ``(i, j)`` of devices,
+    per exchange) moves its bytes (read from the HLO) per loop step of its pair, and its pair
+    runs ``ceil(c[i, j] / chunk)`` steps (`shardax.parallel.dropless.exchange`), ``c`` the
+    layer's count matrix. Of each pair's copies, half (the send forward, its transpose
+    backward) run on ``c``, half (the return and its transpose) on ``c.T``."""
     ops = hlo_collectives(hlo)
-    pairs = counts.reshape(len(counts), EP, EP, -1).sum(-1)
-    steps = -(-pairs // chunk)
+    steps = -(-counts.reshape(len(counts), EP, EP, -1).sum(-1) // chunk)
     moved = 0
     for op in (o for o in ops if o.kind == "collective-permute"):
         line = next(line for line in hlo.splitlines() if f"%{op.name} = " in line)
-        src, dst = np.array([tuple(map(int, p)) for p in re.findall(
-            r"\{(\d+),(\d+)\}", re.search(r"source_target_pairs=\{(.*?\})\}", line)[1])]).T
+        (i, j), = re.findall(r"source_target_pairs=\{\{(\d+),(\d+)\}\}", line)
         per_step = op.bytes // op.multiplier  # the layer scan's trips are the layers
-        for layer in steps:  # the busiest pair sets the steps; bytes per device: / EP
-            moved += per_step * len(src) * int(layer[src, dst].max() + layer[dst, src].max())
-    moved //= 2 * EP
+        moved += per_step * int(sum(layer[int(i), int(j)] + layer[int(j), int(i)]
+                                    for layer in steps))
+    moved //= 2 * EP  # half the copies each way; one link of EP devices: bytes per device
     gathered = sum(o.bytes for o in ops if o.kind == "all-gather" and o.dtype == "s32")
     return int(moved), int(gathered)
 
