@@ -54,19 +54,15 @@ def send_bound(tokens: int, top_k: int, local_experts: int) -> int:
 
 
 def chunk_rows(pairs: int, ep: int) -> int:
-    """Rows each loop step of the exchange moves: the power of two nearest a quarter of the
-    mean rows one device sends another (``pairs / ep``), within [8, 256]: a pair's rows are
-    rounded up to whole chunks (about an eighth of a mean pair, on average), and fewer, larger
-    chunks mean fewer loop steps.
+    """Rows each loop step of the exchange moves: as the CPU grouped matmul's tile
+    (`tile_rows`), the power of two nearest a quarter of the mean rows one device sends
+    another (``pairs / ep``), within [8, 256]. A pair's rows are rounded up to whole chunks
+    (about an eighth of a mean pair on average); larger chunks mean fewer loop steps.
 
     >>> chunk_rows(512, 8)
     16
     """
-    want = max(pairs / ep / 4, 1)
-    rows = 1 << round(want).bit_length() - 1
-    if want / rows > 1.5:
-        rows *= 2
-    return min(max(rows, 8), 256)
+    return tile_rows(pairs, ep, backend="cpu")
 
 
 def pair_counts(experts: Array, n_experts: int, axis: str) -> Array:
@@ -89,6 +85,9 @@ def _exchange_loop(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
     """`exchange` as one ``while_loop``: every ordered pair's steps in turn, each step's
     ``ppermute`` (static source and target) picked by a ``switch`` on its pair."""
     ep = pairs.shape[0]
+    if x.shape[0] % (pairs.shape[0] * chunk):
+        raise ValueError(f"exchange: {x.shape[0]} rows are not {pairs.shape[0]} blocks of "
+                         f"whole chunks of {chunk} rows")
     block = x.shape[0] // ep
     me = jax.lax.axis_index(axis)
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)
@@ -135,9 +134,6 @@ def exchange(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
 
         y = exchange(x, pairs, "ep", chunk=16)
     """
-    if x.shape[0] % (pairs.shape[0] * chunk):
-        raise ValueError(f"exchange: {x.shape[0]} rows are not {pairs.shape[0]} blocks of "
-                         f"whole chunks of {chunk} rows")
     return _exchange_loop(x, pairs, axis, chunk)
 
 
