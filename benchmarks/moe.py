@@ -153,21 +153,25 @@ def _patched(module, name: str, value):
 def _exchange_bytes(hlo: str, counts: np.ndarray, chunk: int) -> tuple[int, int]:
     """Bytes per device the step's exchanges moved, and the count matrices' all-gathers.
 
-    Each collective-permute in the optimized HLO (one per ordered pair ``(i, j)`` of devices,
-    per exchange) moves its bytes (read from the HLO) per loop step of its pair, and its pair
-    runs ``ceil(c[i, j] / chunk)`` steps (`shardax.parallel.dropless.exchange`), ``c`` the
-    layer's count matrix. Of each pair's copies, half (the send forward, its transpose
-    backward) run on ``c``, half (the return and its transpose) on ``c.T``."""
+    Each collective-permute in the optimized HLO moves its bytes (read from the HLO) per loop
+    step it runs (`shardax.parallel.dropless.exchange`): one of shift ``s`` (all pairs ``(i,
+    i+s)``) runs ``min_i ceil(c[i, i+s] / chunk)`` steps, one of pair ``(i, j)`` the rest of
+    that pair's ``ceil(c[i, j] / chunk)``; ``c`` the layer's count matrix. Of each
+    collective's copies, half (the send forward, its transpose backward) run on ``c``, half
+    (the return and its transpose) on ``c.T``."""
     ops = hlo_collectives(hlo)
     steps = -(-counts.reshape(len(counts), EP, EP, -1).sum(-1) // chunk)
     moved = 0
     for op in (o for o in ops if o.kind == "collective-permute"):
         line = next(line for line in hlo.splitlines() if f"%{op.name} = " in line)
-        (i, j), = re.findall(r"source_target_pairs=\{\{(\d+),(\d+)\}\}", line)
+        src, dst = np.array([tuple(map(int, p)) for p in re.findall(
+            r"\{(\d+),(\d+)\}", re.search(r"source_target_pairs=\{(.*?\})\}", line)[1])]).T
+        ring = np.arange(EP), (np.arange(EP) + dst[0] - src[0]) % EP
         per_step = op.bytes // op.multiplier  # the layer scan's trips are the layers
-        moved += per_step * int(sum(layer[int(i), int(j)] + layer[int(j), int(i)]
-                                    for layer in steps))
-    moved //= 2 * EP  # half the copies each way; one link of EP devices: bytes per device
+        for c in (m for layer in steps for m in (layer, layer.T)):
+            runs = c[ring].min() if len(src) == EP else c[src[0], dst[0]] - c[ring].min()
+            moved += per_step * len(src) * int(runs)
+    moved //= 2 * EP  # half the copies each way; bytes per device
     gathered = sum(o.bytes for o in ops if o.kind == "all-gather" and o.dtype == "s32")
     return int(moved), int(gathered)
 
@@ -233,11 +237,13 @@ def _render_ep(ep: dict) -> list[str]:
         "",
         "The devices all-gather their pairs per expert (the count matrix), then each ordered "
         f"pair of devices moves its rows {chunk} at a time (`chunk_rows`: a quarter of a mean "
-        "pair) with a `ppermute` in one `while_loop` whose trip count is that matrix's "
-        "(`shardax.parallel.dropless.exchange`); rows routed to the device's own experts do "
-        "not move. Moved = the bytes of each collective-permute per loop step, read from the "
-        "optimized HLO, times the steps its pair ran: ceil(rows / chunk) from the count "
-        "matrices of this batch's routing (recorded from the forward of the same program and "
+        "pair) with `ppermute`s in one `while_loop` whose trip count is that matrix's "
+        "(`shardax.parallel.dropless.exchange`: the chunks that every pair (i, i + s) of a "
+        "shift s has move in one `ppermute` of all of them, the rest pair by pair); rows "
+        "routed to the device's own experts do not move. Moved = the bytes of each "
+        "collective-permute per loop step, read from the optimized HLO, times the steps it "
+        "ran: ceil(rows / chunk) per pair in all, from the count matrices of this batch's "
+        "routing (recorded from the forward of the same program and "
         "checked against the step's expert load), over ep for bytes per device. So the ratio "
         "is the off-device fraction of the routed rows plus the rounding to whole chunks, and "
         "can be below 1. The padded column is what the static-bound all-to-all moved before "

@@ -5,7 +5,8 @@ received, and sends the rows back to be combined; no token is dropped.
 The devices first all-gather each one's count of pairs per expert (`pair_counts`: ``[ep,
 experts]`` int32, the same everywhere). The rows then move with `exchange`: each ordered pair
 of devices ``(i, j)`` moves its ``c[i, j]`` rows in ``ceil(c[i, j] / chunk)`` steps of
-`jax.lax.ppermute` inside one ``while_loop`` whose trip count comes from that matrix (the rows
+`jax.lax.ppermute` inside one ``while_loop`` whose trip count comes from that matrix (the
+steps that all pairs ``(i, i + s)`` of a shift ``s`` have in common move together; the rows
 a device routes to its own experts stay): the routed rows plus at most ``chunk - 1`` rows of
 rounding per pair, where an all-to-all of buffers padded to their static bound would move
 ``ep * min(top_k, local experts) / top_k`` times the routed rows. A ragged all-to-all would do
@@ -82,8 +83,9 @@ def _trips(rows: Array, chunk: int) -> Array:
 
 
 def _exchange_loop(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
-    """`exchange` as one ``while_loop``: every ordered pair's steps in turn, each step's
-    ``ppermute`` (static source and target) picked by a ``switch`` on its pair."""
+    """`exchange` as one ``while_loop`` of steps, each one ``ppermute`` (static pairs)
+    picked by a ``switch``: first, per shift ``s``, the chunks that every pair ``(i, i + s)``
+    has (all ``ep`` pairs at once), then each ordered pair's remaining chunks alone."""
     ep = pairs.shape[0]
     if x.shape[0] % (pairs.shape[0] * chunk):
         raise ValueError(f"exchange: {x.shape[0]} rows are not {pairs.shape[0]} blocks of "
@@ -93,27 +95,44 @@ def _exchange_loop(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
     rows = jnp.arange(x.shape[0], dtype=jnp.int32)
     # The rows a device keeps for its own experts move no further.
     y = jnp.where(((rows // block == me) & (rows % block < pairs[me, me]))[:, None], x, 0)
-    src, dst = (np.array(a) for a in zip(*[(i, j) for i in range(ep) for j in range(ep)
-                                           if i != j]))
-    steps = _trips(pairs[src, dst], chunk)
+    steps = _trips(pairs, chunk)
     # Every device runs the loop as often (XLA:CPU's collectives wait for all the devices of
     # the program): the most steps over the other axes the counts vary over (batch, pipeline).
     others = tuple(sorted(_compat.varying_axes(steps)))
     steps = jax.lax.pmax(steps, others) if others else steps
-    ends = jnp.cumsum(steps)
-    moves = [partial(jax.lax.ppermute, axis_name=axis, perm=[(int(a), int(b))])
-             for a, b in zip(src, dst)]
+    shifts = np.arange(1, ep)
+    src, dst = (np.array(a) for a in zip(*[(i, j) for i in range(ep) for j in range(ep)
+                                           if i != j]))
+    ring = (np.arange(ep)[None, :] + shifts[:, None]) % ep
+    common = jnp.min(steps[np.arange(ep)[None, :], ring], axis=1)  # [ep - 1], per shift
+    pair_shift = (dst - src) % ep - 1
+    # Task k: a shift (k < ep - 1), else a pair; its steps and its first chunk.
+    task_steps = jnp.concatenate([common, steps[src, dst] - common[pair_shift]])
+    first = jnp.concatenate([jnp.zeros_like(common), common[pair_shift]])
+    none, unused = np.zeros_like(shifts), np.zeros_like(src)
+    shift = jnp.asarray(np.concatenate([shifts, unused]))
+    a, b = (jnp.asarray(np.concatenate([none, v])) for v in (src, dst))
+    ends = jnp.cumsum(task_steps)
+    moves = ([partial(jax.lax.ppermute, axis_name=axis, perm=[(i, (i + s) % ep)
+                                                               for i in range(ep)])
+              for s in shifts] +
+             [partial(jax.lax.ppermute, axis_name=axis, perm=[(int(i), int(j))])
+              for i, j in zip(src, dst)])
     offsets = jnp.arange(chunk, dtype=jnp.int32)
 
     def body(carry):
         i, y = carry
-        p = jnp.sum(ends <= i, dtype=jnp.int32)
-        c, a, b = (i - ends[p] + steps[p]) * chunk, jnp.asarray(src)[p], jnp.asarray(dst)[p]
-        got = jax.lax.switch(p, moves, jax.lax.dynamic_slice_in_dim(x, b * block + c, chunk))
-        keep = (c + offsets < jnp.where(me == b, pairs[a, b], 0))[:, None]
-        old = jax.lax.dynamic_slice_in_dim(y, a * block + c, chunk)
+        k = jnp.sum(ends <= i, dtype=jnp.int32)
+        c = (first[k] + i - ends[k] + task_steps[k]) * chunk
+        by_shift = k < ep - 1
+        to = jnp.where(by_shift, (me + shift[k]) % ep, b[k])
+        frm = jnp.where(by_shift, (me - shift[k]) % ep, a[k])
+        got = jax.lax.switch(k, moves, jax.lax.dynamic_slice_in_dim(x, to * block + c, chunk))
+        count = jnp.where(by_shift | (me == b[k]), pairs[frm, me], 0)
+        keep = (c + offsets < count)[:, None]
+        old = jax.lax.dynamic_slice_in_dim(y, frm * block + c, chunk)
         return i + 1, jax.lax.dynamic_update_slice_in_dim(y, jnp.where(keep, got, old),
-                                                          a * block + c, 0)
+                                                          frm * block + c, 0)
 
     return jax.lax.while_loop(lambda carry: carry[0] < ends[-1], body, (0, y))[1]
 
@@ -126,7 +145,8 @@ def exchange(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
     them (the rest of each block is zeros). ``pairs [ep, ep]`` (int32) is the same on every
     device. Each ordered pair ``(i, j)``'s rows move ``chunk`` at a time with
     `jax.lax.ppermute` from ``i`` to ``j``, ``ceil(pairs[i, j] / chunk)`` steps of one
-    ``while_loop``; the rows a device sends itself stay.
+    ``while_loop`` (the steps that every pair ``(i, i + s)`` of a shift ``s`` has move in one
+    ``ppermute`` of all of them); the rows a device sends itself stay.
     Linear in ``x``: its transpose (the backward pass) is the exchange with ``pairs.T``.
     ``block`` must be a whole number of chunks, each ``pairs[i, j] <= block``.
 
