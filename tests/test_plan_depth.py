@@ -49,7 +49,8 @@ def _deepseek_dir(root: Path, **fields) -> Path:
 def test_extended_plan_equals_compiling_every_layer(tmp_path):
     """4 layers (1 dense, 3 MoE) on ep=2,fsdp=4: compiled at 2 and 3 layers and extended,
     the parameter, state and collective counts are those of compiling all 4; the temporaries
-    within 0.1% (buffer packing; one MoE layer adds ~20% to them)."""
+    within 0.5% (buffer packing is not exactly linear in the layers: 0.1% under XLA's default
+    fusion emitters, 0.2% under the suite's classic ones; one MoE layer adds ~20% to them)."""
     d = _deepseek_dir(tmp_path / "ds4", num_hidden_layers=4)
     run = resolve(TrainConfig(init_from=f"hf:{d}", mesh="ep=2,fsdp=4", batch_size=8,
                               seq_len=16), weights=False)
@@ -58,7 +59,7 @@ def test_extended_plan_equals_compiling_every_layer(tmp_path):
     temp = "temp_size_in_bytes"
     assert {k: v for k, v in got.memory.items() if k != temp} == {
         k: v for k, v in want.memory.items() if k != temp}
-    assert got.memory[temp] == pytest.approx(want.memory[temp], rel=1e-3)
+    assert got.memory[temp] == pytest.approx(want.memory[temp], rel=5e-3)
     assert got.collectives == want.collectives and got.across == want.across
 
 
