@@ -132,7 +132,7 @@ def _memmap_windows(path: Path) -> int:
 
 def measure(directory: Path, token_mb: int, jsonl_mb: int, dataset_mb: list[int] = ()) -> dict:
     os.environ["SHARDAX_CACHE_DIR"] = str(directory / "cache")
-    from shardax.train.data import lm_data as data
+    from shardax.data import lm_data as data
 
     tokens, jsonl = directory / "corpus.u16", directory / "corpus.jsonl"
     _write_token_file(tokens, token_mb)
@@ -175,10 +175,10 @@ def measure(directory: Path, token_mb: int, jsonl_mb: int, dataset_mb: list[int]
 def _encode(jsonl: Path):
     """`open_data` of a jsonl file (or a datasets folder's train split) with 2 encoding
     threads (whatever the core count)."""
-    from shardax.train.data.encode import encode_files
-    from shardax.train.data.lm_data import TokenStream
-    from shardax.train.data.readers import list_data_files
-    from shardax.train.data.tokenizer import ByteTokenizer
+    from shardax.data.encode import encode_files
+    from shardax.data.lm_data import TokenStream
+    from shardax.data.readers import list_data_files
+    from shardax.data.tokenizer import ByteTokenizer
 
     return TokenStream([encode_files(list_data_files([jsonl]), ByteTokenizer(), workers=2)])
 

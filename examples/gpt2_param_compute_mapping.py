@@ -28,13 +28,13 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from shardax import models  # noqa: E402
+from shardax.data.lm_data import TokenBatches, default_corpus, load_bytes  # noqa: E402
 from shardax.precision import Policy  # noqa: E402
 from shardax.sharding import (  # noqa: E402
     LogicalAxisRules,
     MeshShardingHelper,
     with_sharding_annotation,
 )
-from shardax.train.data.lm_data import TokenBatches, default_corpus, load_bytes  # noqa: E402
 
 STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 40))
 

@@ -27,8 +27,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from shardax import layout, models  # noqa: E402
+from shardax.data.tokenizer import load_tokenizer  # noqa: E402
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper  # noqa: E402
-from shardax.train.data.tokenizer import load_tokenizer  # noqa: E402
 from shardax.train.post.grpo import GRPOConfig, train_grpo  # noqa: E402
 from shardax.train.post.rewards import RewardSet  # noqa: E402
 from shardax.train.step import init_state  # noqa: E402

@@ -26,9 +26,9 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from shardax import layout, models  # noqa: E402
+from shardax.data.lm_data import TokenBatches, default_corpus, load_bytes  # noqa: E402
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper, TreePathShardingRule  # noqa: E402
 from shardax.sharding import PartitionSpec as P  # noqa: E402
-from shardax.train.data.lm_data import TokenBatches, default_corpus, load_bytes  # noqa: E402
 from shardax.train.step import init_state, train_step  # noqa: E402
 
 STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 40))

@@ -25,8 +25,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from shardax import layout, models  # noqa: E402
+from shardax.data.lm_data import default_corpus, load_bytes  # noqa: E402
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper  # noqa: E402
-from shardax.train.data.lm_data import default_corpus, load_bytes  # noqa: E402
 
 STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 60))
 CONTEXT, BATCH = 8, 512

@@ -19,15 +19,15 @@ from _reference import documents_alone_loss, init_train_state
 from test_pack import _KEEP_GRADS, CONFIG, _assert_matches
 
 from shardax import layout
+from shardax.data.chat_data import ChatBatches, ChatRows, chat_val_batches, pack_chats
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
-from shardax.train.data.chat_data import ChatBatches, ChatRows, chat_val_batches, pack_chats
 from shardax.train.step import eval_loss, train_step
 
 pytest.importorskip("jinja2")  # chat templates: extra "hf"
 pytest.importorskip("tokenizers")
 
-from shardax.train.data.chat import ChatTemplate, read_chats, render_chat  # noqa: E402
+from shardax.data.chat import ChatTemplate, read_chats, render_chat  # noqa: E402
 
 CHAT = Path(__file__).parent / "fixtures" / "chat"
 EXPECTED = json.loads((CHAT / "expected.json").read_text())

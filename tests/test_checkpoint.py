@@ -14,8 +14,8 @@ from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from shardax import models
+from shardax.data.lm_data import TokenBatches
 from shardax.errors import CorruptCheckpointError
-from shardax.train.data.lm_data import TokenBatches
 from shardax.train.run.checkpoint import Checkpointer, abstract_state, flat, restore_state
 from shardax.train.step import TrainState, init_state
 

@@ -22,10 +22,9 @@ import pytest
 from _cli import cli_command, cli_env
 from _reference import TINY_TRAIN
 
-from shardax.errors import DataError
-from shardax.train.data import encode as encode_lib
-from shardax.train.data import readers
-from shardax.train.data.lm_data import (
+from shardax.data import encode as encode_lib
+from shardax.data import readers
+from shardax.data.lm_data import (
     SEPARATOR,
     TokenBatches,
     TokenStream,
@@ -37,8 +36,9 @@ from shardax.train.data.lm_data import (
     split_tokens,
     val_batches,
 )
-from shardax.train.data.readers import DataFile, TokenFile, list_data_files, read_pieces
-from shardax.train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from shardax.data.readers import DataFile, TokenFile, list_data_files, read_pieces
+from shardax.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from shardax.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = np.random.default_rng(0).integers(0, 256, size=5_000).astype(np.uint8)

@@ -1,5 +1,5 @@
-"""Hugging Face ``datasets`` folders as ``--data`` entries (`shardax.train.data.dataset_dirs`,
-read by `shardax.train.data.readers`): the records of a save_to_disk folder (one ``Dataset``, a
+"""Hugging Face ``datasets`` folders as ``--data`` entries (`shardax.data.dataset_dirs`,
+read by `shardax.data.readers`): the records of a save_to_disk folder (one ``Dataset``, a
 ``DatasetDict`` with two splits) and of a folder of Parquet shards equal what was written, in
 order; the split and the field are in the token cache's key; a tiny ``shardax train`` runs on
 a save_to_disk folder; a folder in neither layout, a missing split and a missing field are
@@ -16,9 +16,9 @@ import pytest
 from _cli import assert_one_line_error, cli_command, cli_env, read_metrics
 from _reference import TINY_TRAIN
 
-from shardax.train.data.chat import chat_records, is_chat_file
-from shardax.train.data.lm_data import open_data
-from shardax.train.data.readers import DataError, list_data_files, read_pieces, read_records
+from shardax.data.chat import chat_records, is_chat_file
+from shardax.data.lm_data import open_data
+from shardax.data.readers import DataError, list_data_files, read_pieces, read_records
 from shardax.train.loop import TrainConfig, train
 
 pa = pytest.importorskip("pyarrow")

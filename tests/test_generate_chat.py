@@ -101,7 +101,7 @@ def test_interactive_chat_replies_to_each_line_with_the_whole_conversation(hub):
     exchange, second message: 71 tokens, where the second message alone would give 45);
     ``/reset`` starts again from the system message; the empty line ends the chat (the line
     after it is never read)."""
-    from shardax.train.data.chat import ChatTemplate
+    from shardax.data.chat import ChatTemplate
 
     home, tok = hub
     proc = ok(subprocess.run(
@@ -177,7 +177,7 @@ def test_top_k_top_p_sampling_is_mesh_invariant_and_stops_per_row():
 
 
 def test_messages_files_system_message_and_end_of_turn_tokens(tmp_path):
-    from shardax.train.data.chat import ChatTemplate
+    from shardax.data.chat import ChatTemplate
     from shardax.train.generate import _conversations
 
     chat = [{"role": "system", "content": "old"}, {"role": "user", "content": "hi"}]

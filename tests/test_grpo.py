@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 
 from shardax import layout, models
+from shardax.data.tokenizer import load_tokenizer
 from shardax.layout import forward
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
-from shardax.train.data.tokenizer import load_tokenizer
 from shardax.train.post import grpo
 from shardax.train.post.rewards import RewardError, RewardSet
 from shardax.train.step import init_state

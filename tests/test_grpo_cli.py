@@ -96,8 +96,8 @@ def test_chat_prompts_are_the_templates_generation_prompts(name, tmp_path):
     text whose ids are ``apply_chat_template(..., add_generation_prompt=True)``'s; other
     columns stay for the rewards."""
     pytest.importorskip("jinja2")
-    from shardax.train.data.chat import ChatTemplate
-    from shardax.train.data.tokenizer import load_tokenizer
+    from shardax.data.chat import ChatTemplate
+    from shardax.data.tokenizer import load_tokenizer
     from shardax.train.post.grpo_run import read_prompts
 
     chat = Path(__file__).parent / "fixtures" / "chat" / name

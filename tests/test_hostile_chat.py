@@ -22,12 +22,12 @@ from test_hostile_input import FIXTURE, one_line_error
 pytest.importorskip("jinja2")  # chat templates: extra "hf"
 pytest.importorskip("tokenizers")
 
+from shardax.data import readers  # noqa: E402
+from shardax.data.chat import ChatTemplate, read_chats  # noqa: E402
+from shardax.data.tokenizer import load_tokenizer  # noqa: E402
 from shardax.errors import UsageError  # noqa: E402
 from shardax.filecheck import parse_json  # noqa: E402
 from shardax.train.configfile import load_file  # noqa: E402
-from shardax.train.data import readers  # noqa: E402
-from shardax.train.data.chat import ChatTemplate, read_chats  # noqa: E402
-from shardax.train.data.tokenizer import load_tokenizer  # noqa: E402
 from shardax.train.rundir import load_run_config  # noqa: E402
 
 CHAT = Path(__file__).parent / "fixtures" / "chat"

@@ -22,8 +22,8 @@ import pytest
 from _cli import assert_one_line_error, cli_command, cli_env, committed_steps, run_cli
 
 from shardax import hf
+from shardax.data.lm_data import _ID_CHECK_BLOCK, _ID_CHECK_BLOCKS, _ID_CHECK_HEAD
 from shardax.hf.files import tensor_index, write_safetensors
-from shardax.train.data.lm_data import _ID_CHECK_BLOCK, _ID_CHECK_BLOCKS, _ID_CHECK_HEAD
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "hf" / "llama_gqa"
 SHARD = "model-{:05d}-of-00006.safetensors"

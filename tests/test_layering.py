@@ -219,46 +219,57 @@ def test_training_sits_below_the_planner():
     assert not up, f"shardax.train imports the planner: {up}"
 
 
-# The training wing's floors, lowest first: the data pipeline, the run machinery, the core of a
-# run (config, resolve, step, build, inputs, ...: shardax.train's own modules), the post-training
-# objectives, then the commands. An import in shardax.train goes to its own floor or one below.
+# The data pipeline sits below training: it imports nothing of shardax.train (nor the models,
+# the layout or the planner). The training wing's floors, lowest first: the run machinery, the
+# core of a run (config, resolve, step, build, inputs, ...: shardax.train's own modules), the
+# post-training objectives, then the commands. An import in shardax.train goes to its own
+# floor or one below.
 TRAIN_COMMANDS = {"loop", "generate", "evaluate", "harness", "task_evals", "export"}
+ABOVE_DATA = ("shardax.train", "shardax.models", "shardax.layout", "shardax.plan", "shardax.cli")
 
 
 def _train_floor(module: str) -> int:
-    """0 ``shardax.train.data``, 1 ``.run``, 2 the core modules, 3 ``.post``, 4 the commands
-    and the package's own face."""
+    """0 ``shardax.train.run``, 1 the core modules, 2 ``.post``, 3 the commands and the
+    package's own face."""
     part = module.split(".")[2] if module.count(".") >= 2 else "__init__"
-    return {"data": 0, "run": 1, "post": 3}.get(
-        part, 4 if part in TRAIN_COMMANDS or part == "__init__" else 2)
+    return {"run": 0, "post": 2}.get(
+        part, 3 if part in TRAIN_COMMANDS or part == "__init__" else 1)
 
 
-def _train_imports_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    return sorted((module, target) for module, targets in graph.items()
-                  if module.startswith("shardax.train") for target in targets
-                  if target.startswith("shardax.train")
-                  and _train_floor(target) > _train_floor(module))
+def _imports_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    data_up = [(module, target) for module, targets in graph.items()
+               if module.startswith("shardax.data") for target in targets
+               if target.startswith(ABOVE_DATA)]
+    train_up = [(module, target) for module, targets in graph.items()
+                if module.startswith("shardax.train") for target in targets
+                if target.startswith("shardax.train")
+                and _train_floor(target) > _train_floor(module)]
+    return sorted(data_up + train_up)
 
 
-def test_training_imports_go_down_its_floors():
-    """``train/data`` imports nothing else of training, ``train/run`` only the data, and no
-    post-training objective imports a command (``loop``, ``generate``, ...)."""
+def test_data_and_training_imports_go_down_their_floors():
+    """``shardax.data`` imports nothing of training, ``train/run`` nothing of the training
+    core, and no post-training objective imports a command (``loop``, ``generate``, ...)."""
     graph = _graph()
-    assert any(m.startswith("shardax.train.data.") for m in graph), "the floors are read"
-    assert not (up := _train_imports_up(graph)), f"shardax.train imports up its floors: {up}"
+    assert any(m.startswith("shardax.data.") for m in graph), "the floors are read"
+    assert any(m.startswith("shardax.train.run.") for m in graph), "the floors are read"
+    assert not (up := _imports_up(graph)), f"imports going up the floors: {up}"
 
 
 def test_the_training_floor_check_can_fail():
-    graph = {"shardax.train.data.chat": {"shardax.train.run.notes", "shardax.train.data.readers"},
-             "shardax.train.run.report": {"shardax.train.config", "shardax.train.data.encode"},
+    graph = {"shardax.data.chat": {"shardax.train.run.notes", "shardax.data.readers"},
+             "shardax.data.packing": {"shardax.models.llama", "shardax.errors"},
+             "shardax.train.run.report": {"shardax.train.config", "shardax.data.encode"},
              "shardax.train.post.grpo": {"shardax.train.step", "shardax.train.loop"},
              "shardax.train.step": {"shardax.train.post.objectives", "shardax.models"},
              "shardax.train.loop": {"shardax.train.post.grpo", "shardax.train.build"}}
-    assert _train_imports_up(graph) == [
-        ("shardax.train.data.chat", "shardax.train.run.notes"),
+    assert _imports_up(graph) == [
+        ("shardax.data.chat", "shardax.train.run.notes"),
+        ("shardax.data.packing", "shardax.models.llama"),
         ("shardax.train.post.grpo", "shardax.train.loop"),
         ("shardax.train.run.report", "shardax.train.config"),
         ("shardax.train.step", "shardax.train.post.objectives")]
+
 
 
 # What a model may use of shardax.parallel: kernels and remat, no schedule (pipeline, 1f1b,

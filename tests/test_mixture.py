@@ -1,4 +1,4 @@
-"""Weighted mixtures (`shardax.train.data.mixture`): shares follow the weights, the global batch
+"""Weighted mixtures (`shardax.data.mixture`): shares follow the weights, the global batch
 is a pure function of the step on any process count and across resumes, and changing the weights on
 resume keeps every source's position."""
 
@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from shardax.data.mixture import Mixture, parse_weighted
 from shardax.errors import UsageError
-from shardax.train.data.mixture import Mixture, parse_weighted
 
 STEPS, BATCH = 2000, 8
 

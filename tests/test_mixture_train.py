@@ -1,4 +1,4 @@
-"""Weighted ``--data`` mixtures as training reads them (`shardax.train.data.mixture_data`): each
+"""Weighted ``--data`` mixtures as training reads them (`shardax.data.mixture_data`): each
 source's share of the tokens follows its weight, the batch of a step is the same on 1 and 2
 processes and across a resume, a resume with other weights keeps every source's position, and
 ``data/tokens/<source>`` is in every metrics record. The schedule itself is tested in
@@ -16,10 +16,10 @@ import pytest
 from _cli import committed_steps, read_metrics, stopped_at
 from _reference import TINY_TRAIN
 
+from shardax.data.lm_data import TokenStream
+from shardax.data.mixture import Mixture
+from shardax.data.mixture_data import MixtureBatches
 from shardax.train.config import check
-from shardax.train.data.lm_data import TokenStream
-from shardax.train.data.mixture import Mixture
-from shardax.train.data.mixture_data import MixtureBatches
 from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.rundir import RunDir
 

@@ -20,11 +20,11 @@ from _reference import TINY_TRAIN, assert_trained_alike, init_train_state, train
 from flax import nnx
 
 from shardax import models
+from shardax.data import packing
 from shardax.models.llama_moe import MoE
 from shardax.models.moe import route
 from shardax.models.protocol import MoEStats
 from shardax.train import balance
-from shardax.train.data import packing
 from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.run.checkpoint import Checkpointer, flat
 

@@ -138,7 +138,7 @@ except ValueError as e:
     assert "already initialized with {'num_processes': 2" in str(e), e
 import jax
 from jax.experimental import multihost_utils
-from shardax.train.data import lm_data as data_lib
+from shardax.data import lm_data as data_lib
 from shardax.train.loop import TrainConfig, prepare
 
 tokens = data_lib.load_bytes(data_lib.default_corpus("train"))
@@ -152,7 +152,7 @@ for mesh in sys.argv[1:]:
     print(f"process {jax.process_index()}: {mesh}: {len(local[0])} local rows, global batch ok")
 
 # a weighted mixture of two files: the same global batch as one process computes
-from shardax.train.data.mixture_data import MixtureBatches
+from shardax.data.mixture_data import MixtureBatches
 files = [str(p) for p in data_lib.default_corpus("train")[:2]]
 run = prepare(TrainConfig(mesh="fsdp=-1", batch_size=8, seq_len=32, eval_every=0,
                           data=[f"{files[0]}:0.7,{files[1]}:0.3"], out=sys.argv[0] + ".mix"))

@@ -21,11 +21,11 @@ from _reference import TINY_TRAIN, documents_alone_loss, init_train_state
 from flax import nnx
 
 from shardax import layout, models
+from shardax.data.packing import documents, loss_weights
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.config import check
-from shardax.train.data.packing import documents, loss_weights
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, train
 from shardax.train.resolve import resolve

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from shardax.data.preference_data import encode_preferences, read_preferences
+from shardax.data.tokenizer import ByteTokenizer, load_tokenizer
 from shardax.errors import DataError
-from shardax.train.data.preference_data import encode_preferences, read_preferences
-from shardax.train.data.tokenizer import ByteTokenizer, load_tokenizer
 from shardax.train.post.objectives import sequence_logps
 
 CHAT = Path(__file__).parent / "fixtures" / "chat"
@@ -88,7 +88,7 @@ def test_chat_records_render_with_the_template(tmp_path, name):
     an assistant message, as ChatTemplate renders prompt + reply."""
     pytest.importorskip("jinja2")
     pytest.importorskip("tokenizers")
-    from shardax.train.data.chat import ChatTemplate
+    from shardax.data.chat import ChatTemplate
 
     template, tok = ChatTemplate(CHAT / name), load_tokenizer(CHAT / name)
     conversations = [json.loads(line)["messages"]

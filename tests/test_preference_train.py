@@ -23,11 +23,11 @@ from _reference import assert_trained_alike, init_train_state
 from flax import nnx
 
 from shardax.cli import main
+from shardax.data.preference_data import encode_preferences, read_preferences
+from shardax.data.tokenizer import load_tokenizer
 from shardax.errors import UsageError
 from shardax.train import build
 from shardax.train.config import ExportConfig, check, check_export
-from shardax.train.data.preference_data import encode_preferences, read_preferences
-from shardax.train.data.tokenizer import load_tokenizer
 from shardax.train.export import export_run
 from shardax.train.loop import TrainConfig, train
 from shardax.train.post import preference_step

@@ -107,7 +107,7 @@ def test_generate_from_the_export_uses_its_tokenizer(tuned, tmp_path):
 def test_a_byte_level_export_has_a_byte_level_tokenizer(tmp_path):
     from tokenizers import Tokenizer
 
-    from shardax.train.data.tokenizer import ByteTokenizer
+    from shardax.data.tokenizer import ByteTokenizer
 
     assert ByteTokenizer().export(tmp_path, 128) == {"eos_token_id": 0}
     tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))

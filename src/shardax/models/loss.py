@@ -57,7 +57,7 @@ def chunked_cross_entropy(
     ``weights`` [b, s] (instead of a mask): the plain mean over all positions of each token's
     cross-entropy times its weight. Weights ``mask * (tokens / unmasked tokens)`` of a whole
     batch give its masked mean however the batch is split into equal parts whose means are
-    averaged (data shards, microbatches): `shardax.train.data.packing.loss_weights`.
+    averaged (data shards, microbatches): `shardax.data.packing.loss_weights`.
 
     The chunks are strided (chunk ``i`` holds positions ``i, i + n, ...``): a sequence axis
     sharded over the mesh splits each chunk the same way, so no chunk needs resharding.

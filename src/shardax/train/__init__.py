@@ -1,10 +1,8 @@
-"""Training: data, checkpoints, the train step and the ``shardax`` train/generate/eval/export
-commands.
+"""Training: checkpoints, the train step and the ``shardax`` train/generate/eval/export
+commands, on top of `shardax.data` (files into batches).
 
 Sub-packages by concern, imports only going down the list:
 
-- ``data``: what turns ``--data`` files into batches (readers, tokenizers, the token cache,
-  chat templates, packing, mixtures, preference pairs);
 - ``run``: the machinery around a run (checkpoints, fingerprints, the run lock, stopping,
   non-finite steps, profiler, progress and metrics, MFU, the compilation cache);
 - this package's own modules, one job each: ``config`` (the command dataclasses and their
@@ -18,7 +16,7 @@ Sub-packages by concern, imports only going down the list:
   ``task_evals`` (``shardax eval``, lm-eval tasks), ``export``.
 """
 
-from shardax.train.data.lm_data import (
+from shardax.data.lm_data import (
     SEPARATOR,
     DataError,
     TokenBatches,
@@ -30,7 +28,7 @@ from shardax.train.data.lm_data import (
     split_tokens,
     val_batches,
 )
-from shardax.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from shardax.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from shardax.train.run.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,

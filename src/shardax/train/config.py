@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from shardax import layout, models
+from shardax.data.mixture import weighted_entries
+from shardax.data.readers import check_dataset_entries
+from shardax.data.tokenizer import has_tokenizer
 from shardax.errors import MissingExtra, UsageError
 from shardax.errors import require as _usage
 from shardax.filewrite import check_target_dir
@@ -36,9 +39,6 @@ from shardax.mesh import parse_mesh_string
 from shardax.models.lora import DEFAULT_TARGETS, LoRA
 from shardax.models.remat import check_remat
 from shardax.precision import Policy
-from shardax.train.data.mixture import weighted_entries
-from shardax.train.data.readers import check_dataset_entries
-from shardax.train.data.tokenizer import has_tokenizer
 from shardax.train.optimizers import defaults as optimizer_defaults
 from shardax.train.run.profiler import parse_profile_steps
 from shardax.train.run.trackers import check_installed, parse_log_to

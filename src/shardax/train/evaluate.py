@@ -28,13 +28,13 @@ import numpy as np
 from flax import nnx
 
 from shardax import layout
+from shardax.data.lm_data import TokenStream, open_data
+from shardax.data.readers import list_data_files, read_pieces
+from shardax.data.tokenizer import Tokenizer, run_tokenizer
 from shardax.errors import UsageError
 from shardax.mesh import MeshShardingHelper
 from shardax.rules import LogicalAxisRules
 from shardax.train.config import EvalConfig, check_eval
-from shardax.train.data.lm_data import TokenStream, open_data
-from shardax.train.data.readers import list_data_files, read_pieces
-from shardax.train.data.tokenizer import Tokenizer, run_tokenizer
 from shardax.train.generate import load_hf, restore_model
 from shardax.train.post.objectives import sequence_logps
 from shardax.train.resolve import make_mesh

@@ -22,13 +22,13 @@ import numpy as np
 from flax import nnx
 
 from shardax import hf, layout
+from shardax.data.tokenizer import Tokenizer, run_tokenizer
 from shardax.errors import UsageError
 from shardax.filewrite import write_text
 from shardax.hf.export import EXPORTED
 from shardax.hf.peft import save_adapters
 from shardax.models.lora import merge_lora
 from shardax.train.config import ExportConfig
-from shardax.train.data.tokenizer import Tokenizer, run_tokenizer
 from shardax.train.generate import restore_model
 from shardax.train.rundir import RunDir, check_run
 

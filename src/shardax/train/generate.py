@@ -22,6 +22,14 @@ import jax
 from flax import nnx
 
 from shardax import hf, layout
+from shardax.data.chat import ChatTemplate, chat_messages, chat_records
+from shardax.data.tokenizer import (
+    BYTES,
+    Tokenizer,
+    has_tokenizer,
+    load_tokenizer,
+    run_tokenizer,
+)
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import read_json
 from shardax.mesh import MeshShardingHelper
@@ -31,14 +39,6 @@ from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.config import GenerateConfig, check_generate, hf_dir
-from shardax.train.data.chat import ChatTemplate, chat_messages, chat_records
-from shardax.train.data.tokenizer import (
-    BYTES,
-    Tokenizer,
-    has_tokenizer,
-    load_tokenizer,
-    run_tokenizer,
-)
 from shardax.train.resolve import make_mesh, model_config, optimizer
 from shardax.train.run.checkpoint import Checkpointer, restore_state
 from shardax.train.run.notes import note

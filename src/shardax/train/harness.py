@@ -46,13 +46,13 @@ from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, ma
 from lm_eval.utils import make_table as _make_table
 
 from shardax import layout
+from shardax.data.tokenizer import Tokenizer
 from shardax.errors import UsageError
 from shardax.filewrite import write_text
 from shardax.mesh import MeshShardingHelper
 from shardax.models import decode
 from shardax.rules import LogicalAxisRules
 from shardax.train.config import EvalConfig
-from shardax.train.data.tokenizer import Tokenizer
 from shardax.train.evaluate import load_model
 from shardax.train.post.objectives import sequence_logps
 from shardax.train.rundir import RunDir

@@ -23,15 +23,15 @@ from typing import Any
 import jax
 
 from shardax import models
+from shardax.data import lm_data as data_lib
+from shardax.data.chat import ChatTemplate, chat_records, is_chat_file
+from shardax.data.chat_data import ChatBatches, chat_val_batches, pack_chats
+from shardax.data.mixture import weighted_entries
+from shardax.data.mixture_data import MixtureBatches, source_names
+from shardax.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 from shardax.distributed import batch_part
 from shardax.errors import UsageError
 from shardax.train.config import TrainConfig
-from shardax.train.data import lm_data as data_lib
-from shardax.train.data.chat import ChatTemplate, chat_records, is_chat_file
-from shardax.train.data.chat_data import ChatBatches, chat_val_batches, pack_chats
-from shardax.train.data.mixture import weighted_entries
-from shardax.train.data.mixture_data import MixtureBatches, source_names
-from shardax.train.data.tokenizer import Tokenizer, load_tokenizer, run_tokenizer
 from shardax.train.resolve import Resolved
 from shardax.train.run.notes import note
 from shardax.train.rundir import RunDir

@@ -31,6 +31,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from shardax import _compat
+from shardax.data.chat_data import ChatBatches
+from shardax.data.tokenizer import BYTES
 from shardax.devices import device_spec
 from shardax.distributed import RESTART_ENV
 from shardax.errors import CorruptCheckpointError, UsageError
@@ -39,8 +41,6 @@ from shardax.filewrite import write_text
 from shardax.rulecheck import rule_findings
 from shardax.train import balance, build
 from shardax.train.config import TrainConfig, check
-from shardax.train.data.chat_data import ChatBatches
-from shardax.train.data.tokenizer import BYTES
 from shardax.train.inputs import Inputs
 from shardax.train.post import grpo_run
 from shardax.train.post.objective_steps import objective_of

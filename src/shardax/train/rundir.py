@@ -23,14 +23,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardax.data.mixture import weighted_entries
+from shardax.data.tokenizer import TOKENIZER_DIR, Tokenizer
 from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import check_target_dir, remove_tree, write_text
 from shardax.mesh import parse_mesh_string
 from shardax.train.config import TrainConfig, flag, with_defaults
 from shardax.train.configfile import from_dict
-from shardax.train.data.mixture import weighted_entries
-from shardax.train.data.tokenizer import TOKENIZER_DIR, Tokenizer
 from shardax.train.run.checkpoint import list_steps
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "FIXED_ON_RESUME", "PROFILE_DIR", "SET_ASIDE_DIR",
@@ -156,7 +156,7 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
 
 def _fixed(config: TrainConfig, key: str) -> object:
     """What of setting ``key`` a resume keeps: of a weighted ``--data``, its paths (the weights
-    may change: `shardax.train.data.mixture_data`)."""
+    may change: `shardax.data.mixture_data`)."""
     if key != "data":
         return getattr(config, key)
     entries = weighted_entries(config.data)

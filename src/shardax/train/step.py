@@ -31,13 +31,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardax.data import packing
 from shardax.layout import forward
 from shardax.layout.spec import Layout
 from shardax.models.lora import trainable
 from shardax.parallel import axis_size, load_balance
 from shardax.precision import Policy
 from shardax.train import balance
-from shardax.train.data import packing
 
 __all__ = ["TrainState", "apply_gradients", "eval_loss", "init_state", "train_step"]
 
@@ -117,7 +117,7 @@ def train_step(
     layout: Layout = ONE_DEVICE,
 ) -> tuple[TrainState, dict]:
     """One optimizer step over ``batch = (inputs, targets)`` (or packed conversations
-    ``(inputs, targets, segment_ids, loss_mask)``: `shardax.train.data.chat_data`), optionally in
+    ``(inputs, targets, segment_ids, loss_mask)``: `shardax.data.chat_data`), optionally in
     ``grad_accum`` microbatches accumulated in the parameter dtype and (with
     ``param_rules``) sharding.
     ``metrics["loss"]`` is the training objective (cross-entropy plus any MoE loss).
@@ -130,7 +130,7 @@ def train_step(
 
     ``end_id``: packed documents (``--pack documents``): the rows' documents end with this
     token id; attention and RoPE positions restart after it and the loss is the mean over the
-    batch's targets that do not start a new document (``shardax.train.data.packing``). None: the
+    batch's targets that do not start a new document (``shardax.data.packing``). None: the
     rows are one stream.
 
     ``metrics["finite"]`` says whether the loss and the gradient norm are finite; with

@@ -27,8 +27,8 @@ from typing import Any
 from flax import nnx
 
 from shardax import layout
+from shardax.data.tokenizer import Tokenizer
 from shardax.train.config import EvalConfig
-from shardax.train.data.tokenizer import Tokenizer
 from shardax.train.resolve import Resolved
 from shardax.train.step import TrainState
 

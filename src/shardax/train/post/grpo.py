@@ -36,12 +36,12 @@ import numpy as np
 import optax
 from flax import nnx
 
+from shardax.data import packing
+from shardax.data.tokenizer import Tokenizer
 from shardax.layout import forward
 from shardax.layout.spec import Layout
 from shardax.models import decode
 from shardax.precision import Policy
-from shardax.train.data import packing
-from shardax.train.data.tokenizer import Tokenizer
 from shardax.train.post import objectives
 from shardax.train.post.rewards import RewardSet, reward_metrics
 from shardax.train.step import FULL_PRECISION, ONE_DEVICE, TrainState, apply_gradients

@@ -26,12 +26,12 @@ from typing import Any
 import jax
 
 from shardax import _compat
+from shardax.data.chat import ChatTemplate, chat_messages
+from shardax.data.tokenizer import BYTES, load_tokenizer
 from shardax.errors import CorruptCheckpointError, UsageError
 from shardax.filecheck import parse_json
 from shardax.train import build
 from shardax.train.config import TrainConfig, check
-from shardax.train.data.chat import ChatTemplate, chat_messages
-from shardax.train.data.tokenizer import BYTES, load_tokenizer
 from shardax.train.inputs import checked_tokenizer
 from shardax.train.post.grpo import GRPOConfig, reference_params, train_grpo
 from shardax.train.post.rewards import RewardSet

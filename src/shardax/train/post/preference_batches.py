@@ -1,10 +1,10 @@
 """Preference batches for DPO, SimPO and ORPO: pairs sampled by step, and their reference file.
 
-`preference_inputs` reads ``--data`` (`shardax.train.data.preference_data`: records with ``prompt``,
+`preference_inputs` reads ``--data`` (`shardax.data.preference_data`: records with ``prompt``,
 ``chosen``, ``rejected``), encodes them into chosen and rejected rows and returns the run's
 `shardax.train.inputs.Inputs`. `PreferenceBatches` gives the batch of a step as a pure function
 of ``(seed, step)`` (each epoch visits every pair once, in an order drawn from ``(seed,
-epoch)``, as `shardax.train.data.chat_data.ChatBatches`), ``--batch-size`` pairs: ``(inputs,
+epoch)``, as `shardax.data.chat_data.ChatBatches`), ``--batch-size`` pairs: ``(inputs,
 labels, completion_mask, reference)``, ``2B`` rows, the chosen sequences then the rejected ones,
 and each row's reference log-probability (`shardax.train.post.preference_step`).
 
@@ -30,13 +30,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardax.data.chat import ChatTemplate
+from shardax.data.lm_data import EpochOrder, check_same
+from shardax.data.preference_data import PreferenceRows, encode_preferences, read_preferences
 from shardax.distributed import batch_part
 from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import write_text
-from shardax.train.data.chat import ChatTemplate
-from shardax.train.data.lm_data import EpochOrder, check_same
-from shardax.train.data.preference_data import PreferenceRows, encode_preferences, read_preferences
 from shardax.train.inputs import Inputs, checked_tokenizer
 from shardax.train.resolve import Resolved
 from shardax.train.rundir import RunDir

@@ -4,7 +4,7 @@ The second start of the same run (same model, mesh, flags and versions) then loa
 compiled programs instead of compiling them again. The cache lives in
 ``$JAX_COMPILATION_CACHE_DIR`` when that is set (JAX's own variable), else in
 ``<shardax cache>/jax-cache`` (``$SHARDAX_CACHE_DIR``, ``$XDG_CACHE_HOME/shardax`` or
-``~/.cache/shardax``: `shardax.train.data.encode.cache_root`). Every program is cached, however
+``~/.cache/shardax``: `shardax.data.encode.cache_root`). Every program is cached, however
 small or quick to compile: a CPU run's step compiles in seconds, below JAX's default
 one-second threshold only for tiny models, and a cache that skipped those would make tests and
 small runs miss.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from shardax.train.data.encode import cache_root
+from shardax.data.encode import cache_root
 
 __all__ = ["ENV", "cache_dir", "enable"]
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from shardax.data.lm_data import TokenBatches, TokenStream
+from shardax.data.mixture import Mixture
 from shardax.errors import DataError
-from shardax.train.data.lm_data import TokenBatches, TokenStream
-from shardax.train.data.mixture import Mixture
 
 __all__ = ["MixtureBatches", "source_names"]
 

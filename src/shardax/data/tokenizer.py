@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.data.chat_source import template_files
 from shardax.filecheck import decode_utf8, read_json, read_regular
 from shardax.filewrite import copy_file, make_dir, replacing, write_text
-from shardax.train.data.chat_source import template_files
 
 __all__ = ["BYTES", "TOKENIZER_DIR", "ByteTokenizer", "HFTokenizer", "Tokenizer",
            "load_tokenizer", "read_tokenizer_config", "run_tokenizer", "special_token"]

@@ -42,10 +42,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from shardax.data.chat import ChatTemplate, chat_messages
+from shardax.data.tokenizer import Tokenizer
 from shardax.errors import DataError, UsageError
 from shardax.filecheck import parse_json, read_regular
-from shardax.train.data.chat import ChatTemplate, chat_messages
-from shardax.train.data.tokenizer import Tokenizer
 
 __all__ = ["MAX_PREFERENCE_BYTES", "PreferenceRows", "encode_preferences", "read_preferences"]
 
@@ -161,7 +161,7 @@ def encode_preferences(records: Sequence[dict], tokenizer: Tokenizer, seq_len: i
     (see the module's doc). Conversational records need the ``template`` of the tokenizer's
     directory.
 
-    >>> from shardax.train.data.tokenizer import ByteTokenizer
+    >>> from shardax.data.tokenizer import ByteTokenizer
     >>> rows = encode_preferences([{"prompt": "2+2=", "chosen": "4", "rejected": "5"}],
     ...                           ByteTokenizer(), seq_len=8)
     >>> rows.inputs.shape                          # chosen, then rejected

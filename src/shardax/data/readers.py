@@ -12,7 +12,7 @@ Formats, by file name:
   default ``"text"``). Blank lines are skipped.
 - ``*.parquet``: the ``text_field`` column, read a record batch at a time (needs ``pyarrow``).
 - a Hugging Face ``datasets`` folder (``save_to_disk``'s Arrow files, or a folder of Parquet
-  shards; `shardax.train.data.dataset_dirs`): the files of one split (``--data-split``), each read
+  shards; `shardax.data.dataset_dirs`): the files of one split (``--data-split``), each read
   a record batch at a time; ``text_field`` as above, or ``messages`` records as chat data.
 - ``*.u8`` / ``*.u16`` / ``*.u32``: token ids, that unsigned little-endian integer type.
   ``*.bin`` too, with ``--token-dtype uint16|uint32`` (as nanoGPT writes them).
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.data.dataset_dirs import find_dataset
 from shardax.errors import DataError
 from shardax.filecheck import parse_json
-from shardax.train.data.dataset_dirs import find_dataset
 
 __all__ = [
     "TOKEN_DTYPES",

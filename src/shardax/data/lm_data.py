@@ -2,9 +2,9 @@
 
 **Formats.** ``--data`` takes text files and directories, ``.jsonl`` (``--text-field``),
 Parquet, Hugging Face ``datasets`` folders (``--data-split``) and pre-tokenized token files
-(``.u8``/``.u16``/``.u32``, or ``.bin`` with ``--token-dtype``); see `shardax.train.data.readers`.
+(``.u8``/``.u16``/``.u32``, or ``.bin`` with ``--token-dtype``); see `shardax.data.readers`.
 Text-like files are tokenized once, ahead of training and in parallel, into a token cache
-(`shardax.train.data.encode`); token files are read as they are. With no ``--data``, the corpus is
+(`shardax.data.encode`); token files are read as they are. With no ``--data``, the corpus is
 the Python standard library's own sources (`default_corpus`).
 
 **Packing.** Every document becomes ``prefix + tokens + suffix + [eos]`` (the tokenizer's own
@@ -50,10 +50,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from shardax.data.encode import encode_files
+from shardax.data.readers import DataFile, TokenFile, list_data_files, open_token_file
+from shardax.data.tokenizer import ByteTokenizer, Tokenizer
 from shardax.errors import DataError
-from shardax.train.data.encode import encode_files
-from shardax.train.data.readers import DataFile, TokenFile, list_data_files, open_token_file
-from shardax.train.data.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "SEPARATOR",

@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
+from shardax.data.readers import DataFile, Piece, TokenFile, open_token_file, read_pieces
+from shardax.data.tokenizer import Tokenizer
 from shardax.errors import DataError
 from shardax.filewrite import remove_tree
-from shardax.train.data.readers import DataFile, Piece, TokenFile, open_token_file, read_pieces
-from shardax.train.data.tokenizer import Tokenizer
 
 __all__ = ["CACHE_ENV", "cache_root", "encode_files", "encode_pieces", "token_dtype"]
 

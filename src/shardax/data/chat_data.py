@@ -1,13 +1,13 @@
 """Chat SFT batches: rendered conversations packed whole into rows, sampled by step.
 
-Each conversation (`shardax.train.data.chat`) becomes ids and a loss mask; conversations are packed
+Each conversation (`shardax.data.chat`) becomes ids and a loss mask; conversations are packed
 in file order into rows of ``seq_len + 1`` tokens, first fit, never split: one longer than a
 row is truncated to it (and counted). The rest of a row is padding (the tokenizer's eos id,
 out of the loss, a segment of its own). A batch is ``(inputs, targets, segment_ids,
 loss_mask)``, each [rows, seq_len]: the segment ids number the conversations of a row, so
 attention and RoPE positions stay within one (`shardax.train.step`), and the mask is true on
 the targets to learn (an assistant token of the same conversation). Like
-`shardax.train.data.lm_data.TokenBatches`, the batch at step ``k`` is a pure function of
+`shardax.data.lm_data.TokenBatches`, the batch at step ``k`` is a pure function of
 ``(seed, k)``: each epoch visits every row once in an order drawn from ``(seed, epoch)``.
 
 Example::
@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shardax.train.data.chat import ChatTemplate
-from shardax.train.data.lm_data import EpochOrder, check_same
+from shardax.data.chat import ChatTemplate
+from shardax.data.lm_data import EpochOrder, check_same
 
 __all__ = ["ChatBatches", "ChatRows", "chat_val_batches", "pack_chats"]
 
@@ -97,7 +97,7 @@ def _split(rows: ChatRows, index: np.ndarray) -> tuple[np.ndarray, ...]:
 
 class ChatBatches:
     """Deterministic, resumable batches of packed conversations (rows split over processes
-    as in `shardax.train.data.lm_data.TokenBatches`).
+    as in `shardax.data.lm_data.TokenBatches`).
 
     Example::
 

@@ -2,7 +2,7 @@
 
 `render_chat` renders ``messages`` ([{role, content}], OpenAI / Hugging Face style) with the
 tokenizer directory's chat template (``chat_template.jinja``, or the ``chat_template`` of its
-``tokenizer_config.json``: `shardax.train.data.chat_source`) the way transformers'
+``tokenizer_config.json``: `shardax.data.chat_source`) the way transformers'
 ``apply_chat_template`` does (a sandboxed Jinja2 environment with no loader, ``trim_blocks``
 and ``lstrip_blocks``, ``raise_exception``, the special tokens as variables,
 ``add_generation_prompt=False``) and tokenizes the text without adding special tokens, so the
@@ -38,11 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from shardax.data.chat_source import find_template
+from shardax.data.dataset_dirs import find_dataset
+from shardax.data.readers import DataFile, columns, list_data_files, read_records
+from shardax.data.tokenizer import MAX_TOKENIZER_BYTES, read_tokenizer_config, special_token
 from shardax.filecheck import parse_json, read_text
-from shardax.train.data.chat_source import find_template
-from shardax.train.data.dataset_dirs import find_dataset
-from shardax.train.data.readers import DataFile, columns, list_data_files, read_records
-from shardax.train.data.tokenizer import MAX_TOKENIZER_BYTES, read_tokenizer_config, special_token
 
 __all__ = ["LOSS_ON", "ChatTemplate", "chat_messages", "chat_records", "is_chat_file",
            "read_chats", "render_chat"]

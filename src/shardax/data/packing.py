@@ -1,7 +1,7 @@
 """Packed documents: the segment ids, per-document positions and loss mask of token rows.
 
 A training row is a window of the token stream, in which documents follow each other, each
-ending with the tokenizer's end-of-text id (`shardax.train.data.tokenizer.Tokenizer.end`). With
+ending with the tokenizer's end-of-text id (`shardax.data.tokenizer.Tokenizer.end`). With
 ``--pack documents`` a new segment starts after every end-of-text token: a token attends only
 within its segment, its RoPE position counts from the segment's first token, and the target
 after an end-of-text token (the next document's first token) is left out of the loss. They
@@ -50,7 +50,7 @@ def documents(inputs: jax.Array, end_id: int) -> Documents:
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """Each token's position within its segment, for rows [b, s] of non-decreasing segment
-    ids (packed conversations, `shardax.train.data.chat_data`).
+    ids (packed conversations, `shardax.data.chat_data`).
 
     >>> segment_positions(jnp.array([[0, 0, 1, 1, 1, 2]])).tolist()
     [[0, 1, 0, 1, 2, 0]]
