@@ -23,10 +23,10 @@ its compile and step time, and the bytes of the static-bound padded all-to-all i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import re
 import time
+from unittest import mock
 
 from _common import (
     LogicalAxisRules,
@@ -132,22 +132,12 @@ def routing_counts(mesh, rules, graphdef, state, tokens: jax.Array) -> np.ndarra
     def run(state, tokens):
         return forward.logits(nnx.merge(graphdef, state.params, state.rest), LAYOUT, tokens)
 
-    with _patched(blocks, "dropless_moe", record):
+    with mock.patch.object(blocks, "dropless_moe", record):
         fn = mesh.sjit(run, in_shardings=(rules, None))
         jax.block_until_ready(fn(state, tokens))
     assert len(seen) == SHAPE["n_layers"], len(seen)
     return np.stack([np.stack([np.bincount(e.ravel(), minlength=SHAPE["n_experts"])
                                for e in np.split(layer, EP)]) for layer in seen])
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 def _exchange_bytes(hlo: str, counts: np.ndarray, chunk: int) -> tuple[int, int]:

@@ -87,8 +87,8 @@ def _exchange_loop(x: Array, pairs: Array, axis: str, chunk: int) -> Array:
     picked by a ``switch``: first, per shift ``s``, the chunks that every pair ``(i, i + s)``
     has (all ``ep`` pairs at once), then each ordered pair's remaining chunks alone."""
     ep = pairs.shape[0]
-    if x.shape[0] % (pairs.shape[0] * chunk):
-        raise ValueError(f"exchange: {x.shape[0]} rows are not {pairs.shape[0]} blocks of "
+    if x.shape[0] % (ep * chunk):
+        raise ValueError(f"exchange: {x.shape[0]} rows are not {ep} blocks of "
                          f"whole chunks of {chunk} rows")
     block = x.shape[0] // ep
     me = jax.lax.axis_index(axis)
@@ -184,14 +184,15 @@ def _exchange(tokens: Array, weights: Array, experts: Array, mlp: Callable[..., 
     flat = experts.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)
     dest = flat[order] // local
-    start = jnp.cumsum(pairs[jax.lax.axis_index(axis)]) - pairs[jax.lax.axis_index(axis)]
+    me = jax.lax.axis_index(axis)
+    start = jnp.cumsum(pairs[me]) - pairs[me]
     pos = dest * block + jnp.arange(t * k, dtype=jnp.int32) - start[dest]
     slots = jnp.zeros((t * k,), jnp.int32).at[order].set(pos, unique_indices=True)
     rows = jnp.zeros((ep * block,), jnp.int32).at[pos].set(order // k, unique_indices=True)
     x = exchange(jnp.take(tokens, rows, axis=0), pairs, axis, chunk)
     # The expert of each row received: source i's block holds its pairs for this device's
     # experts in expert order (`local`, no expert, past them).
-    mine = jax.lax.dynamic_slice_in_dim(counts, jax.lax.axis_index(axis) * local, local, 1)
+    mine = jax.lax.dynamic_slice_in_dim(counts, me * local, local, 1)
     got = jnp.arange(ep * block, dtype=jnp.int32)
     ends = jnp.cumsum(mine, axis=1)[got // block]
     got_expert = jnp.sum(got[:, None] % block >= ends, axis=1, dtype=jnp.int32)
