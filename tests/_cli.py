@@ -37,6 +37,58 @@ def run_cli(*args: object, env: dict[str, str] | None = None, timeout: float = 3
                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
+# Runs each argv of a JSON list through `shardax.cli.main` (what the `shardax` script runs) in
+# this one process. File descriptors 1 and 2 are pointed at a file per case, so whatever a case
+# writes there (Python, or C code such as XLA's logging) is that case's output.
+_BATCH_DRIVER = r"""
+import json, os, sys, tempfile
+from shardax.cli import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    files = {fd: tempfile.TemporaryFile("w+b") for fd in (1, 2)}
+    try:
+        for fd, f in files.items():
+            os.dup2(f.fileno(), fd)
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, old in saved.items():
+            os.dup2(old, fd)
+            os.close(old)
+    out, err = (files[fd].seek(0) or files[fd].read().decode() for fd in (1, 2))
+    from jax._src import xla_bridge
+    results.append({"code": code, "out": out, "err": err, "backend": bool(xla_bridge._backends)})
+print(json.dumps(results))
+"""
+
+
+def run_cli_batch(argvs: list[list[object]], env: dict[str, str] | None = None,
+                  timeout: float = 300, cwd: str | Path | None = None
+                  ) -> list[subprocess.CompletedProcess]:
+    """Runs ``shardax ARGV...`` for each of ``argvs``, in order, in ONE fresh process (the
+    entry point's `shardax.cli.main` per case): one interpreter start-up for many cases that
+    end early (bad input). Each result holds its exit code, stdout and stderr (everything
+    written to file descriptors 1 and 2), and ``backend``: whether a JAX backend had been
+    started by the end of that case (cases after one that started it share it)."""
+    args = [[str(a) for a in argv] for argv in argvs]
+    proc = subprocess.run([sys.executable, "-c", _BATCH_DRIVER, json.dumps(args)],
+                          env=cli_env() if env is None else env, capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    results = []
+    for argv, r in zip(args, json.loads(proc.stdout.strip().splitlines()[-1])):
+        done = subprocess.CompletedProcess(["shardax", *argv], r["code"], r["out"], r["err"])
+        done.backend = r["backend"]
+        results.append(done)
+    return results
+
+
 def read_metrics(out: Path) -> list[dict]:
     """The records of a run directory's ``metrics.jsonl``."""
     text = (Path(out) / "metrics.jsonl").read_text()

@@ -108,10 +108,11 @@ def assert_trained_alike(got: Any, want: Any, start: Any, *, steps: int, optimiz
 
 # The tiny `shardax train` run of the suite: llama-tiny (the default model), 8 x 32 tokens,
 # plain SGD with a step large enough that a wrong gradient shows in the next losses, every
-# step logged, no evaluation, a checkpoint every 2 steps. Files change what they test
+# step logged, no evaluation (each run would compile an eval step; files that check
+# ``val_loss`` set ``eval_every``), a checkpoint every 2 steps. Files change what they test
 # (``{**TINY_TRAIN, "steps": 6}``), nothing else.
 TINY_TRAIN = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", log_every=1,
-                  eval_every=100, ckpt_every=2)
+                  eval_every=0, ckpt_every=2)
 
 
 def init_train_state(model_config: Any, tx: Any, *, seed: int = 0, abstract: bool = False,

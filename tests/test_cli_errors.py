@@ -2,10 +2,10 @@
 code 2, no traceback, nothing in the run directory touched, and (where the check can happen
 before it) no JAX backend started.
 
-The cheap cases run in ONE subprocess (`DRIVER`) that calls ``shardax.cli.main`` once per
-case and reports the exit code, stderr and whether a JAX backend was started: the same code
-path as the ``shardax`` script, without paying the interpreter start-up per case. A few cases
-also run through the real ``python -m shardax.cli`` entry point.
+The cheap cases run in ONE subprocess (`_cli.run_cli_batch`) that calls ``shardax.cli.main``
+once per case and reports the exit code, stderr and whether a JAX backend was started: the
+same code path as the ``shardax`` script, without paying the interpreter start-up per case.
+A few cases also run through the real ``python -m shardax.cli`` entry point.
 """
 
 import hashlib
@@ -16,25 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _cli import cli_env, run_cli
-
-DRIVER = r"""
-import contextlib, io, json, sys
-from shardax.cli import main
-
-results = []
-for argv in json.loads(sys.argv[1]):
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            code = main(argv)
-        except SystemExit as e:
-            code = e.code
-    from jax._src import xla_bridge
-    results.append({"code": code, "err": err.getvalue(), "out": out.getvalue(),
-                    "backend": bool(xla_bridge._backends)})
-print(json.dumps(results))
-"""
+from _cli import cli_env, run_cli, run_cli_batch
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[str, int]]:
@@ -285,10 +267,8 @@ def results(tmp_path_factory):
     argvs = [[_fill(a, paths) for a in argv] for argv in
              [argv for _, argv, _ in CASES] + PRINT_CONFIG]
     before = _snapshot(root)
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=cli_env(),
-                          capture_output=True, text=True, timeout=300, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = [{"code": r.returncode, "err": r.stderr, "out": r.stdout, "backend": r.backend}
+           for r in run_cli_batch(argvs, cwd=root)]
     by_name = dict(zip((name for name, _, _ in CASES), out))
     return by_name, before, _snapshot(root), paths, out[len(CASES):]
 

@@ -14,12 +14,18 @@ import shutil
 import struct
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import assert_one_line_error, cli_command, cli_env, committed_steps, run_cli
+from _cli import (
+    assert_one_line_error,
+    cli_command,
+    cli_env,
+    committed_steps,
+    run_cli,
+    run_cli_batch,
+)
 
 from shardax import hf
 from shardax.data.lm_data import _ID_CHECK_BLOCK, _ID_CHECK_BLOCKS, _ID_CHECK_HEAD
@@ -237,8 +243,8 @@ HF_CASES = [
 @pytest.fixture(scope="module")
 def hf_results(tmp_path_factory):
     """Every `HF_CASES` damage applied to its own copy of the fixture directory, then
-    ``shardax train --init-from hf:DIR`` run on each (side by side): ``{name: (dir, run dir,
-    process)}``."""
+    ``shardax train --init-from hf:DIR`` run on each (one process for all, `run_cli_batch`):
+    ``{name: (dir, run dir, result)}``."""
     root = tmp_path_factory.mktemp("hostile_hf")
     jobs = {}
     for damage, *_ in HF_CASES:
@@ -246,11 +252,9 @@ def hf_results(tmp_path_factory):
         shutil.copytree(FIXTURE, d)
         damage(d)
         jobs[damage.__name__] = (d, root / f"{damage.__name__}-run")
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        procs = {name: pool.submit(shardax, "train", "--init-from", f"hf:{d}", "--out", run,
-                                   "--steps", 1, "--devices", 1)
-                 for name, (d, run) in jobs.items()}
-        return {name: (*jobs[name], f.result()) for name, f in procs.items()}
+    results = run_cli_batch([["train", "--init-from", f"hf:{d}", "--out", run, "--steps", 1,
+                              "--devices", 1] for d, run in jobs.values()], timeout=TIMEOUT_S)
+    return {name: (*job, result) for (name, job), result in zip(jobs.items(), results)}
 
 
 @pytest.mark.parametrize("damage, needles", [(c[0], c[1:]) for c in HF_CASES],
@@ -316,10 +320,9 @@ def test_config_files_alias_bomb_fifo_and_yaml_1_2_numbers(tmp_path):
     os.mkfifo(fifo)
     numbers.write_text("lr: 1e-3\nsteps: 3\nbatch_size: 8\n")
     huge.write_text('{"steps": 3, "x": "' + "x" * 2**21 + '"}')
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        procs = [pool.submit(shardax, "train", "--config", p, "--print-config", timeout=120)
-                 for p in (bomb, fifo, numbers, huge)]
-        bombed, fifoed, printed, too_big = (f.result() for f in procs)
+    bombed, fifoed, printed, too_big = run_cli_batch(
+        [["train", "--config", p, "--print-config"] for p in (bomb, fifo, numbers, huge)],
+        timeout=120)
     one_line_error(bombed, "train", f"--config {bomb}: ", "YAML aliases", "line 2")
     one_line_error(fifoed, "train", f"--config {fifo}: is a FIFO, expected a regular file")
     one_line_error(too_big, "train", f"--config {huge}: ", "more than the 1048576 bytes")

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from _cli import run_cli_batch
 from test_hostile_input import FIXTURE, one_line_error, shardax
 
 from shardax.cli import main
@@ -163,9 +164,9 @@ def test_bad_sizes_specs_and_run_folders_are_one_line_before_anything_is_written
         (("train", "--config", "/proc/self/mem"),
          "train", "--config /proc/self/mem: cannot read it"),
     ]
-    procs = _parallel(*[(*c[0], "--out", tmp_path / f"run{i}") if c[1] == "train" else c[0]
-                        for i, c in enumerate(cases)],
-                      ("train", "--out", tmp_path / "linked-out"))
+    argvs = [(*c[0], "--out", tmp_path / f"run{i}") if c[1] == "train" else c[0]
+             for i, c in enumerate(cases)]
+    procs = run_cli_batch([*argvs, ("train", "--out", tmp_path / "linked-out")])
     for (_, command, *needles), proc in zip(cases, procs):
         one_line_error(proc, command, *needles)
     one_line_error(procs[-1], "train", f"--out {tmp_path / 'linked-out'} is a symlink to")

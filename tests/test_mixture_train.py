@@ -23,6 +23,8 @@ from shardax.train.config import check
 from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.rundir import RunDir
 
+TINY = {**TINY_TRAIN, "eval_every": 100}  # val_loss at the last step
+
 # Source "low" holds tokens 1..99, "high" 150..249: a token says which source it came from.
 LOW, HIGH = (np.random.default_rng(0).integers(1, 100, 5_000).astype(np.uint16),
              np.random.default_rng(1).integers(150, 250, 3_000).astype(np.uint16))
@@ -95,7 +97,7 @@ def runs(tmp_path_factory):
     and resumed, and resumed with weights 0.2/0.8."""
     root = tmp_path_factory.mktemp("mixture_train")
     a, b = _text(root / "web.txt", "abcdefgh ", 0), _text(root / "code.txt", "XYZ0123\n", 1)
-    config = dict(TINY_TRAIN, mesh="fsdp=-1")
+    config = dict(TINY, mesh="fsdp=-1")
     straight = root / "straight"
     train(TrainConfig(out=str(straight), data=[f"{a}:0.7,{b}:0.3"], **config))
     resumed = stopped_at(straight, root / "resumed", 2)
@@ -120,7 +122,7 @@ def revalidated(runs):
         Path(path).write_text(Path(path).read_text()[:n * 8 * 32])
     out = stopped_at(straight, root / "revalidated", 2)
     train(TrainConfig(out=str(out), resume=True, data=[f"{root}/web.txt:0.7,{root}/code.txt:0.3"],
-                      val_data=val, **dict(TINY_TRAIN, mesh="fsdp=-1")))
+                      val_data=val, **dict(TINY, mesh="fsdp=-1")))
     return out, val
 
 
@@ -152,7 +154,7 @@ def test_val_data_changed_on_resume_keeps_a_plain_runs_training_data(tmp_path):
     on all of --data when resumed without it (each once refused as 'data state mismatch for
     'num_tokens''); the new validation batches are those of the new --val-data."""
     data, val = _text(tmp_path / "web.txt", "abcdefgh ", 0), _text(tmp_path / "v.txt", "xy", 1)
-    held = check(TrainConfig(out=str(tmp_path / "a"), data=[data], **TINY_TRAIN))
+    held = check(TrainConfig(out=str(tmp_path / "a"), data=[data], **TINY))
     given = dataclasses.replace(held, val_data=[val])
     for started, resumed in ((held, given), (given, dataclasses.replace(given, val_data=[]))):
         fresh = prepare(started, RunDir(Path(started.out)))

@@ -42,7 +42,7 @@ from shardax.train.loop import TrainConfig, train
 
 pytestmark = pytest.mark.multiprocess
 
-TINY = {**TINY_TRAIN, "steps": 6, "ckpt_every": 3}
+TINY = {**TINY_TRAIN, "steps": 6, "ckpt_every": 3, "eval_every": 100}  # val_loss: last step
 REL = 1e-6  # 1 vs 2 processes, or another mesh: float32 reduction order (seen 1.1e-7)
 BOUND_S = 300  # no subprocess may outlive this; a hang fails the test instead of CI
 
