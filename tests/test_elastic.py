@@ -41,7 +41,7 @@ STEPS = 8
 # 24 rows split evenly over 8 devices and, in 2 microbatches, over 6.
 TRAIN = ["--model", "llama-tiny", "--batch-size", "24", "--seq-len", "32", "--lr", "0.03",
          "--optimizer", "sgd", "--steps", str(STEPS), "--ckpt-every", "2", "--log-every", "1",
-         "--eval-every", "100", "--mesh", "fsdp=-1"]
+         "--eval-every", "0", "--mesh", "fsdp=-1"]
 REL = 1e-3
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import run_cli
+from _cli import assert_one_line_error, run_cli, run_cli_batch
 from flax import nnx
 
 from shardax import hf, models
@@ -21,14 +21,6 @@ def shardax(*args, timeout=300):
 def ok(proc):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
-
-
-def one_line_error(proc, *needles):
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +69,16 @@ def test_generate_from_an_hf_dir_and_from_the_run(finetuned):
 
 def test_bad_inputs_are_one_line_with_exit_2(tmp_path, finetuned):
     _, run, _ = finetuned
-    one_line_error(shardax("train", "--init-from", f"hf:{tmp_path}", "--out", tmp_path / "r"),
-                   "--init-from", "no config.json")
-    one_line_error(shardax("export", "--out", tmp_path, "--to", tmp_path / "x"), "--out")
-    one_line_error(shardax("export", "--out", run, "--to", run), "--to")
-    one_line_error(shardax("generate", "--from", "llama", "--prompt", "x"), "--from",
-                   "hf:DIR")
-    one_line_error(shardax("generate", "--from", f"hf:{tmp_path}", "--out", run),
-                   "exactly one of --out")
+    cases = [
+        (["train", "--init-from", f"hf:{tmp_path}", "--out", tmp_path / "r"],
+         "--init-from", "no config.json"),
+        (["export", "--out", tmp_path, "--to", tmp_path / "x"], "--out"),
+        (["export", "--out", run, "--to", run], "--to"),
+        (["generate", "--from", "llama", "--prompt", "x"], "--from", "hf:DIR"),
+        (["generate", "--from", f"hf:{tmp_path}", "--out", run], "exactly one of --out"),
+    ]
+    for (argv, *needles), proc in zip(cases, run_cli_batch([c[0] for c in cases])):
+        assert_one_line_error(proc, argv[0], *needles)
 
 
 @pytest.mark.parametrize("arch,mesh", [("gemma2", "fsdp=4,tp=2"), ("mixtral", "ep=2,fsdp=4")])
@@ -109,7 +103,7 @@ def test_gemma_and_mixtral_finetune_and_export(tmp_path, arch, mesh):
                                    rtol=0, err_msg=name)
     assert hf.load_config(exp) == hf.load_config(base)
     if arch == "gemma2":
-        one_line_error(shardax("train", "--init-from", f"hf:{base}", "--mesh", "pp=2,fsdp=4",
-                               "--steps", 1, "--seq-len", 32, "--out", tmp_path / "pp",
-                               "--devices", 8),
-                       "global_every=2 mixes sliding-window and global")
+        assert_one_line_error(shardax("train", "--init-from", f"hf:{base}", "--mesh",
+                                      "pp=2,fsdp=4", "--steps", 1, "--seq-len", 32, "--out",
+                                      tmp_path / "pp", "--devices", 8),
+                              "train", "global_every=2 mixes sliding-window and global")

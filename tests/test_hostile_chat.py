@@ -10,13 +10,10 @@ OpenAI-style text parts are trained on in tests/test_chat.py's CLI run.
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from _cli import cli_env
-from test_cli_errors import DRIVER
+from _cli import run_cli_batch
 from test_hostile_input import FIXTURE, one_line_error
 
 pytest.importorskip("jinja2")  # chat templates: extra "hf"
@@ -101,13 +98,8 @@ def cli(tmp_path_factory):
     cases["tokenizer_config"] = (
         ["generate", "--from", f"hf:{model}", "--prompt", "x"],
         [f"{model}/tokenizer_config.json: not valid JSON (nested too deeply)"])
-    argvs = [[str(a) for a in argv] for argv, _ in cases.values()]
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]  # a traceback would end up here
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {name: (subprocess.CompletedProcess(argv, r["code"], r["out"], r["err"]),
-                   cases[name]) for (name, (argv, _)), r in zip(cases.items(), out)}, t, marker
+    results = run_cli_batch([argv for argv, _ in cases.values()])  # a traceback fails it
+    return {name: (proc, cases[name]) for name, proc in zip(cases, results)}, t, marker
 
 
 @pytest.mark.parametrize("case", ["template", "content", "bytes", "surrogate",
