@@ -15,10 +15,10 @@ import subprocess
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _cli import cli_command, cli_env
+from _cli import assert_one_line_error, cli_command, cli_env
 from flax import nnx
 from test_hf import FIXTURES, reference
-from test_hf_cli import ok, one_line_error, shardax
+from test_hf_cli import ok, shardax
 
 from shardax import hf, models
 from shardax.mesh import MeshShardingHelper
@@ -125,10 +125,10 @@ def test_interactive_chat_replies_to_each_line_with_the_whole_conversation(hub):
 
 def test_unknown_hub_names_are_one_line_and_chat_flags_are_checked(hub, tmp_path):
     home, _ = hub
-    one_line_error(cached("train", "--init-from", "hf:org/missing", "--out", tmp_path / "r",
-                          home=home),
-                   "--init-from hf:org/missing: ", "not in the Hugging Face cache",
-                   "HF_HUB_OFFLINE")
+    assert_one_line_error(cached("train", "--init-from", "hf:org/missing", "--out",
+                                 tmp_path / "r", home=home),
+                          "train", "--init-from hf:org/missing: ", "not in the Hugging Face cache",
+                          "HF_HUB_OFFLINE")
     run = str(tmp_path)  # check_generate does not read it
     for flags, needle in [(dict(system="x"), "--system needs --chat"),
                           (dict(top_p=0.0), "--top-p 0.0"), (dict(top_k=-1), "--top-k -1"),
