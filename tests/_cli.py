@@ -4,13 +4,20 @@ contract, and waiting for a line of a running process's output."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from shardax.train.run.checkpoint import list_steps
@@ -32,9 +39,137 @@ def cli_command(*args: object) -> list[str]:
 
 def run_cli(*args: object, env: dict[str, str] | None = None, timeout: float = 300,
             cwd: str | Path | None = None) -> subprocess.CompletedProcess:
-    """Runs ``shardax ARGS...`` to the end (`cli_env` unless ``env``); output captured."""
-    return subprocess.run(cli_command(*args), env=cli_env() if env is None else env,
-                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    """Runs ``shardax ARGS...`` to the end in a fresh process (`cli_env` unless ``env``);
+    output captured. The process is forked from a `_ForkServer` that has imported what the
+    commands import, so it starts without the few seconds of imports a new interpreter pays."""
+    env = cli_env() if env is None else env
+    argv = [str(a) for a in args]
+    with _ForkServer.take(env) as server:
+        code, out, err = server.run(argv, env, os.fspath(cwd or os.getcwd()), timeout)
+    return subprocess.CompletedProcess(["shardax", *argv], code, out, err)
+
+
+# The fork server: imports `shardax.cli` and the modules its commands import, without starting
+# a JAX backend (forking a process with XLA's threads running is unsafe; JAX warns then), then
+# forks one child per request (a JSON line on stdin) and answers with the child's pid, then its
+# exit status. The child is what `python -m shardax.cli ARGV...` would be in that directory and
+# environment (the server's environment is the same but PYTEST_CURRENT_TEST): stdin from
+# /dev/null, file descriptors 1 and 2 to the given files, `shardax.cli.main` run and the
+# interpreter left the ordinary way (atexit handlers run, buffered output flushed, an escaping
+# exception printed with exit status 1).
+_FORK_SERVER = r"""
+import importlib, json, os, sys, threading
+
+for name in json.loads(sys.argv[1]):
+    importlib.import_module(name)
+import matplotlib
+matplotlib.use("Agg")  # what `shardax train` does before its loss.png
+import matplotlib.pyplot
+
+from jax._src import xla_bridge
+# jaxlib keeps one idle native thread from its import on; XLA's (and Python's) would be unsafe.
+assert threading.active_count() == 1 and not xla_bridge._backends, "a backend or thread started"
+os.write(1, b"ready\n")
+pending = b""
+while True:
+    while b"\n" not in pending:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            sys.exit(0)
+        pending += chunk
+    line, pending = pending.split(b"\n", 1)
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["out"]), (2, request["err"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [sys.modules["shardax.cli"].__file__, *request["argv"]]
+        sys.exit(sys.modules["shardax.cli"].main(request["argv"]))
+    os.write(1, json.dumps({"pid": pid}).encode() + b"\n")
+    _, status = os.waitpid(pid, 0)
+    os.write(1, json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+"""
+
+# What `shardax`'s commands import after parsing their flags (a module left out here is
+# imported by the child itself, as a fresh process would).
+_PRELOAD = ["shardax.cli", "tyro", "shardax.train.config", "shardax.train.loop",
+            "shardax.plan.command", "shardax.train.generate", "shardax.train.evaluate",
+            "shardax.train.export"]
+
+
+class _ForkServer:
+    """A fork server (see `_FORK_SERVER`) for one environment; kept for this test process's
+    life and used by one caller at a time (callers in parallel threads get one each)."""
+
+    _idle: dict[tuple, list[_ForkServer]] = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    @contextlib.contextmanager
+    def take(cls, env: dict[str, str]) -> Iterator[_ForkServer]:
+        key = tuple(sorted((k, v) for k, v in env.items() if k != "PYTEST_CURRENT_TEST"))
+        with cls._lock:
+            idle = cls._idle.setdefault(key, [])
+            server = idle.pop() if idle else None
+        server = server or cls(env)
+        try:
+            yield server
+        except BaseException:
+            server.close()  # e.g. a timeout: the next caller gets a new one
+            raise
+        with cls._lock:
+            cls._idle[key].append(server)
+
+    def __init__(self, env: dict[str, str]):
+        self.files = tempfile.mkdtemp(prefix="shardax-fork-server-")
+        self.log = open(os.path.join(self.files, "server.err"), "w+b")  # noqa: SIM115
+        self.proc = subprocess.Popen([sys.executable, "-c", _FORK_SERVER, json.dumps(_PRELOAD)],
+                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log)
+        ready = self.proc.stdout.readline()
+        self.log.seek(0)
+        noise = self.log.read().decode()
+        # A fresh `shardax` process would print what the imports print; the children would not.
+        assert ready == b"ready\n" and not noise, (ready, noise[-3000:])
+        atexit.register(self.close)
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, timeout: float
+            ) -> tuple[int, str, str]:
+        out, err = (os.path.join(self.files, name) for name in ("out", "err"))
+        request = {"argv": argv, "env": env, "cwd": cwd, "out": out, "err": err}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        pid = json.loads(self._line(timeout))["pid"]
+        try:
+            code = json.loads(self._line(timeout))["code"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            self._line(timeout)
+            raise
+        return code, *(Path(p).read_text(errors="replace") for p in (out, err))
+
+    def _line(self, timeout: float) -> bytes:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise subprocess.TimeoutExpired("shardax (forked)", timeout)
+        line = self.proc.stdout.readline()
+        assert line, f"the fork server ended (rc {self.proc.wait()})"
+        return line
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        shutil.rmtree(self.files, ignore_errors=True)
 
 
 # Runs each argv of a JSON list through `shardax.cli.main` (what the `shardax` script runs) in

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import assert_one_line_error, cli_command, cli_env, read_metrics
+from _cli import assert_one_line_error, read_metrics, run_cli
 from _reference import TINY_TRAIN
 
 from shardax.data.chat import chat_records, is_chat_file
@@ -177,9 +177,8 @@ def test_bad_datasets_folders_are_one_line_exit_2(folders, tmp_path, monkeypatch
     (cache / "dataset_info.json").write_text("{}")
     garbled = _save_to_disk(tmp_path / "garbled_dataset", TRAIN[:3])
     (garbled / "data-00000-of-00001.arrow").write_bytes(b"\x00" * 64)
-    proc = subprocess.run(cli_command("train", "--steps", "1", "--out", tmp_path / "run",
-                                      "--data", ddict, "--data-split", "test"),
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = run_cli("train", "--steps", "1", "--out", tmp_path / "run", "--data", ddict,
+                   "--data-split", "test")
     assert_one_line_error(proc, "train", f"--data {ddict}: ", "no split 'test'",
                           "(its splits: train, validation)", "--data-split")
     cases = {

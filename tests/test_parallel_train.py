@@ -9,6 +9,8 @@ ordinary model". The compiled step of each run (recorded from `sjit.plan`) is th
 the collectives its strategy must produce. Bad flag combinations exit with code 2.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,11 +79,18 @@ def _ops(plan, kind, shape=None):
 
 
 def _has_shape(hlo: str, name: str, shape: tuple[int, ...]) -> bool:
-    dims = ",".join(map(str, shape))
+    return f"[{','.join(map(str, shape))}]" in _result_types(hlo).get(name, "")
+
+
+@functools.cache
+def _result_types(hlo: str) -> dict[str, str]:
+    """Each named HLO instruction's result type: ``%name = TYPE op(...)`` -> ``{name: TYPE}``."""
+    types = {}
     for line in hlo.splitlines():
-        if f"%{name} = " in line:
-            return f"[{dims}]" in line.split("=", 1)[1].split("(", 1)[0]
-    return False
+        name, eq, rest = line.strip().removeprefix("ROOT ").partition(" = ")
+        if eq and name.startswith("%"):
+            types.setdefault(name[1:], rest.split("(", 1)[0])
+    return types
 
 
 def _count(ops) -> int:

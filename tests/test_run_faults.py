@@ -24,6 +24,7 @@ from _cli import (
     committed_steps,
     multiprocess_env,
     read_metrics,
+    run_cli,
     wait_for_line,
 )
 from _reference import TINY_TRAIN
@@ -45,8 +46,8 @@ def _cmd(out: Path, *extra: str, **overrides) -> list[str]:
 
 
 def _run(out: Path, *extra: str, **overrides) -> subprocess.CompletedProcess:
-    return subprocess.run(_cmd(out, *extra, **overrides), env=cli_env(PYTHONUNBUFFERED="1"),
-                          capture_output=True, text=True, timeout=BOUND_S)
+    return run_cli("train", *_flags(**overrides), *extra, "--out", out,
+                   env=cli_env(PYTHONUNBUFFERED="1"), timeout=BOUND_S)
 
 
 def _errors(stderr: str) -> list[str]:

@@ -240,10 +240,8 @@ def test_generate_reads_a_moved_run_from_anywhere_without_writing(reference, tmp
     before = _snapshot(out)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    proc = subprocess.run(
-        cli_command("generate", "--out", os.path.relpath(out, elsewhere), "--prompt", "def ",
-                    "--max-tokens", "3", "--devices", "3"),
-        env=cli_env(), capture_output=True, text=True, timeout=BOUND_S, cwd=elsewhere)
+    proc = run_cli("generate", "--out", os.path.relpath(out, elsewhere), "--prompt", "def ",
+                   "--max-tokens", "3", "--devices", "3", timeout=BOUND_S, cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("def ")
     notes = [line for line in proc.stderr.splitlines() if line.startswith("shardax")]

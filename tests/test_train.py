@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _cli import cli_command, cli_env, committed_steps
+from _cli import cli_command, cli_env, committed_steps, run_cli
 from _reference import TINY_TRAIN, assert_trained_alike, init_train_state
 from flax import nnx
 
@@ -265,9 +265,7 @@ def test_fresh_run_never_overwrites_existing_checkpoints(fsdp_run, run_main, tmp
 
 
 def test_bad_input_from_the_command_line(tmp_path):
-    proc = subprocess.run(
-        cli_command("train", "--mesh", "fsdp=3", "--out", tmp_path / "run"),
-        env=cli_env(), capture_output=True, text=True, timeout=300)
+    proc = run_cli("train", "--mesh", "fsdp=3", "--out", tmp_path / "run")
     assert proc.returncode == 2, proc.stderr
     _assert_one_line_error(proc.returncode, proc.stderr, "fsdp=3")
     assert not (tmp_path / "run").exists()
