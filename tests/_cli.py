@@ -40,13 +40,32 @@ def cli_command(*args: object) -> list[str]:
 def run_cli(*args: object, env: dict[str, str] | None = None, timeout: float = 300,
             cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """Runs ``shardax ARGS...`` to the end in a fresh process (`cli_env` unless ``env``);
-    output captured. The process is forked from a `_ForkServer` that has imported what the
-    commands import, so it starts without the few seconds of imports a new interpreter pays."""
-    env = cli_env() if env is None else env
+    output captured. The process is forked from a fork server (`_FORK_SERVER`) that has
+    imported what the commands import: no interpreter start-up and seconds of imports each."""
     argv = [str(a) for a in args]
+    return _forked(["shardax", *argv], {"argv": argv}, env, timeout, cwd)
+
+
+def run_python(code: str | None = None, script: str | Path | None = None, *args: object,
+               env: dict[str, str] | None = None, timeout: float = 300,
+               cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Runs ``python -c CODE ARGS...`` or ``python SCRIPT ARGS...`` to the end in a fresh
+    process forked like `run_cli`'s (`cli_env` unless ``env``); output captured."""
+    argv = [str(a) for a in args]
+    if code is not None:
+        return _forked([sys.executable, "-c", code, *argv], {"code": code, "argv": argv},
+                       env, timeout, cwd)
+    script = os.path.abspath(script)
+    return _forked([sys.executable, script, *argv], {"script": script, "argv": argv}, env,
+                   timeout, cwd)
+
+
+def _forked(command: list[str], request: dict, env: dict[str, str] | None, timeout: float,
+            cwd: str | Path | None) -> subprocess.CompletedProcess:
+    env = cli_env() if env is None else env
     with _ForkServer.take(env) as server:
-        code, out, err = server.run(argv, env, os.fspath(cwd or os.getcwd()), timeout)
-    return subprocess.CompletedProcess(["shardax", *argv], code, out, err)
+        code, out, err = server.run(request, env, os.fspath(cwd or os.getcwd()), timeout)
+    return subprocess.CompletedProcess(command, code, out, err)
 
 
 # The fork server: imports `shardax.cli` and the modules its commands import, without starting
@@ -58,7 +77,7 @@ def run_cli(*args: object, env: dict[str, str] | None = None, timeout: float = 3
 # interpreter left the ordinary way (atexit handlers run, buffered output flushed, an escaping
 # exception printed with exit status 1).
 _FORK_SERVER = r"""
-import importlib, json, os, sys, threading
+import importlib, json, os, runpy, sys, threading
 
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
@@ -88,8 +107,18 @@ while True:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = [sys.modules["shardax.cli"].__file__, *request["argv"]]
-        sys.exit(sys.modules["shardax.cli"].main(request["argv"]))
+        argv = request["argv"]
+        if "code" in request:  # python -c CODE ARGV...
+            sys.argv = ["-c", *argv]
+            exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})
+        elif "script" in request:  # python SCRIPT ARGV...
+            sys.argv = [request["script"], *argv]
+            sys.path[0] = os.path.dirname(os.path.realpath(request["script"]))
+            runpy.run_path(request["script"], run_name="__main__")
+        else:  # python -m shardax.cli ARGV...
+            sys.argv = [sys.modules["shardax.cli"].__file__, *argv]
+            sys.exit(sys.modules["shardax.cli"].main(argv))
+        sys.exit(0)
     os.write(1, json.dumps({"pid": pid}).encode() + b"\n")
     _, status = os.waitpid(pid, 0)
     os.write(1, json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
@@ -106,8 +135,9 @@ class _ForkServer:
     """A fork server (see `_FORK_SERVER`) for one environment; kept for this test process's
     life and used by one caller at a time (callers in parallel threads get one each)."""
 
-    _idle: dict[tuple, list[_ForkServer]] = {}
+    _idle: dict[tuple, list[_ForkServer]] = {}  # by environment, the last used last
     _lock = threading.Lock()
+    KEEP = 4  # idle servers kept (~250 MB each); the least recently used is closed first
 
     @classmethod
     @contextlib.contextmanager
@@ -123,7 +153,10 @@ class _ForkServer:
             server.close()  # e.g. a timeout: the next caller gets a new one
             raise
         with cls._lock:
-            cls._idle[key].append(server)
+            cls._idle[key] = [*cls._idle.pop(key, []), server]
+            while sum(map(len, cls._idle.values())) > cls.KEEP:
+                oldest = next(k for k, idle in cls._idle.items() if idle)
+                cls._idle[oldest].pop(0).close()
 
     def __init__(self, env: dict[str, str]):
         self.files = tempfile.mkdtemp(prefix="shardax-fork-server-")
@@ -138,10 +171,10 @@ class _ForkServer:
         assert ready == b"ready\n" and not noise, (ready, noise[-3000:])
         atexit.register(self.close)
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str, timeout: float
+    def run(self, request: dict, env: dict[str, str], cwd: str, timeout: float
             ) -> tuple[int, str, str]:
         out, err = (os.path.join(self.files, name) for name in ("out", "err"))
-        request = {"argv": argv, "env": env, "cwd": cwd, "out": out, "err": err}
+        request = {**request, "env": env, "cwd": cwd, "out": out, "err": err}
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         pid = json.loads(self._line(timeout))["pid"]
@@ -206,15 +239,13 @@ print(json.dumps(results))
 def run_cli_batch(argvs: list[list[object]], env: dict[str, str] | None = None,
                   timeout: float = 300, cwd: str | Path | None = None
                   ) -> list[subprocess.CompletedProcess]:
-    """Runs ``shardax ARGV...`` for each of ``argvs``, in order, in ONE fresh process (the
-    entry point's `shardax.cli.main` per case): one interpreter start-up for many cases that
-    end early (bad input). Each result holds its exit code, stdout and stderr (everything
+    """Runs ``shardax ARGV...`` for each of ``argvs``, in order, in ONE fresh process (forked
+    as `run_cli`'s; the entry point's `shardax.cli.main` per case): one process for many cases
+    that end early (bad input). Each result holds its exit code, stdout and stderr (everything
     written to file descriptors 1 and 2), and ``backend``: whether a JAX backend had been
     started by the end of that case (cases after one that started it share it)."""
     args = [[str(a) for a in argv] for argv in argvs]
-    proc = subprocess.run([sys.executable, "-c", _BATCH_DRIVER, json.dumps(args)],
-                          env=cli_env() if env is None else env, capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd)
+    proc = run_python(_BATCH_DRIVER, None, json.dumps(args), env=env, timeout=timeout, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = []
     for argv, r in zip(args, json.loads(proc.stdout.strip().splitlines()[-1])):

@@ -9,8 +9,9 @@ command in it is, in this order:
   required;
 - **covered** when its first line is in ``COVERED`` below, which names the test that runs the
   same thing (that test must exist);
-- **run** otherwise: the Python blocks of one doc in order in one fresh process, sharing their
-  names as a notebook would (8 emulated CPU devices, in an empty working directory), then its
+- **run** otherwise: the Python blocks of one doc in order in one fresh process (forked from
+  one that has imported jax and shardax, `_cli.run_python`), sharing their names as a notebook
+  would (8 emulated CPU devices, in an empty working directory), then its
   ``shardax ...`` commands one by one in that process (`shardax.cli.main`, what the entry point
   runs) and any other command in a process of its own, in that directory.
 
@@ -26,6 +27,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _cli import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
@@ -297,8 +299,7 @@ def test_doc_snippets_run(doc, tmp_path):
     commands = [(line, c, _in_process(c)) for line, c in shell if _in_process(c) is not None]
     if python or commands:
         script = f"DOC = {doc!r}\nBLOCKS = {python!r}\nCOMMANDS = {commands!r}\n{RUNNER}"
-        result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env(),
-                                capture_output=True, text=True, timeout=300)
+        result = run_python(script, cwd=tmp_path, env=env())
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     for line, command in shell:
         if _in_process(command) is not None:
