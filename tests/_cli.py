@@ -46,17 +46,18 @@ def run_cli(*args: object, env: dict[str, str] | None = None, timeout: float = 3
     return _forked(["shardax", *argv], {"argv": argv}, env, timeout, cwd)
 
 
-def run_python(code: str | None = None, script: str | Path | None = None, *args: object,
-               env: dict[str, str] | None = None, timeout: float = 300,
+def run_python(*argv: object, env: dict[str, str] | None = None, timeout: float = 300,
                cwd: str | Path | None = None) -> subprocess.CompletedProcess:
-    """Runs ``python -c CODE ARGS...`` or ``python SCRIPT ARGS...`` to the end in a fresh
-    process forked like `run_cli`'s (`cli_env` unless ``env``); output captured."""
-    argv = [str(a) for a in args]
-    if code is not None:
-        return _forked([sys.executable, "-c", code, *argv], {"code": code, "argv": argv},
+    """Runs ``python ARGV...`` to the end, ``ARGV`` being ``-c CODE ARGS...`` or
+    ``SCRIPT ARGS...``, in a fresh process forked like `run_cli`'s (`cli_env` unless ``env``);
+    output captured: ``run_python("-c", code, "arg")``, ``run_python(script, "arg")``."""
+    first, *rest = (str(a) for a in argv)
+    if first == "-c":
+        code, *args = rest
+        return _forked([sys.executable, "-c", code, *args], {"code": code, "argv": args},
                        env, timeout, cwd)
-    script = os.path.abspath(script)
-    return _forked([sys.executable, script, *argv], {"script": script, "argv": argv}, env,
+    script = os.path.abspath(first)
+    return _forked([sys.executable, script, *rest], {"script": script, "argv": rest}, env,
                    timeout, cwd)
 
 
@@ -245,7 +246,7 @@ def run_cli_batch(argvs: list[list[object]], env: dict[str, str] | None = None,
     written to file descriptors 1 and 2), and ``backend``: whether a JAX backend had been
     started by the end of that case (cases after one that started it share it)."""
     args = [[str(a) for a in argv] for argv in argvs]
-    proc = run_python(_BATCH_DRIVER, None, json.dumps(args), env=env, timeout=timeout, cwd=cwd)
+    proc = run_python("-c", _BATCH_DRIVER, json.dumps(args), env=env, timeout=timeout, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     results = []
     for argv, r in zip(args, json.loads(proc.stdout.strip().splitlines()[-1])):

@@ -299,7 +299,7 @@ def test_doc_snippets_run(doc, tmp_path):
     commands = [(line, c, _in_process(c)) for line, c in shell if _in_process(c) is not None]
     if python or commands:
         script = f"DOC = {doc!r}\nBLOCKS = {python!r}\nCOMMANDS = {commands!r}\n{RUNNER}"
-        result = run_python(script, cwd=tmp_path, env=env())
+        result = run_python("-c", script, cwd=tmp_path, env=env())
         assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     for line, command in shell:
         if _in_process(command) is not None:

@@ -46,7 +46,7 @@ def run_example(name: str) -> str:
     # The example adds the device count itself; the suite's compile-time flags go with it.
     env = dict(os.environ, XLA_FLAGS=compile_flags(), PYTHONPATH=str(ROOT / "src"),
                JAX_PLATFORMS="cpu", SHARDAX_EXAMPLE_STEPS=str(STEPS))
-    result = run_python(None, ROOT / "examples" / name, env=env, cwd=ROOT)
+    result = run_python(ROOT / "examples" / name, env=env, cwd=ROOT)
     assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
