@@ -1,4 +1,5 @@
-"""Compile one configuration in a fresh process (``shardax plan --search --jobs N`` runs these).
+"""Compile one configuration in a process of its own (``shardax plan --search --jobs N`` runs
+these, forked from a server that has imported this module: `shardax.plan.search`).
 
     python -m shardax.plan.worker '{"model": "llama-8b", "mesh": "fsdp=64", ...}' out.json [BYTES]
 
