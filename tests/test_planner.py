@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,7 +177,7 @@ def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypat
         "    open(marker, 'w').close()\n"
         "    os.abort()\n"
         "runpy.run_module('shardax.plan.worker', run_name='__main__')\n")
-    monkeypatch.setattr(search_mod, "WORKER", [str(script)])
+    monkeypatch.setattr(search_mod, "WORKER", [sys.executable, str(script)])
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
     assert marker.exists()
     assert len(result.failed) == 1 and "could not compile: killed by SIGABRT" in \

@@ -28,10 +28,9 @@ import itertools
 import json
 import logging
 import math
-import multiprocessing
 import os
-import runpy
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,9 +68,8 @@ MESH_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")  # outermost (across hosts) 
 GRAD_ACCUM = (1, 2, 4)
 MAX_TP = 8  # one node's fast links
 PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
-# The compile worker's arguments to python (+ fields JSON, output path, memory); tests
-# replace it.
-WORKER = ["-m", "shardax.plan.worker"]
+# The compile worker's command line (+ fields JSON, output path); tests replace it.
+WORKER = [sys.executable, "-m", "shardax.plan.worker"]
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
 
 
@@ -344,37 +342,10 @@ def _why(returncode: int, stderr: str) -> str:
     return (line or f"exit code {returncode}")[:200]
 
 
-def _run_worker(argv: list[str], stderr: str) -> None:
-    """One compile worker: what ``python ARGV...`` (``-m MODULE ARGS...`` or ``SCRIPT
-    ARGS...``) does, in a process forked from the fork server, its output discarded and its
-    errors (a Python exception's line, XLA's CHECK message) written to ``stderr``."""
-    for fd, path in ((1, os.devnull), (2, stderr)):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-        os.dup2(opened, fd)
-        os.close(opened)
-    if argv[0] == "-m":
-        sys.argv = argv[1:]  # run_module puts the module's path first, as python -m does
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        runpy.run_path(argv[0], run_name="__main__")
-
-
-def _fork_context() -> Any:
-    """Workers fork from one server process per search process (`multiprocessing`'s
-    forkserver), started at the first search with this process's environment (XLA_FLAGS: the
-    device count, JAX_PLATFORMS) and the worker's imports done, without a JAX backend: each
-    worker starts compiling at once instead of after its own interpreter start and imports
-    (~3 s each)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["shardax.plan.worker"])
-    return context
-
-
 class _Workers:
-    """Compiles in ``jobs`` processes of their own (`WORKER`, forked: `_fork_context`), also
-    with ``jobs=1``, so a layout that crashes the compiler (an XLA CHECK aborts the whole
-    process) costs only its own process."""
+    """Compiles in ``jobs`` fresh processes (`WORKER`), also with ``jobs=1``, so a layout that
+    crashes the compiler (an XLA CHECK aborts the whole process) costs only its own process;
+    they inherit XLA_FLAGS (the device count) and JAX_PLATFORMS."""
 
     def __init__(self, jobs: int, tmp: Path):
         self.jobs, self.tmp, self.running, self.n = jobs, tmp, [], 0
@@ -386,32 +357,29 @@ class _Workers:
         self.n += 1
         out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
         fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
-        err.touch()
-        proc = _fork_context().Process(
-            target=_run_worker, args=([*WORKER, fields, str(out), repr(memory)], str(err)),
-            daemon=True)
-        proc.start()
+        with open(err, "w") as stderr:
+            proc = subprocess.Popen([*WORKER, fields, str(out), repr(memory)],
+                                    stdout=subprocess.DEVNULL, stderr=stderr)
         self.running.append((proc, config, out, err))
 
     def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
         done, still = [], []
         for proc, config, out, err in self.running:
-            if proc.exitcode is None:
+            if proc.poll() is None:
                 still.append((proc, config, out, err))
                 continue
-            if proc.exitcode == 0 and out.exists():
+            if proc.returncode == 0 and out.exists():
                 done.append((config, json.loads(out.read_text()), ""))
             else:
-                why = _why(proc.exitcode, err.read_text(errors="replace"))
+                why = _why(proc.returncode, err.read_text(errors="replace"))
                 done.append((config, None, f"could not compile: {why}"))
-            proc.close()
         self.running = still
         return done
 
     def stop(self) -> int:
         for proc, *_ in self.running:
             proc.kill()
-            proc.join()
+            proc.wait()
         n, self.running = len(self.running), []
         return n
 

@@ -1,5 +1,4 @@
-"""Compile one configuration in a process of its own (``shardax plan --search --jobs N`` runs
-these, forked from a server that has imported this module: `shardax.plan.search`).
+"""Compile one configuration in a fresh process (``shardax plan --search --jobs N`` runs these).
 
     python -m shardax.plan.worker '{"model": "llama-8b", "mesh": "fsdp=64", ...}' out.json [BYTES]
 
