@@ -19,10 +19,15 @@ sides under the same flags):
   program compiled by several tests compiles once. Multi-process runs go without it (see the
   ``env`` fixture of ``test_multiprocess.py``).
 
-Benchmarks and `make run` use neither.
+Benchmarks and `make run` use neither. One more setting is Python's own: a test process lives
+for minutes and fills JAX's caches (jaxprs, lowerings, executables), and with the garbage
+collector's default thresholds (700, 10, 10) each full collection walks that growing heap:
+test_attention.py with test_parallel_fsdp.py (~100 CPU seconds) ran 18 of them, 5.5 s of
+collecting in all; at (10000, 10, 10), one, and 1.5 s.
 """
 
 import atexit
+import gc
 import importlib.util
 import os
 import shutil
@@ -47,6 +52,8 @@ if "SHARDAX_CACHE_DIR" not in os.environ:
     os.environ["SHARDAX_CACHE_DIR"] = _tokens
 
 import jax  # noqa: E402
+
+gc.set_threshold(10_000, 10, 10)
 
 assert jax.device_count() == 8, f"tests expect 8 emulated CPU devices, got {jax.device_count()}"
 

@@ -78,7 +78,7 @@ def _forked(command: list[str], request: dict, env: dict[str, str] | None, timeo
 # interpreter left the ordinary way (atexit handlers run, buffered output flushed, an escaping
 # exception printed with exit status 1).
 _FORK_SERVER = r"""
-import importlib, json, os, runpy, sys, threading
+import gc, importlib, json, os, runpy, sys, threading
 
 for name in json.loads(sys.argv[1]):
     importlib.import_module(name)
@@ -86,6 +86,9 @@ import matplotlib
 matplotlib.use("Agg")  # what `shardax train` does before its loss.png
 import matplotlib.pyplot
 
+# The preloaded modules' objects: a child's collections no longer walk them (nor write to
+# their pages, which the child shares with this server until written).
+gc.freeze()
 from jax._src import xla_bridge
 # jaxlib keeps one idle native thread from its import on; XLA's (and Python's) would be unsafe.
 assert threading.active_count() == 1 and not xla_bridge._backends, "a backend or thread started"
