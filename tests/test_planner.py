@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -166,23 +167,39 @@ def test_bad_plan_input_is_one_line_and_exit_code_2(flags, needle):
 
 
 def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypatch):
-    """XLA CHECK failures abort the process: the first compile's worker aborts (as a crashing
+    """XLA CHECK failures abort the process: the first compile's process aborts (as a crashing
     compiler would), and the search reports it and goes on, with --jobs 1."""
     search_mod = importlib.import_module("shardax.plan.search")  # the module, not search()
     marker, script = tmp_path / "crashed", tmp_path / "crashing_worker.py"
     script.write_text(
-        "import os, runpy, sys\n"
-        f"marker = {str(marker)!r}\n"
-        "if not os.path.exists(marker):\n"
-        "    open(marker, 'w').close()\n"
-        "    os.abort()\n"
-        "runpy.run_module('shardax.plan.worker', run_name='__main__')\n")
+        "import os\n"
+        "from shardax.plan import worker\n"
+        "compile_to = worker.compile_to\n"
+        "def crashing_once(*args):\n"
+        f"    if not os.path.exists({str(marker)!r}):\n"
+        f"        open({str(marker)!r}, 'w').close()\n"
+        "        os.abort()\n"
+        "    return compile_to(*args)\n"
+        "worker.compile_to = crashing_once\n"
+        "worker.serve()\n")
     monkeypatch.setattr(search_mod, "WORKER", [sys.executable, str(script)])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the compiles' files go
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
+    assert not list(tmp_path.glob("shardax-plan-*"))  # removed at the end
     assert marker.exists()
     assert len(result.failed) == 1 and "could not compile: killed by SIGABRT" in \
         result.failed[0], result.failed
     assert result.compiled == 2 and len(result.ranked) == 2
+
+
+def test_the_budget_stops_the_compiles_running(tmp_path, monkeypatch):
+    """Out of time with compiles running: they are killed and counted as skipped, and the
+    search's files are removed."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=2, jobs=2, cache=None,
+                    budget_s=0.5)
+    assert result.skipped_budget == 2 and result.compiled == 0 and not result.failed, result
+    assert not list(tmp_path.glob("shardax-plan-*"))
 
 
 def test_pipelines_only_across_hosts_unless_asked():

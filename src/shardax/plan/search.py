@@ -29,6 +29,8 @@ import json
 import logging
 import math
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,7 +70,7 @@ MESH_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")  # outermost (across hosts) 
 GRAD_ACCUM = (1, 2, 4)
 MAX_TP = 8  # one node's fast links
 PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
-# The compile worker's command line (+ fields JSON, output path); tests replace it.
+# The compile server's command line (`shardax.plan.worker`); tests replace it.
 WORKER = [sys.executable, "-m", "shardax.plan.worker"]
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
 
@@ -343,44 +345,81 @@ def _why(returncode: int, stderr: str) -> str:
 
 
 class _Workers:
-    """Compiles in ``jobs`` fresh processes (`WORKER`), also with ``jobs=1``, so a layout that
-    crashes the compiler (an XLA CHECK aborts the whole process) costs only its own process;
-    they inherit XLA_FLAGS (the device count) and JAX_PLATFORMS."""
+    """Compiles in up to ``jobs`` processes at a time, each forked from one compile server
+    (`WORKER`, `shardax.plan.worker`; started at the first compile, ended by `stop`), so a
+    layout that crashes the compiler (an XLA CHECK aborts its process) costs only its own
+    process, also with ``jobs=1``, and no compile pays for an interpreter start and imports.
+    The server inherits XLA_FLAGS (the device count) and JAX_PLATFORMS; the compiles' files go
+    to a temporary directory, removed by `stop`."""
 
-    def __init__(self, jobs: int, tmp: Path):
-        self.jobs, self.tmp, self.running, self.n = jobs, tmp, [], 0
+    def __init__(self, jobs: int):
+        self.jobs, self.n = jobs, 0
+        self.tmp = Path(tempfile.mkdtemp(prefix="shardax-plan-"))
+        self.running: dict[int, tuple[TrainConfig, Path, Path]] = {}  # request id -> files
+        self.server: subprocess.Popen | None = None
+        self.pending = b""
 
     def free(self) -> bool:
         return len(self.running) < self.jobs
 
+    def _start(self) -> subprocess.Popen:
+        log_path = self.tmp / "server.err"
+        with open(log_path, "w") as log_file:
+            server = subprocess.Popen(WORKER, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=log_file)
+        if server.stdout.readline() != b"ready\n":
+            server.wait()
+            why = _why(server.returncode, log_path.read_text(errors="replace"))
+            raise RuntimeError(f"the plan search's compile server did not start: {why}")
+        return server
+
     def submit(self, config: TrainConfig, memory: float) -> None:
+        self.server = self.server or self._start()
         self.n += 1
         out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
-        fields = json.dumps({k: getattr(config, k) for k in STEP_FIELDS})
-        with open(err, "w") as stderr:
-            proc = subprocess.Popen([*WORKER, fields, str(out), repr(memory)],
-                                    stdout=subprocess.DEVNULL, stderr=stderr)
-        self.running.append((proc, config, out, err))
+        request = {"id": self.n, "fields": {k: getattr(config, k) for k in STEP_FIELDS},
+                   "out": str(out), "err": str(err), "memory": memory}
+        self.server.stdin.write(json.dumps(request).encode() + b"\n")
+        self.server.stdin.flush()
+        self.running[self.n] = (config, out, err)
 
     def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
-        done, still = [], []
-        for proc, config, out, err in self.running:
-            if proc.poll() is None:
-                still.append((proc, config, out, err))
-                continue
-            if proc.returncode == 0 and out.exists():
-                done.append((config, json.loads(out.read_text()), ""))
-            else:
-                why = _why(proc.returncode, err.read_text(errors="replace"))
-                done.append((config, None, f"could not compile: {why}"))
-        self.running = still
+        """The compiles that ended since the last call: ``(config, result fields, "")`` or
+        ``(config, None, "could not compile: WHY")``."""
+        done = []
+        fd = self.server.stdout.fileno() if self.server else None
+        while fd is not None and self.running and select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:  # the server itself died: nothing running will answer
+                why = _why(self.server.wait(), (self.tmp / "server.err").read_text(
+                    errors="replace"))
+                done += [(config, None, f"could not compile: the compile server ended ({why})")
+                         for config, _, _ in self.running.values()]
+                self.running.clear()
+                break
+            self.pending += chunk
+            while b"\n" in self.pending:
+                line, self.pending = self.pending.split(b"\n", 1)
+                answer = json.loads(line)
+                config, out, err = self.running.pop(answer["id"])
+                if answer["code"] == 0 and out.exists():
+                    done.append((config, json.loads(out.read_text()), ""))
+                else:
+                    why = _why(answer["code"], err.read_text(errors="replace")
+                               if err.exists() else "")
+                    done.append((config, None, f"could not compile: {why}"))
         return done
 
     def stop(self) -> int:
-        for proc, *_ in self.running:
-            proc.kill()
-            proc.wait()
-        n, self.running = len(self.running), []
+        """Ends the server, which kills the compiles still running, and removes the compiles'
+        files; returns the number of compiles killed."""
+        n, self.running = len(self.running), {}
+        if self.server is not None:
+            self.server.stdin.close()
+            self.server.wait()
+            self.server.stdout.close()
+            self.server = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return n
 
 
@@ -441,7 +480,7 @@ def search(base: TrainConfig, device: DeviceSpec, hbm_bytes: float | None = None
     pending = iter(order)
     launched = 0
     skipped = 0
-    workers = _Workers(jobs, Path(tempfile.mkdtemp(prefix="shardax-plan-")))
+    workers = _Workers(jobs)
     try:
         while True:
             over_time = time.perf_counter() - start > budget_s
