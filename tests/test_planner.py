@@ -192,6 +192,17 @@ def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypat
     assert result.compiled == 2 and len(result.ranked) == 2
 
 
+def test_a_compile_server_that_does_not_start_refuses_each_layout_saying_why(monkeypatch):
+    search_mod = importlib.import_module("shardax.plan.search")
+    monkeypatch.setattr(search_mod, "WORKER", [
+        sys.executable, "-c", "import sys; sys.exit('shardax plan worker: no compiler here')"])
+    result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=2, jobs=1, cache=None)
+    # 2, then 2 more: with nothing fitting, the search goes on with pipeline layouts
+    assert result.compiled == 0 and len(result.failed) == 4, result
+    assert all("could not compile: the compile server ended (no compiler here)" in f
+               for f in result.failed), result.failed
+
+
 def test_the_budget_stops_the_compiles_running(tmp_path, monkeypatch):
     """Out of time with compiles running: they are killed and counted as skipped, and the
     search's files are removed."""

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -358,44 +359,49 @@ class _Workers:
         self.running: dict[int, tuple[TrainConfig, Path, Path]] = {}  # request id -> files
         self.server: subprocess.Popen | None = None
         self.pending = b""
+        self.lost = ""  # why the server is gone, once it is (each compile then fails so)
 
     def free(self) -> bool:
         return len(self.running) < self.jobs
 
-    def _start(self) -> subprocess.Popen:
-        log_path = self.tmp / "server.err"
-        with open(log_path, "w") as log_file:
+    def _start(self) -> subprocess.Popen | None:
+        with open(self.tmp / "server.err", "w") as log_file:
             server = subprocess.Popen(WORKER, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=log_file)
-        if server.stdout.readline() != b"ready\n":
-            server.wait()
-            why = _why(server.returncode, log_path.read_text(errors="replace"))
-            raise RuntimeError(f"the plan search's compile server did not start: {why}")
-        return server
+        if server.stdout.readline() == b"ready\n":
+            return server
+        self.lost = self._server_error(server)
+        return None
+
+    def _server_error(self, server: subprocess.Popen) -> str:
+        why = _why(server.wait(), (self.tmp / "server.err").read_text(errors="replace"))
+        return f"could not compile: the compile server ended ({why})"
 
     def submit(self, config: TrainConfig, memory: float) -> None:
-        self.server = self.server or self._start()
+        if self.server is None and not self.lost:
+            self.server = self._start()
         self.n += 1
         out, err = self.tmp / f"{self.n}.json", self.tmp / f"{self.n}.err"
+        self.running[self.n] = (config, out, err)
+        if self.lost:
+            return  # answered by `finished`
         request = {"id": self.n, "fields": {k: getattr(config, k) for k in STEP_FIELDS},
                    "out": str(out), "err": str(err), "memory": memory}
-        self.server.stdin.write(json.dumps(request).encode() + b"\n")
-        self.server.stdin.flush()
-        self.running[self.n] = (config, out, err)
+        try:
+            self.server.stdin.write(json.dumps(request).encode() + b"\n")
+            self.server.stdin.flush()
+        except BrokenPipeError:
+            self.lost = self._server_error(self.server)
 
     def finished(self) -> list[tuple[TrainConfig, dict | None, str]]:
         """The compiles that ended since the last call: ``(config, result fields, "")`` or
         ``(config, None, "could not compile: WHY")``."""
         done = []
-        fd = self.server.stdout.fileno() if self.server else None
-        while fd is not None and self.running and select.select([fd], [], [], 0)[0]:
-            chunk = os.read(fd, 1 << 16)
+        while self.running and not self.lost and select.select([self.server.stdout], [], [],
+                                                              0)[0]:
+            chunk = os.read(self.server.stdout.fileno(), 1 << 16)
             if not chunk:  # the server itself died: nothing running will answer
-                why = _why(self.server.wait(), (self.tmp / "server.err").read_text(
-                    errors="replace"))
-                done += [(config, None, f"could not compile: the compile server ended ({why})")
-                         for config, _, _ in self.running.values()]
-                self.running.clear()
+                self.lost = self._server_error(self.server)
                 break
             self.pending += chunk
             while b"\n" in self.pending:
@@ -408,6 +414,9 @@ class _Workers:
                     why = _why(answer["code"], err.read_text(errors="replace")
                                if err.exists() else "")
                     done.append((config, None, f"could not compile: {why}"))
+        if self.lost:
+            done += [(config, None, self.lost) for config, _, _ in self.running.values()]
+            self.running.clear()
         return done
 
     def stop(self) -> int:
@@ -415,7 +424,8 @@ class _Workers:
         files; returns the number of compiles killed."""
         n, self.running = len(self.running), {}
         if self.server is not None:
-            self.server.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                self.server.stdin.close()
             self.server.wait()
             self.server.stdout.close()
             self.server = None
