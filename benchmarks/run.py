@@ -45,7 +45,7 @@ SECTIONS = ("memory_comm", "dtypes", "overhead", "compile_depth", "peers", "cli_
 EXTRA_SECTIONS = ("planner_8b",)
 SECTION_TIMEOUT = {"planner": 1800.0, "planner_8b": 2400.0,  # seconds, over --timeout
                    "cli_step": 1800.0, "published": 1200.0}
-RAW = HERE / ".results.json"  # the last run's raw numbers, for --render-only
+RAW = HERE / ".results.json"  # the last run's raw numbers (committed with RESULTS.md)
 
 
 def _env(extra_xla_flags: str = "") -> dict[str, str]:
@@ -113,6 +113,12 @@ def main() -> None:
                                          raw["date"]))
         print(f"[bench] wrote {args.out} from {RAW}")
         return
+    if set(args.only) != set(SECTIONS) and not RAW.exists():
+        # RESULTS.md is rendered from the raw results of every section: without the last run's,
+        # a partial run would drop every section it does not run.
+        parser.error(f"--only keeps the other sections' results from the last run's {RAW.name}, "
+                     f"which {RAW.parent} lacks (it is committed with RESULTS.md from the next "
+                     "full run on): run every section first (make bench)")
     started = time.perf_counter()
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(ROOT / "src"))
@@ -121,7 +127,7 @@ def main() -> None:
         [sys.executable, str(HERE / "_common.py")], cwd=ROOT, env=_env(), capture_output=True,
         text=True, check=True, timeout=300).stdout)
     outcomes: dict[str, dict] = {}
-    if set(args.only) != set(SECTIONS) and RAW.exists():
+    if set(args.only) != set(SECTIONS):
         # A partial run refreshes its sections and keeps the last run's numbers for the rest.
         outcomes = {k: v for k, v in json.loads(RAW.read_text())["outcomes"].items()
                     if k not in args.only}
