@@ -182,7 +182,7 @@ def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypat
         "    return compile_to(*args)\n"
         "worker.compile_to = crashing_once\n"
         "worker.serve()\n")
-    monkeypatch.setattr(search_mod, "WORKER", [sys.executable, str(script)])
+    monkeypatch.setattr(search_mod, "COMPILE_SERVER", [sys.executable, str(script)])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the compiles' files go
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
     assert not list(tmp_path.glob("shardax-plan-*"))  # removed at the end
@@ -194,7 +194,7 @@ def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypat
 
 def test_a_compile_server_that_does_not_start_refuses_each_layout_saying_why(monkeypatch):
     search_mod = importlib.import_module("shardax.plan.search")
-    monkeypatch.setattr(search_mod, "WORKER", [
+    monkeypatch.setattr(search_mod, "COMPILE_SERVER", [
         sys.executable, "-c", "import sys; sys.exit('shardax plan worker: no compiler here')"])
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=2, jobs=1, cache=None)
     # 2, then 2 more: with nothing fitting, the search goes on with pipeline layouts

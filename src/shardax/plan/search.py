@@ -72,7 +72,7 @@ GRAD_ACCUM = (1, 2, 4)
 MAX_TP = 8  # one node's fast links
 PRUNE_MARGIN = 1.2  # the analytic memory is rough: prune only what it puts clearly over
 # The compile server's command line (`shardax.plan.worker`); tests replace it.
-WORKER = [sys.executable, "-m", "shardax.plan.worker"]
+COMPILE_SERVER = [sys.executable, "-m", "shardax.plan.worker"]
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardax" / "plan"
 
 
@@ -347,7 +347,7 @@ def _why(returncode: int, stderr: str) -> str:
 
 class _Workers:
     """Compiles in up to ``jobs`` processes at a time, each forked from one compile server
-    (`WORKER`, `shardax.plan.worker`; started at the first compile, ended by `stop`), so a
+    (`COMPILE_SERVER`, `shardax.plan.worker`; started at the first compile, ended by `stop`), so a
     layout that crashes the compiler (an XLA CHECK aborts its process) costs only its own
     process, also with ``jobs=1``, and no compile pays for an interpreter start and imports.
     The server inherits XLA_FLAGS (the device count) and JAX_PLATFORMS; the compiles' files go
@@ -366,7 +366,7 @@ class _Workers:
 
     def _start(self) -> subprocess.Popen | None:
         with open(self.tmp / "server.err", "w") as log_file:
-            server = subprocess.Popen(WORKER, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            server = subprocess.Popen(COMPILE_SERVER, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=log_file)
         if server.stdout.readline() == b"ready\n":
             return server
