@@ -204,13 +204,28 @@ def test_a_compile_server_that_does_not_start_refuses_each_layout_saying_why(mon
 
 
 def test_the_budget_stops_the_compiles_running(tmp_path, monkeypatch):
-    """Out of time with compiles running: they are killed and counted as skipped, and the
-    search's files are removed."""
+    """Out of time with compiles running (compiles that never end: each writes its pid and
+    sleeps): they are killed and counted as skipped, and the search's files are removed."""
+    search_mod = importlib.import_module("shardax.plan.search")
+    pids, script = tmp_path / "pids", tmp_path / "hanging_worker.py"
+    pids.mkdir()
+    script.write_text(
+        "import os, time\n"
+        "from shardax.plan import worker\n"
+        "def hanging(*args):\n"
+        f"    open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
+        "    time.sleep(600)\n"
+        "worker.compile_to = hanging\n"
+        "worker.serve()\n")
+    monkeypatch.setattr(search_mod, "COMPILE_SERVER", [sys.executable, str(script)])
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=2, jobs=2, cache=None,
-                    budget_s=0.5)
+                    budget_s=3)
     assert result.skipped_budget == 2 and result.compiled == 0 and not result.failed, result
     assert not list(tmp_path.glob("shardax-plan-*"))
+    for pid in pids.iterdir():  # killed and reaped by the server before it exited
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid.name), 0)
 
 
 def test_pipelines_only_across_hosts_unless_asked():
