@@ -98,9 +98,15 @@ def model_1(observed_run):
     _, out, _ = observed_run
     _, model, _ = restore_model(check_run(str(out)))
     graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, jax.device_put(state, jax.devices()[0]))
+    state = jax.device_put(state, jax.devices()[0])
+    model = nnx.merge(graphdef, state)
+    # The state as an argument: nnx.scan (the stacked layers) does not run a module closed
+    # over from outside the trace.
+    log_probs = jax.jit(lambda state, ids: jax.nn.log_softmax(
+        nnx.merge(graphdef, state)(ids)[0].astype(jnp.float32)))
 
-    forward = jax.jit(lambda ids: jax.nn.log_softmax(model(ids)[0].astype(jnp.float32)))
+    def forward(ids):
+        return log_probs(state, ids)
 
     def logp(context: bytes, continuation: bytes) -> float:
         ids = list(context or b"\0") + list(continuation)

@@ -206,8 +206,8 @@ def test_a_run_from_before_the_layout_held_remat_and_attention_resolves(tmp_path
     assert not {"remat", "attention"} & {f.name for f in dataclasses.fields(run.model_config)}
 
 
-@pytest.mark.parametrize("flags, stacked", [({}, False), ({"scan_layers": True}, True),
-                                            ({"mesh": "pp=2,fsdp=4"}, True)],
+@pytest.mark.parametrize("flags, stacked", [({"scan_layers": False}, False), ({}, True),
+                                            ({"scan_layers": False, "mesh": "pp=2,fsdp=4"}, True)],
                          ids=["list", "scan-layers", "pp"])
 def test_a_run_from_before_the_layout_held_scan_layers_resolves(tmp_path, flags, stacked):
     """A run's config.json from when ``--scan-layers`` went into the model config resolves

@@ -154,7 +154,10 @@ def test_small_helpers():
     command = train_command({**TINY, "mesh": "pp=2,fsdp=4", "rules": "fsdp",
                              "scan_layers": True, "microbatches": 4})
     assert command == ("shardax train --model llama-tiny --mesh pp=2,fsdp=4 --rules fsdp "
-                       "--batch-size 8 --seq-len 32 --scan-layers --microbatches 4")
+                       "--batch-size 8 --seq-len 32 --microbatches 4")  # scanning: the default
+    assert train_command({**TINY, "mesh": "fsdp=8", "rules": "fsdp", "scan_layers": False}) == (
+        "shardax train --model llama-tiny --mesh fsdp=8 --rules fsdp --batch-size 8 --seq-len 32 "
+        "--no-scan-layers")
 
 
 # --hbm, --target and the other checks made before JAX starts: tests/test_cli_errors.py.

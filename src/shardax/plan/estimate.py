@@ -221,8 +221,8 @@ def train_command(config: dict[str, Any]) -> str:
         if key == "model" and config.get("init_from"):  # --init-from replaces --model
             continue
         flag = f"--{key.replace('_', '-')}"
-        if isinstance(value, bool):
-            parts.append(flag)
+        if isinstance(value, bool):  # tyro's pair: --scan-layers / --no-scan-layers
+            parts.append(flag if value else f"--no-{flag[2:]}")
         else:
             text = str(value)
             parts += [flag, f"'{text}'" if any(ch in text for ch in " ;=,") and

@@ -148,9 +148,11 @@ class TrainConfig:
     """how documents share a sequence: documents (each token attends only within its document,
     RoPE positions restart at each document, no loss across a boundary), concat (one stream,
     as if it were one document)"""
-    scan_layers: bool = False
-    """stack the layers on a 'layers' axis and run them with nnx.scan (faster compiles; a 'pp'
-    axis implies it)"""
+    scan_layers: bool = True
+    """stack identical layers on a 'layers' axis and run them with nnx.scan: the step compiles
+    one layer, whatever the depth (a 'pp' axis needs it); a model whose layers differ (Gemma
+    2/3's sliding and global attention, DeepSeek-V3's leading dense layers) runs its list of
+    layers in a loop. --no-scan-layers: a list of layers in a loop (each layer compiled)"""
     grad_accum: int = 1
     """microbatches accumulated per step"""
     seed: int = 0

@@ -39,7 +39,7 @@ from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.config import GenerateConfig, check_generate, hf_dir
-from shardax.train.resolve import make_mesh, model_config, optimizer
+from shardax.train.resolve import make_mesh, model_config, optimizer, scans_layers
 from shardax.train.run.checkpoint import Checkpointer, restore_state
 from shardax.train.run.notes import note
 from shardax.train.rundir import RunDir, check_run, pipelined
@@ -58,10 +58,10 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     ``mesh_spec`` defaults to ``dp=<all devices>`` with the model replicated; with ``rules``
     (a preset list) the parameters are restored sharded by them instead."""
     config = run_dir.saved
-    # The layers as the run stored them: stacked with --scan-layers or on a 'pp' mesh.
-    scan = config.scan_layers or pipelined(config.mesh)
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
     model = model_config(config, Policy.from_string(config.precision), init_dir)
+    # The layers as the run stored them.
+    scan = scans_layers(config, model, pipeline=pipelined(config.mesh))
     mesh = make_mesh(mesh_spec or f"dp={jax.device_count()}")
     graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh,
                                            scan)

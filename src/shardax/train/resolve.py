@@ -42,7 +42,7 @@ from shardax.train.optimizers import make_optimizer, make_schedule
 from shardax.train.step import TrainState, init_state
 
 __all__ = ["SCHEDULE_FIELDS", "Resolved", "fsdp_mode", "layout_of", "make_mesh", "model_config",
-           "optimizer", "resolve", "schedule_change", "state_shape"]
+           "optimizer", "resolve", "scans_layers", "schedule_change", "state_shape"]
 
 
 def make_mesh(spec: str, flag_name: str = "--mesh") -> MeshShardingHelper:
@@ -122,12 +122,31 @@ def _with_lora(model_config: Any, config: TrainConfig) -> Any:
                                                        config.lora_targets))
 
 
-def layout_of(config: TrainConfig, mesh_shape: dict[str, int]) -> Layout:
+def scans_layers(config: TrainConfig, model_config: Any = None, *, pipeline: bool) -> bool:
+    """Whether a run stacks its layers and scans them (its checkpoints hold them so): with
+    ``--scan-layers`` (the default) where ``model_config``'s layers are identical, and always
+    on a ``pipeline`` (a 'pp' axis splits the stack; `layout.check_mesh` refuses a model whose
+    layers differ there).
+
+    >>> from shardax.models import get_config
+    >>> scans_layers(TrainConfig(), pipeline=False), scans_layers(
+    ...     TrainConfig(scan_layers=False), pipeline=True)
+    (True, True)
+    >>> scans_layers(TrainConfig(), get_config("deepseek-v3"), pipeline=False)  # dense, then MoE
+    False
+    """
+    if pipeline:
+        return True
+    return config.scan_layers and not getattr(model_config, "mixed_layers", False)
+
+
+def layout_of(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any = None
+              ) -> Layout:
     """The `Layout` of ``config``'s flags (`LAYOUT_FLAGS`) on a mesh of ``mesh_shape``, with what
     the flags leave open decided: ``--microbatches 0`` is the 'pp' size, ``--sequence-parallel``
-    alone runs sync TP, a 'pp' axis stacks the layers (``scan_layers``: so its checkpoints
-    keep them); the FSDP mode stays 'xla' (`fsdp_mode` decides it). ValueError where a
-    pipeline flag needs a 'pp' axis the mesh lacks.
+    alone runs sync TP, the layers are scanned as `scans_layers` says (of ``model_config``, when
+    given); the FSDP mode stays 'xla' (`fsdp_mode` decides it). ValueError where a pipeline flag
+    needs a 'pp' axis the mesh lacks.
 
     >>> lay = layout_of(TrainConfig(sequence_parallel=True, mesh="pp=2,tp=4"), {"pp": 2, "tp": 4})
     >>> lay.tp_mode, lay.pp_microbatches
@@ -143,14 +162,14 @@ def layout_of(config: TrainConfig, mesh_shape: dict[str, int]) -> Layout:
     values = {field: getattr(config, flag) for flag, field in LAYOUT_FLAGS.items()}
     if config.sequence_parallel and config.tp_mode == "none":
         values["tp_mode"] = "sync"  # sequence parallelism runs through the explicit TP blocks
-    values["scan_layers"] = config.scan_layers or pp > 1
+    values["scan_layers"] = scans_layers(config, model_config, pipeline=pp > 1)
     return Layout(**{**values, "pp_microbatches": config.microbatches or pp})
 
 
 def _layout(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any):
     """``(layout, rules)``: the `Layout` of the flags (`layout_of`) and the rule list fitted
     to the mesh and model (``layout.presets.resolve``); ValueError on a mismatch."""
-    lay = layout_of(config, mesh_shape)
+    lay = layout_of(config, mesh_shape, model_config)
     layout.check_mesh(model_config, lay, mesh_shape, batch_size=config.batch_size,
                       seq_len=config.seq_len)
     rules = layout.presets.resolve(

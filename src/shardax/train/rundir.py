@@ -118,6 +118,8 @@ def load_run_config(out: str | Path, flag_name: str = "--out") -> TrainConfig:
     if isinstance(values, dict):
         # A run from before --pack trained its rows as one stream: it keeps doing so.
         values.setdefault("pack", "concat")
+        # A run from before --scan-layers existed stored its layers as a list.
+        values.setdefault("scan_layers", False)
     # A run from before `check` filled in the optimizer's defaults saved them as null.
     return with_defaults(from_dict(TrainConfig, values, where=f"{path}: "))
 
