@@ -115,7 +115,7 @@ def layout_text(config: TrainConfig | dict[str, Any]) -> str:
     fields.
 
     >>> layout_text(TrainConfig(mesh="fsdp=8", rules="fsdp", remat="full"))
-    'fsdp=8 --rules fsdp --remat full --grad-accum 1 --attention auto --scan-layers False'
+    'fsdp=8 --rules fsdp --remat full --grad-accum 1 --attention auto --scan-layers True'
     """
     c = config if isinstance(config, dict) else dataclasses.asdict(config)
     text = (f"{c['mesh']} --rules {c['rules']} --remat {c['remat']} --grad-accum "
