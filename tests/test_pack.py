@@ -229,6 +229,16 @@ def test_a_run_from_before_the_layout_held_scan_layers_resolves(tmp_path, flags,
     assert {k: v for k, v in got.items() if k.endswith("attn/wq")} == want
 
 
+def test_a_run_from_before_scan_layers_existed_keeps_its_list_of_layers(tmp_path):
+    """Layers are scanned by default now; a config.json without ``scan_layers`` (written
+    before the flag existed) stored a list of layers, and its checkpoints still restore."""
+    old = TrainConfig().to_json()
+    del old["scan_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert load_run_config(tmp_path).scan_layers is False
+    assert TrainConfig().scan_layers is True
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_packed_pipeline_loss_equals_per_document(reference, schedule):
     """Under a 'pp' pipeline (2 microbatches) the segment ids travel with each microbatch and
