@@ -18,8 +18,9 @@ sides under the same flags):
   JAX's default keeps up to 100 frames per op, which lowering, Shardy and XLA's passes carry
   along): ~10% less compile time for a sharded train step (5 alternating pairs of runs). Op
   names stay; nothing here reads source lines.
-- JAX's persistent compilation cache in a fresh directory per test process, exported through
-  the environment so single-process subprocesses (examples, the `shardax` CLI) share it: a
+- JAX's persistent compilation cache in a fresh directory per pytest run, exported through
+  the environment (pytest-xdist's controller imports this file first, so both workers inherit
+  it) so that single-process subprocesses (examples, the `shardax` CLI) share it too: a
   program compiled by several tests compiles once. Multi-process runs go without it (see the
   ``env`` fixture of ``test_multiprocess.py``).
 
