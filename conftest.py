@@ -50,8 +50,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
-# Token caches (shardax.data.encode) go to a fresh directory per test process, shared with
-# its subprocesses, never to the user's ~/.cache.
+# Token caches (shardax.data.encode) go to a fresh directory per pytest run, shared with
+# the xdist workers and their subprocesses (writes are atomic renames), never to the
+# user's ~/.cache.
 if "SHARDAX_CACHE_DIR" not in os.environ:
     _tokens = tempfile.mkdtemp(prefix="shardax-tests-tokens-")
     atexit.register(shutil.rmtree, _tokens, ignore_errors=True)
