@@ -231,7 +231,8 @@ def test_a_run_from_before_the_layout_held_scan_layers_resolves(tmp_path, flags,
 
 def test_a_run_from_before_scan_layers_existed_keeps_its_list_of_layers(tmp_path):
     """Layers are scanned by default now; a config.json without ``scan_layers`` (written
-    before the flag existed) stored a list of layers, and its checkpoints still restore."""
+    before the flag existed) belongs to a run that stored a list of layers, so it loads as
+    ``scan_layers=False`` and its resume builds the tree its checkpoints hold."""
     old = TrainConfig().to_json()
     del old["scan_layers"]
     (tmp_path / "config.json").write_text(json.dumps(old))
