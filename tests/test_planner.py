@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -169,24 +170,30 @@ def test_bad_plan_input_is_one_line_and_exit_code_2(flags, needle):
     assert_one_line_error(proc, "plan", needle)
 
 
+def _compile_server(monkeypatch, tmp_path, compile_to: str) -> None:
+    """The plan search's compile server (`shardax.plan.worker.serve`) with its
+    ``compile_to(*args)`` replaced by the function of that name in ``compile_to`` (source;
+    ``real`` is the real one); the compiles' files go to ``tmp_path``."""
+    script = tmp_path / "compile_server.py"
+    script.write_text("import os, time\nfrom shardax.plan import worker\nreal = worker.compile_to\n"
+                      f"{textwrap.dedent(compile_to)}\nworker.compile_to = compile_to\n"
+                      "worker.serve()\n")
+    search_mod = importlib.import_module("shardax.plan.search")  # the module, not search()
+    monkeypatch.setattr(search_mod, "COMPILE_SERVER", [sys.executable, str(script)])
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypatch):
     """XLA CHECK failures abort the process: the first compile's process aborts (as a crashing
     compiler would), and the search reports it and goes on, with --jobs 1."""
-    search_mod = importlib.import_module("shardax.plan.search")  # the module, not search()
-    marker, script = tmp_path / "crashed", tmp_path / "crashing_worker.py"
-    script.write_text(
-        "import os\n"
-        "from shardax.plan import worker\n"
-        "compile_to = worker.compile_to\n"
-        "def crashing_once(*args):\n"
-        f"    if not os.path.exists({str(marker)!r}):\n"
-        f"        open({str(marker)!r}, 'w').close()\n"
-        "        os.abort()\n"
-        "    return compile_to(*args)\n"
-        "worker.compile_to = crashing_once\n"
-        "worker.serve()\n")
-    monkeypatch.setattr(search_mod, "COMPILE_SERVER", [sys.executable, str(script)])
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the compiles' files go
+    marker = tmp_path / "crashed"
+    _compile_server(monkeypatch, tmp_path, f"""
+        def compile_to(*args):
+            if not os.path.exists({str(marker)!r}):
+                open({str(marker)!r}, 'w').close()
+                os.abort()
+            return real(*args)
+        """)
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
     assert not list(tmp_path.glob("shardax-plan-*"))  # removed at the end
     assert marker.exists()
@@ -209,19 +216,13 @@ def test_a_compile_server_that_does_not_start_refuses_each_layout_saying_why(mon
 def test_the_budget_stops_the_compiles_running(tmp_path, monkeypatch):
     """Out of time with compiles running (compiles that never end: each writes its pid and
     sleeps): they are killed and counted as skipped, and the search's files are removed."""
-    search_mod = importlib.import_module("shardax.plan.search")
-    pids, script = tmp_path / "pids", tmp_path / "hanging_worker.py"
+    pids = tmp_path / "pids"
     pids.mkdir()
-    script.write_text(
-        "import os, time\n"
-        "from shardax.plan import worker\n"
-        "def hanging(*args):\n"
-        f"    open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
-        "    time.sleep(600)\n"
-        "worker.compile_to = hanging\n"
-        "worker.serve()\n")
-    monkeypatch.setattr(search_mod, "COMPILE_SERVER", [sys.executable, str(script)])
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _compile_server(monkeypatch, tmp_path, f"""
+        def compile_to(*args):
+            open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()
+            time.sleep(600)
+        """)
     result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=2, jobs=2, cache=None,
                     budget_s=3)
     assert result.skipped_budget == 2 and result.compiled == 0 and not result.failed, result
