@@ -163,6 +163,29 @@ def test_auto_and_errors():
         generate(model, [[1, 2]], 1, attention="cudnn")
 
 
+def test_auto_on_an_nvidia_gpu_picks_cudnn_for_packed_rows_up_to_the_dense_mask_limit(
+        monkeypatch):
+    """The decision alone (cuDNN's numbers are checked on a GPU by
+    benchmarks/gpu_attention.py): segment ids and key masks go to cuDNN as a dense mask up to
+    CUDNN_DENSE_MASK_MAX_LEN keys under 'auto'; given positions and float32 never do."""
+    gpu = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H200"})()
+    monkeypatch.setattr(jax, "devices", lambda *a: [gpu])
+
+    def qk(s, dtype=jnp.bfloat16):
+        return [jax.ShapeDtypeStruct((1, s, 4, 64), dtype)] * 2
+
+    limit = attn.CUDNN_DENSE_MASK_MAX_LEN
+    assert attn.resolve_implementation("auto", *qk(2048)) == "cudnn"
+    assert attn.resolve_implementation("auto", *qk(limit), custom_mask=True) == "cudnn"
+    assert attn.resolve_implementation("auto", *qk(2 * limit), custom_mask=True) == "blockwise"
+    assert attn.resolve_implementation("auto", *qk(2 * limit)) == "cudnn"
+    assert attn.resolve_implementation("cudnn", *qk(2 * limit), custom_mask=True) == "cudnn"
+    assert attn.resolve_implementation("auto", *qk(2048), positioned=True) == "blockwise"
+    assert attn.resolve_implementation("auto", *qk(512, jnp.float32)) == "xla"
+    with pytest.raises(ValueError, match="'cudnn' cannot run.*given positions"):
+        attn.resolve_implementation("cudnn", *qk(512), positioned=True)
+
+
 # ------------------------------------------------------------------ meshes (sjit, ring)
 
 MESHES = {
