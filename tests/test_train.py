@@ -35,6 +35,7 @@ from shardax.train.config import check
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.optimizers import make_optimizer
+from shardax.train.rundir import check_resume
 from shardax.train.step import train_step
 
 MESH_3D = "dp=2,fsdp=2,tp=2"
@@ -165,6 +166,33 @@ def test_resume_onto_another_mesh_continues_training(fsdp_run, resumed_same_mesh
                                _by_step(resumed_same_mesh[1], "grad_norm")[3], rtol=REL)
     # Training went on: step 4's loss is not a copy of step 3's.
     assert other[4] != other[3]
+
+
+def test_a_scanned_run_resumes_onto_a_circular_pipeline(fsdp_run, resumed_same_mesh,
+                                                       tmp_path):
+    """Scanned layers are stored as a pipeline stores them (one stack, in layer order), so a
+    run saved on fsdp=8 continues on pp=2 (circular, 2 virtual stages: each stage's layers
+    are not a contiguous slice) with the losses of the run that stayed on fsdp=8."""
+    out = _resume_copy(fsdp_run[0], tmp_path / "run", 2)
+    records = train(_config(out, mesh="pp=2,fsdp=4", pp_schedule="circular",
+                            virtual_stages=2, resume=True))
+    piped, same = _by_step(records), _by_step(resumed_same_mesh[1])
+    assert sorted(piped) == [1, 2, 3, 4]
+    for step in (3, 4):
+        np.testing.assert_allclose(piped[step], same[step], rtol=REL)
+
+
+def test_a_list_run_keeps_its_pipeline_axis_or_its_absence_on_resume():
+    listed = check(TrainConfig(**TINY, mesh="fsdp=-1", scan_layers=False))
+    piped = check(TrainConfig(**TINY, mesh="pp=2,fsdp=4", scan_layers=False))
+    check_resume(piped, piped)
+    with pytest.raises(UsageError, match="stores its layers as a list, which a 'pp' axis "
+                                         "cannot split: resume it without one"):
+        check_resume(listed, piped)
+    with pytest.raises(UsageError, match="stores its layers stacked, as its 'pp' axis needs"):
+        check_resume(piped, listed)
+    with pytest.raises(UsageError, match="--scan-layers True"):
+        check_resume(listed, check(TrainConfig(**TINY, mesh="pp=2,fsdp=4")))
 
 
 def test_first_loss_is_mesh_invariant(fsdp_run, mesh3d_run, single_device):

@@ -31,6 +31,7 @@ from shardax.filewrite import check_target_dir, remove_tree, write_text
 from shardax.mesh import parse_mesh_string
 from shardax.train.config import TrainConfig, flag, with_defaults
 from shardax.train.configfile import from_dict
+from shardax.train.resolve import scans_layers
 from shardax.train.run.checkpoint import list_steps
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "FIXED_ON_RESUME", "PROFILE_DIR", "SET_ASIDE_DIR",
@@ -138,11 +139,9 @@ def pipelined(mesh: str) -> bool:
 
 def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
     """Whether ``config`` may continue the run that ``saved`` started (UsageError if not):
-    the settings in `FIXED_ON_RESUME` must match, and a 'pp' axis must be kept or avoided."""
-    if pipelined(saved.mesh) != pipelined(config.mesh):
-        raise UsageError(
-            f"--resume: the run was trained on mesh {saved.mesh!r}; a run with a 'pp' axis "
-            "keeps its layers stacked, so resume with a 'pp' axis exactly when it had one")
+    the settings in `FIXED_ON_RESUME` must match, and the mesh must keep the layers stored as
+    the checkpoints hold them (`scans_layers`: stacked with ``--scan-layers`` or on a 'pp'
+    axis, else a list), so a scanned run may gain or lose a 'pp' axis."""
     # --per-device-batch-size gives the global batch once the mesh is known: `resolve` then
     # checks it against the run's (`check_batch`).
     changed = [k for k in FIXED_ON_RESUME if _fixed(saved, k) != _fixed(config, k)
@@ -154,6 +153,13 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
                          + ("; a mixture's weights may change, its sources not"
                             if "data" in changed and isinstance(_fixed(saved, "data"), tuple)
                             else ""))
+    stacked = scans_layers(saved, pipeline=pipelined(saved.mesh))
+    if stacked != scans_layers(config, pipeline=pipelined(config.mesh)):
+        # scan_layers is fixed above, so only a 'pp' axis on one side (of a list run) differs
+        raise UsageError(
+            f"--resume: the run (--mesh {saved.mesh!r}, --no-scan-layers) stores its layers "
+            + ("stacked, as its 'pp' axis needs: resume it with a 'pp' axis" if stacked else
+               "as a list, which a 'pp' axis cannot split: resume it without one"))
 
 
 def _fixed(config: TrainConfig, key: str) -> object:
