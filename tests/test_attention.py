@@ -184,6 +184,8 @@ def test_auto_on_an_nvidia_gpu_picks_cudnn_for_packed_rows_up_to_the_dense_mask_
     assert attn.resolve_implementation("auto", *qk(512, jnp.float32)) == "xla"
     with pytest.raises(ValueError, match="'cudnn' cannot run.*given positions"):
         attn.resolve_implementation("cudnn", *qk(512), positioned=True)
+    # jax.nn.dot_product_attention refuses cuDNN a window that also reaches forward
+    assert attn.resolve_implementation("auto", *qk(512), two_sided_window=True) == "xla"
 
 
 # ------------------------------------------------------------------ meshes (sjit, ring)

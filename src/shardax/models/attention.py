@@ -5,7 +5,7 @@ Implementations (``implementation=``):
 
 * ``'cudnn'``: ``jax.nn.dot_product_attention(implementation='cudnn')``, NVIDIA GPUs only
   (float16/bfloat16, head_dim a multiple of 8 up to 128; equal query and key lengths; causal
-  and window masks, and segment ids or key masks as a dense [b, 1, s, s] mask beside them,
+  and causal window masks, and segment ids or key masks as a dense [b, 1, s, s] mask beside them,
   which ``'auto'`` builds up to ``CUDNN_DENSE_MASK_MAX_LEN`` keys; no given positions);
 * ``'xla'``: ``jax.nn.dot_product_attention(implementation='xla')`` with the mask built from
   positions and segment ids (it has no soft-capping or sinks: with ``softcap`` or ``sinks``
@@ -59,7 +59,7 @@ Segments = jax.Array | tuple[jax.Array, jax.Array] | None
 
 def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float | None,
                   sinks: bool = False, positioned: bool = False,
-                  auto: bool = False) -> str | None:
+                  two_sided_window: bool = False, auto: bool = False) -> str | None:
     """Why cuDNN cannot run this call (None when it can)."""
     device = jax.devices()[0]
     if device.platform != "gpu" or "nvidia" not in device.device_kind.lower():
@@ -78,6 +78,8 @@ def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float 
         return "it has no soft-capping"
     if sinks:
         return "it has no attention sinks"
+    if two_sided_window:
+        return "its window reaches only back (causal)"
     if q.shape[1] != k.shape[1]:
         return "it needs equal query and key lengths here"
     return None
@@ -85,10 +87,11 @@ def _cudnn_reason(q: jax.Array, k: jax.Array, custom_mask: bool, softcap: float 
 
 def resolve_implementation(implementation: str, q: jax.Array, k: jax.Array, *,
                            custom_mask: bool = False, softcap: float | None = None,
-                           sinks: bool = False, positioned: bool = False) -> str:
+                           sinks: bool = False, positioned: bool = False,
+                           two_sided_window: bool = False) -> str:
     """The implementation ``implementation`` means for these inputs (``'auto'`` resolved):
     ``custom_mask`` when segment ids or a key mask are given, ``positioned`` when query or
-    key positions are.
+    key positions are, ``two_sided_window`` for a window without the causal mask.
 
     Example::
 
@@ -98,14 +101,15 @@ def resolve_implementation(implementation: str, q: jax.Array, k: jax.Array, *,
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
     if implementation == "cudnn":
-        reason = _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned)
+        reason = _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned, two_sided_window)
         if reason:
             raise ValueError(f"attention implementation 'cudnn' cannot run q{tuple(q.shape)} "
                              f"{q.dtype}: {reason}; use 'auto', 'blockwise' or 'xla'")
         return "cudnn"
     if implementation != "auto":
         return implementation
-    if _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned, auto=True) is None:
+    if _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned, two_sided_window,
+                     auto=True) is None:
         return "cudnn"
     return "blockwise" if k.shape[1] >= BLOCKWISE_MIN_LEN else "xla"
 
@@ -155,13 +159,14 @@ def attention(
                          "q_positions and kv_positions (the keys' and queries' sequence indices)")
     masked = segment_ids is not None or kv_mask is not None
     impl = resolve_implementation(implementation, q, k, custom_mask=masked, softcap=softcap,
-                                  sinks=sinks is not None, positioned=positioned)
+                                  sinks=sinks is not None, positioned=positioned,
+                                  two_sided_window=window is not None and not causal)
     spec = Spec(causal=causal, window=window, softcap=softcap, scale=scale,
                 block_q=block_size, block_k=block_size)
     q_pos, kv_pos, q_seg, kv_seg = _mask_inputs(q, k, q_positions, kv_positions, segment_ids,
                                                 kv_mask)
     if impl == "cudnn":
-        local = None if window is None else (window - 1, 0 if causal else window - 1)
+        local = None if window is None else (window - 1, 0)  # causal: cuDNN's only window
         # The dense mask repeats the causal and window masks, so that rows it leaves without
         # a key are known; is_causal and the window still let cuDNN skip masked tiles.
         mask = kernel.allowed(q_pos, kv_pos, q_seg, kv_seg, causal, window) if masked else None
