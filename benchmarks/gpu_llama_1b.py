@@ -3,6 +3,7 @@
     python benchmarks/gpu_llama_1b.py                       # bf16 compute, fp32 params
     python benchmarks/gpu_llama_1b.py --precision bf16      # params=bf16 too
     python benchmarks/gpu_llama_1b.py --batch-per-device 8 --remat full --json out.json
+    python benchmarks/gpu_llama_1b.py --documents 400     # packed documents, as the CLI's default
 
 MFU = model FLOPs per second / peak dense bf16 FLOPs of all devices, with model FLOPs per token
 = 6·N + 12·L·d·T and the peak from the device table, both from ``shardax.train.run.mfu`` (the same
@@ -37,6 +38,10 @@ def main() -> None:
     parser.add_argument("--remat", default="save_dots",
                         choices=("none", "full", "save_dots", "offload"))
     parser.add_argument("--no-scan", action="store_true", help="unroll the layers")
+    parser.add_argument("--documents", type=int, default=0,
+                        help="pack documents of about this many tokens (`shardax train --pack "
+                             "documents`: attention and positions restart at each end-of-text "
+                             "id 0); 0: each row one stream")
     parser.add_argument("--rules", default="fsdp", help="logical-rule preset")
     parser.add_argument("--mesh", default="fsdp=-1")
     parser.add_argument("--peak-tflops", type=float,
@@ -63,6 +68,7 @@ def main() -> None:
     from shardax import layout, models
     from shardax.devices import device_spec
     from shardax.mesh import MeshShardingHelper
+    from shardax.models.attention import resolve_implementation
     from shardax.precision import Policy
     from shardax.rules import LogicalAxisRules
     from shardax.train.optimizers import make_optimizer
@@ -95,12 +101,17 @@ def main() -> None:
         jax.eval_shape(state_only)
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step = mesh.sjit(partial(train_step, graphdef=graphdefs[0], tx=tx, policy=policy,
-                             layout=layout.Layout(remat=args.remat)),
+                             layout=layout.Layout(remat=args.remat),
+                             end_id=0 if args.documents else None),
                      in_shardings=(rules, batch_spec), out_shardings=(rules, None),
                      donate_argnums=0)
 
     def random_batch(key):
-        t = jax.random.randint(key, (batch, args.seq_len + 1), 0, config.vocab_size, jnp.int32)
+        tokens, ends = jax.random.split(key)
+        t = jax.random.randint(tokens, (batch, args.seq_len + 1), 1, config.vocab_size,
+                               jnp.int32)
+        if args.documents:
+            t = jnp.where(jax.random.bernoulli(ends, 1 / args.documents, t.shape), 0, t)
         return t[:, :-1], t[:, 1:]
 
     state = mesh.sjit(lambda: fresh_state()[1], out_shardings=rules)()
@@ -126,10 +137,13 @@ def main() -> None:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else spec and spec.peak_flops
     utilisation = mfu(model_flops, peak, len(devices)) if devices[0].platform == "gpu" else None
     stats = devices[0].memory_stats() or {}
+    q = jax.ShapeDtypeStruct((1, args.seq_len, config.n_heads, config.head_dim), policy.compute)
     result = {
         "model": args.model, "params": models.param_count(config), "precision": str(policy),
         "devices": f"{len(devices)} x {kind}", "mesh": mesh.shape, "rules": args.rules,
-        "remat": args.remat, "scan_layers": not args.no_scan, "global_batch": batch,
+        "remat": args.remat, "scan_layers": not args.no_scan, "documents": args.documents,
+        "attention": resolve_implementation("auto", q, q, custom_mask=args.documents > 0),
+        "global_batch": batch,
         "seq_len": args.seq_len, "timed_steps": args.steps,
         "warmup_s_incl_compile": warmup_s, "step_s": elapsed / args.steps,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / len(devices),
