@@ -100,17 +100,15 @@ def resolve_implementation(implementation: str, q: jax.Array, k: jax.Array, *,
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
-    if implementation == "cudnn":
-        reason = _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned, two_sided_window)
-        if reason:
-            raise ValueError(f"attention implementation 'cudnn' cannot run q{tuple(q.shape)} "
-                             f"{q.dtype}: {reason}; use 'auto', 'blockwise' or 'xla'")
-        return "cudnn"
-    if implementation != "auto":
+    if implementation not in ("cudnn", "auto"):
         return implementation
-    if _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned, two_sided_window,
-                     auto=True) is None:
+    reason = _cudnn_reason(q, k, custom_mask, softcap, sinks, positioned, two_sided_window,
+                           auto=implementation == "auto")
+    if reason is None:
         return "cudnn"
+    if implementation == "cudnn":
+        raise ValueError(f"attention implementation 'cudnn' cannot run q{tuple(q.shape)} "
+                         f"{q.dtype}: {reason}; use 'auto', 'blockwise' or 'xla'")
     return "blockwise" if k.shape[1] >= BLOCKWISE_MIN_LEN else "xla"
 
 
