@@ -91,14 +91,14 @@ def _git_commit() -> str | None:
 
 # ----------------------------------------------------------------------------- the train step
 
-def abstract_train_state(config: Any, tx: Any, scan_layers: bool = False) -> tuple[Any, Any]:
-    """``(graphdef, state)`` of a llama train state as ``ShapeDtypeStruct``s: nothing allocated;
-    the layers stacked when ``scan_layers``."""
+def abstract_train_state(config: Any, tx: Any) -> tuple[Any, Any]:
+    """``(graphdef, state)`` of a llama train state as ``ShapeDtypeStruct``s: nothing
+    allocated."""
     graphdefs = []
 
     def state_only():
         graphdef, state = init_state(
-            lambda: models.create(config, nnx.Rngs(0), scan_layers=scan_layers), tx)
+            lambda: models.create(config, nnx.Rngs(0)), tx)
         graphdefs.append(graphdef)
         return state
 
@@ -106,12 +106,11 @@ def abstract_train_state(config: Any, tx: Any, scan_layers: bool = False) -> tup
     return graphdefs[0], state
 
 
-def real_train_state(config: Any, tx: Any, shardings: Any = None, scan_layers: bool = False
-                     ) -> tuple[Any, Any]:
+def real_train_state(config: Any, tx: Any, shardings: Any = None) -> tuple[Any, Any]:
     """``(graphdef, state)`` with real arrays, created directly in ``shardings`` when given."""
-    graphdef, _ = abstract_train_state(config, tx, scan_layers)
+    graphdef, _ = abstract_train_state(config, tx)
     create = jax.jit(lambda: init_state(lambda: models.create(
-        config, nnx.Rngs(0), scan_layers=scan_layers), tx)[1], out_shardings=shardings)
+        config, nnx.Rngs(0)), tx)[1], out_shardings=shardings)
     return graphdef, create()
 
 

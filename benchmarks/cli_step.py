@@ -50,8 +50,7 @@ def _steps(model: str, mesh_text: str, remat: str, fsdp_mode: str = "auto"
            ) -> tuple[Any, Any, Any, Any]:
     """``(cli_step, jit_step, state_shape, run)`` for one layout; fresh functions."""
     run = _resolve(model, mesh_text, remat, fsdp_mode)
-    graphdef, state_shape = build.abstract(run.model_config, run.tx, 0, run.mesh,
-                                           run.layout.scan_layers)
+    graphdef, state_shape = build.abstract(run.model_config, run.tx, 0, run.mesh)
     cli = build.step_function(run, graphdef, end_id=None)
     mesh, rules = run.mesh, run.rules
     state_shardings = mesh.match_sharding_rule(rules, state_shape)
@@ -151,8 +150,7 @@ def measure(model: str, rounds: int) -> dict[str, Any]:
         states = {}
         for name in ("cli", "jax.jit"):
             with run.mesh.get_context():
-                states[name] = build.create(run.model_config, run.tx, 0,
-                                            run.layout.scan_layers)[1]
+                states[name] = build.create(run.model_config, run.tx, 0)[1]
             states[name] = jax.device_put(
                 states[name], run.mesh.match_sharding_rule(run.rules, state_shape))
 

@@ -34,9 +34,10 @@ def measure(n_layers: int, scan: bool) -> dict[str, Any]:
     """Seconds to trace + lower and to compile one fresh train step (nothing is cached)."""
     policy, tx = Policy(), adamw()
     config = llama_config("llama-tiny", policy, n_layers=n_layers)
-    graphdef, state = abstract_train_state(config, tx, scan)
+    graphdef, state = abstract_train_state(config, tx)
     mesh = MeshShardingHelper.from_string("fsdp=-1")
-    step = llama_step(mesh, LogicalAxisRules(layout.PRESETS["fsdp"]), graphdef, tx, policy)
+    step = llama_step(mesh, LogicalAxisRules(layout.PRESETS["fsdp"]), graphdef, tx, policy,
+                      layout=layout.Layout(scan_layers=scan))
     start, cpu = time.perf_counter(), time.process_time()
     lowered = step.lower(state, batch_shape(8, 64))
     lower, lower_cpu = time.perf_counter() - start, time.process_time() - cpu

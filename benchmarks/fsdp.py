@@ -43,7 +43,7 @@ BATCH, SEQ = 16, 128
 N = 8
 PEAK_GOAL, BYTES_GOAL = 1.15, 1.05
 FP32 = Policy()
-SCAN = True  # every model here stacks its layers (Layout.scan_layers)
+SCAN = True  # every layout here scans the layers (Layout.scan_layers)
 
 # (label, preset, mesh, fsdp_mode, config overrides, grad_accum)
 CASES = [
@@ -214,7 +214,7 @@ _STEPS: dict[str, Any] = {}  # label -> (step, mesh, rules, config): reused for 
 def compile_case(label, preset, mesh_text, mode, overrides, grad_accum) -> dict[str, Any]:
     config, mesh, rules = _setup(preset, mesh_text, overrides)
     tx = adamw()
-    graphdef, state = abstract_train_state(config, tx, SCAN)
+    graphdef, state = abstract_train_state(config, tx)
     step = _step(mesh, rules, graphdef, tx, mode, grad_accum)
     _STEPS[label] = (step, mesh, rules, config, tx)
     plan = step.plan(state, batch_shape(BATCH, SEQ))
@@ -249,9 +249,9 @@ def depth_sweep(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def step_times() -> dict[str, Any]:
     """The two fsdp=8 steps planned above (same compiled programs), on real arrays."""
     _, mesh, rules, config, tx = _STEPS["fsdp xla"]
-    _, shape = abstract_train_state(config, tx, SCAN)
+    _, shape = abstract_train_state(config, tx)
     shardings = mesh.match_sharding_rule(rules, shape)
-    _, state = real_train_state(config, tx, shardings, SCAN)
+    _, state = real_train_state(config, tx, shardings)
     spec = rules.spec_for(("batch", "length"), mesh.mesh)
     batch = jax.device_put(real_batch(BATCH, SEQ, config.vocab_size),
                            jax.sharding.NamedSharding(mesh.mesh, spec))

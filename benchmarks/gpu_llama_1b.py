@@ -87,8 +87,7 @@ def main() -> None:
     tx = make_optimizer("adamw", 3e-4, args.steps + args.warmup, warmup=1)
 
     def fresh_state():
-        return init_state(lambda: models.create(config, nnx.Rngs(0),
-                                                scan_layers=not args.no_scan), tx)
+        return init_state(lambda: models.create(config, nnx.Rngs(0)), tx)
 
     graphdefs = []
 
@@ -101,7 +100,7 @@ def main() -> None:
         jax.eval_shape(state_only)
     batch_spec = rules.spec_for(("batch", "length"), mesh.mesh)
     step = mesh.sjit(partial(train_step, graphdef=graphdefs[0], tx=tx, policy=policy,
-                             layout=layout.Layout(remat=args.remat),
+                             layout=layout.Layout(remat=args.remat, scan_layers=not args.no_scan),
                              end_id=0 if args.documents else None),
                      in_shardings=(rules, batch_spec), out_shardings=(rules, None),
                      donate_argnums=0)

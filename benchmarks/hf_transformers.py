@@ -37,7 +37,6 @@ REL = 1e-4
 ARCHES = ["llama_gqa", "llama_tied", "mistral", "qwen2", "gpt2", "qwen3", "gemma2", "gemma3",
           "mistral_window", "mixtral", "qwen2_moe", "qwen3_moe"]
 NATIVE = [
-    ("llama-tiny", dict(scan_layers=True)),  # scan_layers: a constructor keyword
     ("llama-tiny", dict(tie_embeddings=True, rope_theta=500000.0,
                         rope_scaling=models.RopeScaling(8.0, 1.0, 4.0, 32))),
     ("gpt2-tiny", {}),
@@ -93,10 +92,7 @@ def main() -> int:
         results.append(check(f"export of {arch}", model, tokens, max_shard_bytes=30_000))
     tokens = np.random.default_rng(0).integers(0, 256, (2, 24))
     for name, overrides in NATIVE:
-        overrides = dict(overrides)
-        scan = overrides.pop("scan_layers", False)
-        model = models.create(models.get_config(name, n_layers=2, **overrides), nnx.Rngs(0),
-                              scan_layers=scan)
+        model = models.create(models.get_config(name, n_layers=2, **overrides), nnx.Rngs(0))
         results.append(check(f"native {name} {sorted(overrides)}", model, tokens))
     print(f"{sum(results)} passed, {len(results) - sum(results)} failed")
     return 0 if all(results) else 1

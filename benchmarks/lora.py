@@ -30,8 +30,7 @@ CASES = {"full fine-tuning": {}, "LoRA r16": dict(lora_rank=16, lora_alpha=32.0)
 
 def measure_case(overrides: dict) -> dict:
     run = resolve(check(TrainConfig(**BASE, **overrides)))
-    graphdef, state_shape = abstract(run.model_config, run.tx, run.config.seed, run.mesh,
-                                     run.layout.scan_layers)
+    graphdef, state_shape = abstract(run.model_config, run.tx, run.config.seed, run.mesh)
     shardings = run.mesh.match_sharding_rule(run.state_rules, state_shape)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state_shape, shardings)

@@ -104,7 +104,7 @@ def compile_case(label, preset, mesh_text, policy, overrides) -> dict[str, Any]:
                  scan_layers=overrides.pop("scan_layers", False))
     config = llama_config(MODEL, policy, **overrides)
     tx = adamw()
-    graphdef, state = abstract_train_state(config, tx, lay.scan_layers)
+    graphdef, state = abstract_train_state(config, tx)
     mesh = MeshShardingHelper.from_string(mesh_text)
     # resolve() adds the parallel axes (layers -> pp) as `shardax train` does.
     rules = LogicalAxisRules(layout.presets.resolve(

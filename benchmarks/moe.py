@@ -76,8 +76,8 @@ def dropped_fraction(tokens: jax.Array) -> float:
     cfg = models.LlamaConfig(**SHAPE, moe_impl="capacity")
     model = models.create(cfg, nnx.Rngs(0))
     x = model.embed_inputs(tokens[:, :-1])[0]
-    moe = model.layers[0].mlp
-    _, aux = moe_mlp(x, moe.router[...], moe.w_up[...], moe.w_down[...], moe.w_gate[...],
+    moe = model.layers.mlp  # the stack: [layers, ...]; layer 0 is index 0
+    _, aux = moe_mlp(x, moe.router[0], moe.w_up[0], moe.w_down[0], moe.w_gate[0],
                      top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
                      num_groups=x.shape[0], activation=jax.nn.silu)
     return float(aux["dropped_fraction"])
@@ -93,8 +93,8 @@ def expert_parallel(rounds: int) -> dict:
     mesh = MeshShardingHelper.from_string(f"ep={EP}")
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
     tx = optax.sgd(0.1)
-    graphdef, shape = abstract_train_state(cfg, tx, scan_layers=True)
-    _, state = real_train_state(cfg, tx, mesh.match_sharding_rule(rules, shape), True)
+    graphdef, shape = abstract_train_state(cfg, tx)
+    _, state = real_train_state(cfg, tx, mesh.match_sharding_rule(rules, shape))
     batch = real_batch(EP_BATCH, EP_SEQ, cfg.vocab_size)
     step = mesh.sjit(functools.partial(train_step, graphdef=graphdef, tx=tx,
                                        param_rules=rules, layout=LAYOUT),

@@ -96,10 +96,8 @@ class Timed:
 
     def __init__(self, config: TrainConfig):
         run = resolve(config)
-        graphdef, _ = abstract(run.model_config, run.tx, config.seed, run.mesh,
-                               run.layout.scan_layers)
-        self.state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed,
-                                                  run.layout.scan_layers)[1],
+        graphdef, _ = abstract(run.model_config, run.tx, config.seed, run.mesh)
+        self.state = run.mesh.sjit(lambda: create(run.model_config, run.tx, config.seed)[1],
                                    out_shardings=run.rules)()
         self.step = step_function(run, graphdef, end_id=0)  # the program the planner compiled
         tokens = jax.random.randint(jax.random.key(0),

@@ -67,8 +67,7 @@ def _run(batch: int, seq: int):
 
 def _fresh(run):
     """A fresh sharded train state (each timed step donates its own)."""
-    return run.mesh.sjit(lambda: build.create(run.model_config, run.tx, 0,
-                                              run.layout.scan_layers)[1],
+    return run.mesh.sjit(lambda: build.create(run.model_config, run.tx, 0)[1],
                          out_shardings=run.state_rules)()
 
 
@@ -77,7 +76,7 @@ def measure(rounds: int, quick: bool) -> dict:
     width = p + c - 1  # the SFT rows: the forward positions of a rollout row
     run = _run(b, width)
     mesh, rules = run.mesh, run.rules
-    graphdef = build.abstract(run.model_config, run.tx, 0, mesh, run.layout.scan_layers)[0]
+    graphdef = build.abstract(run.model_config, run.tx, 0, mesh)[0]
     vocab = run.model_config.vocab_size
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, vocab, (b // g, p)).tolist()

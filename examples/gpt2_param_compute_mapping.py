@@ -90,7 +90,7 @@ def main():
     data = TokenBatches(load_bytes(default_corpus("train")[:40]), seq_len=64, batch_size=16)
     batch = next(data)
     plan = step.plan(state, *batch)
-    print(plan.where(lambda row: row.kind == "input" and "layers/0/mlp" in row.path
+    print(plan.where(lambda row: row.kind == "input" and "layers/mlp" in row.path
                      and "opt_state" not in row.path))
     print()
     for i in range(STEPS):
@@ -98,7 +98,7 @@ def main():
         if i % 5 == 0 or i == STEPS - 1:
             print(f"step {i:3d}  loss {float(loss):.4f}")
         batch = next(data)
-    w = state["params"]["layers"][0]["mlp"]["w_fc"]
+    w = state["params"]["layers"]["mlp"]["w_fc"]  # [layers, embed, mlp]
     print(f"\nw_fc after training: {w.dtype}, {w[...].sharding.spec}")
 
 

@@ -4,10 +4,11 @@
 
 ``shardax.models.Llama`` (RMSNorm, RoPE, SwiGLU, grouped-query attention) learns to continue
 Python source, byte by byte, from the standard library's own files. The sharding is a
-``TreePathShardingRule``: regular expressions on the parameter paths (``params/layers/0/attn/wq``,
-``opt_state/0/mu/layers/0/attn/wq``...) as in scalax's examples. Because the paths of the Adam
+``TreePathShardingRule``: regular expressions on the parameter paths (``params/layers/attn/wq``,
+``opt_state/0/mu/layers/attn/wq``...) as in scalax's examples. Because the paths of the Adam
 moments end like the parameters' paths, one rule shards parameters, gradients and optimizer
-state the same way. ``SHARDAX_EXAMPLE_STEPS`` sets the number of steps.
+state the same way. The layers are one stack: each layer weight has a leading 'layers' axis,
+which the rules keep whole. ``SHARDAX_EXAMPLE_STEPS`` sets the number of steps.
 """
 
 import os
@@ -36,10 +37,10 @@ STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 40))
 # Scalars (the step, Adam's count) are always replicated.
 RULES = TreePathShardingRule(
     ("embed", P(None, "fsdp")),               # [vocab, dim]
-    ("attn/(wq|wk|wv)", P("fsdp")),           # [dim, heads, head_dim]
-    ("attn/wo", P(None, None, "fsdp")),       # [heads, head_dim, dim]
-    ("mlp/(w_gate|w_up)", P("fsdp")),         # [dim, mlp]
-    ("mlp/w_down", P(None, "fsdp")),          # [mlp, dim]
+    ("attn/(wq|wk|wv)", P(None, "fsdp")),     # [layers, dim, heads, head_dim]
+    ("attn/wo", P(None, None, None, "fsdp")), # [layers, heads, head_dim, dim]
+    ("mlp/(w_gate|w_up)", P(None, "fsdp")),   # [layers, dim, mlp]
+    ("mlp/w_down", P(None, None, "fsdp")),    # [layers, mlp, dim]
     ("lm_head", P("fsdp")),                   # [dim, vocab]
     ("norm", P()),
 )
@@ -66,8 +67,7 @@ def main():
     print(f"{jax.device_count()} devices, mesh {mesh.shape}, "
           f"{models.param_count(config):,} parameters\n")
     plan = step.plan(state, batch)
-    print(plan.where(lambda row: row.kind == "input" and row.path.startswith("state/params")
-                     and "layers/" not in row.path.replace("layers/0/", "")))
+    print(plan.where(lambda row: row.kind == "input" and row.path.startswith("state/params")))
     print()
     for i in range(STEPS):
         state, metrics = step(state, batch)

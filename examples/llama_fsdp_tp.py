@@ -4,11 +4,12 @@
 
 ``shardax.models.Llama`` (RMSNorm, RoPE, SwiGLU, grouped-query attention) learns to continue
 Python source, byte by byte, from the standard library's own files. The sharding is a
-``TreePathShardingRule``: regular expressions on the parameter paths (``params/layers/0/attn/wq``,
-``opt_state/0/mu/layers/0/attn/wq``...) as in scalax's examples, on a 2-D mesh fsdp=4 x tp=2:
+``TreePathShardingRule``: regular expressions on the parameter paths (``params/layers/attn/wq``,
+``opt_state/0/mu/layers/attn/wq``...) as in scalax's examples, on a 2-D mesh fsdp=4 x tp=2:
 each matrix is split over 'tp' Megatron-style (column-split q/k/v and the MLP's gate/up,
 row-split the attention output and the MLP's down projection) and over 'fsdp' on its other
-dimension. ``SHARDAX_EXAMPLE_STEPS`` sets the number of steps.
+dimension; the layers are one stack, whose leading 'layers' axis stays whole.
+``SHARDAX_EXAMPLE_STEPS`` sets the number of steps.
 """
 
 import os
@@ -35,10 +36,10 @@ STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 40))
 
 RULES = TreePathShardingRule(
     ("embed", P("tp", "fsdp")),               # [vocab, dim]: vocabulary over tp
-    ("attn/(wq|wk|wv)", P("fsdp", "tp")),     # [dim, heads, head_dim]: heads over tp
-    ("attn/wo", P("tp", None, "fsdp")),       # [heads, head_dim, dim]
-    ("mlp/(w_gate|w_up)", P("fsdp", "tp")),   # [dim, mlp]: column-split
-    ("mlp/w_down", P("tp", "fsdp")),          # [mlp, dim]: row-split
+    ("attn/(wq|wk|wv)", P(None, "fsdp", "tp")),   # [layers, dim, heads, head_dim]: heads on tp
+    ("attn/wo", P(None, "tp", None, "fsdp")),     # [layers, heads, head_dim, dim]
+    ("mlp/(w_gate|w_up)", P(None, "fsdp", "tp")), # [layers, dim, mlp]: column-split
+    ("mlp/w_down", P(None, "tp", "fsdp")),        # [layers, mlp, dim]: row-split
     ("lm_head", P("fsdp", "tp")),             # [dim, vocab]
     ("norm", P()),
 )
@@ -65,8 +66,7 @@ def main():
     print(f"{jax.device_count()} devices, mesh {mesh.shape}, "
           f"{models.param_count(config):,} parameters\n")
     plan = step.plan(state, batch)
-    print(plan.where(lambda row: row.kind == "input" and row.path.startswith("state/params")
-                     and "layers/" not in row.path.replace("layers/0/", "")))
+    print(plan.where(lambda row: row.kind == "input" and row.path.startswith("state/params")))
     print()
     for i in range(STEPS):
         state, metrics = step(state, batch)

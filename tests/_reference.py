@@ -47,6 +47,7 @@ import numpy as np
 from flax import nnx
 
 from shardax import models
+from shardax.layout import Layout
 from shardax.models._layers import token_nll
 from shardax.train.step import init_state, train_step
 
@@ -115,16 +116,15 @@ TINY_TRAIN = dict(steps=4, batch_size=8, seq_len=32, lr=0.03, optimizer="sgd", l
                   eval_every=0, ckpt_every=2)
 
 
-def init_train_state(model_config: Any, tx: Any, *, seed: int = 0, abstract: bool = False,
-                     scan_layers: bool = False) -> tuple[nnx.GraphDef, Any]:
-    """``(graphdef, state)`` of `init_state` for ``models.create(model_config, nnx.Rngs(seed),
-    scan_layers=scan_layers)`` in one compiled call (eager init compiles every initializer
-    apart); ``abstract``: shapes only, nothing compiled."""
+def init_train_state(model_config: Any, tx: Any, *, seed: int = 0, abstract: bool = False
+                     ) -> tuple[nnx.GraphDef, Any]:
+    """``(graphdef, state)`` of `init_state` for ``models.create(model_config,
+    nnx.Rngs(seed))`` in one compiled call (eager init compiles every initializer apart);
+    ``abstract``: shapes only, nothing compiled."""
     graphdefs = []
 
     def state_only():
-        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed),
-                                                           scan_layers=scan_layers), tx)
+        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
         graphdefs.append(graphdef)  # static structure, no tracers
         return state
 
@@ -143,11 +143,12 @@ def train_one_device(model_config: Any, tx: Any, batches: Any, *, seed: int = 0,
                      scan_layers: bool = False, **step_options: Any) -> OneDeviceRun:
     """The reference of every sharded training test: `train_step` (with ``step_options``)
     jitted without a mesh on ``jax.devices()[0]``, where every `shardax.parallel` block falls
-    back to single-device math, over ``batches`` (``(inputs, targets)`` pairs); the model's
-    layers stacked with ``scan_layers`` (or the ``layout`` option's)."""
-    scan_layers = scan_layers or getattr(step_options.get("layout"), "scan_layers", False)
+    back to single-device math, over ``batches`` (``(inputs, targets)`` pairs); the layers
+    scanned with ``scan_layers`` (without a ``layout`` option: one that scans)."""
+    if scan_layers and "layout" not in step_options:
+        step_options["layout"] = Layout(scan_layers=True)
     with jax.default_device(jax.devices()[0]):
-        graphdef, state = init_train_state(model_config, tx, seed=seed, scan_layers=scan_layers)
+        graphdef, state = init_train_state(model_config, tx, seed=seed)
         start = jax.device_get(state.params)
         step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, **step_options))
         losses = []

@@ -65,10 +65,6 @@ def _make_fixtures(root: Path) -> dict[str, str]:
     (mixed / "config.json").write_text(_config_json(data=[f"{root}/a_file:0.7",
                                                           f"{root}/b_file:0.3"]))
 
-    listed = path("list_run")  # a --no-scan-layers run without a 'pp' axis: a list of layers
-    _commit(listed, 2)
-    (listed / "config.json").write_text(_config_json(scan_layers=False))
-
     garbage = path("garbage_config")
     _commit(garbage, 2)
     (garbage / "config.json").write_text('{"model": "llama-tiny", "steps": ')
@@ -182,9 +178,6 @@ CASES = [
      ["--data ['{a_file}:1']", "its sources not"]),
     ("resume a changed setting", ["train", "--resume", "--seed", "1", "--out", "{step3_run}"],
      ["--seed 1", "was 0"]),
-    ("resume a list of layers on a pipeline",
-     ["train", "--resume", "--out", "{list_run}", "--mesh", "pp=2,fsdp=4"],
-     ["--no-scan-layers", "as a list", "resume it without one"]),
     ("fresh run over half-written checkpoints", ["train", "--out", "{torn_run}"],
      ["already holds checkpoints", "--resume"]),
     ("fresh run over a run", ["train", "--out", "{step3_run}"], ["already holds", "--resume"]),

@@ -88,7 +88,7 @@ def test_llama_step_moves_no_table_and_equals_one_device(reference, mode, mesh_s
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
-    graphdef, state = init_train_state(CONFIG, tx, scan_layers=SCAN)
+    graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              layout=layout.Layout(fsdp_mode=mode, scan_layers=SCAN)),
                      in_shardings=(rules, None), out_shardings=(rules, None))

@@ -16,10 +16,10 @@ STEPS = 6  # every example prints the loss of step 0 and of step STEPS - 1
 # example -> text its output must contain (the sharding it claims to set up)
 EXAMPLES = {
     "mlp_data_parallel.py": ["('dp', None)", "held-out loss"],
-    "llama_fsdp.py": ["state/params/layers/0/mlp/w_gate/value", "('fsdp', None)"],
-    "llama_fsdp_tp.py": ["('fsdp', 'tp')", "('tp', 'fsdp')"],
+    "llama_fsdp.py": ["state/params/layers/mlp/w_gate/value", "(None, 'fsdp', None)"],
+    "llama_fsdp_tp.py": ["(None, 'fsdp', 'tp')", "(None, 'tp', 'fsdp')"],
     "gpt2_param_compute_mapping.py": ["-> P(None, 'data')", "-> P('data', None, None)",
-                                      "w_fc after training: float32, P('data', None)"],
+                                      "w_fc after training: float32, P(None, 'data', None)"],
     "linen_logical.py": ["names ('layer', 'embed', 'hidden')", "P(None, None, 'model')",
                          "Adam mu of W2: P(None, 'model', None)"],
     "nnx_sharded_init.py": ["-> P(None, 'model')", "bit-identical to the single-device init: True"],

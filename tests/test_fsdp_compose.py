@@ -64,7 +64,7 @@ def _step(mesh_spec, config, grad_accum=1, recompute=True, lay=None):
     tx = optax.sgd(0.1)
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
-    graphdef, state = init_train_state(config, tx, scan_layers=True)
+    graphdef, state = init_train_state(config, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              grad_accum=grad_accum,
                              layout=dataclasses.replace(lay or Layout(), fsdp_mode="explicit",

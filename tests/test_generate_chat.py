@@ -52,8 +52,8 @@ def hub(tmp_path_factory):
         table[ids(a), ids(b)] = 1.0
     model.embed[...] = jnp.eye(vocab, config.dim)
     model.lm_head[...] = jnp.asarray(table)
-    model.layers[0].attn.wo[...] = 0.0
-    model.layers[0].mlp.w_down[...] = 0.0
+    model.layers.attn.wo[...] = 0.0  # the stack of its one layer
+    model.layers.mlp.w_down[...] = 0.0
     home = tmp_path_factory.mktemp("hf_home")
     repo = home / "hub" / "models--org--chat"
     snapshot = repo / "snapshots" / COMMIT

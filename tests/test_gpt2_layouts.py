@@ -56,7 +56,7 @@ def test_gpt2_layout_equals_one_device(reference, case):
     rules = LogicalAxisRules(layout.presets.resolve(
         layout.PRESETS["fsdp_tp"], mesh.shape, heads=CONFIG.n_heads, kv_heads=CONFIG.n_heads,
         sequence_parallel=lay.sp))
-    graphdef, state = init_train_state(CONFIG, TX, scan_layers=lay.scan_layers)
+    graphdef, state = init_train_state(CONFIG, TX)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=TX, param_rules=rules,
                              layout=lay),
                      in_shardings=(rules, None), out_shardings=(rules, None))

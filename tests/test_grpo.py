@@ -145,7 +145,7 @@ def test_five_sgd_steps_on_fsdp_tp_equal_one_device(model_state, one_device_step
                         out_shardings=(rules, None))
     a = jax.tree.map(jnp.copy, state)
     b = mesh.sjit(lambda s: s, in_shardings=(rules,), out_shardings=rules)(state)
-    spec = b.params["layers"][0]["attn"]["wq"][...].sharding.spec
+    spec = b.params["layers"]["attn"]["wq"][...].sharding.spec
     assert "tp" in str(spec) and "fsdp" in str(spec), spec
     losses = []
     for _ in range(5):

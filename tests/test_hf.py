@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from _cli import multiprocess_env, run_cli
 from flax import nnx
+from safetensors import safe_open
 
 from shardax import hf, models
 from shardax.hf.files import SafetensorsFile, tensor_index
@@ -87,8 +88,7 @@ def test_logits_match_transformers_on_fsdp4_tp2(arch):
     mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
     config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
-    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules,
-                                     scan_layers=arch not in LISTED)
+    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules)
     want = mesh.match_sharding_rule(rules, state)
     for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
         assert x.sharding.is_equivalent_to(s, x.ndim), (x.sharding, s)
@@ -112,7 +112,7 @@ def test_moe_logits_and_greedy_tokens_on_ep2_fsdp2_tp2_equal_transformers(arch):
     config = hf.load_config(FIXTURES / arch)
     rules = hf.default_rules(config, mesh.mesh)
     stacked = arch not in LISTED
-    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules, scan_layers=stacked)
+    graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, rules)
     last = state["layers"] if stacked else state["layers"][config.n_layers - 1]  # MoE layer
     mlp, axis = last["mlp"], int(stacked)
     for name in ("w_gate", "w_up", "w_down"):
@@ -150,8 +150,13 @@ def test_qk_norm_under_megatron_tensor_parallelism(arch):
 
 
 def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
+    from shardax.layout.spec import check_mesh
+
+    model = hf.load_model(FIXTURES / "gemma2")
+    assert not model.stacked and isinstance(model.layers, nnx.List)  # its layers differ
     with pytest.raises(ValueError, match="global_every=2 mixes sliding-window and global"):
-        hf.load_model(FIXTURES / "gemma2", scan_layers=True)
+        check_mesh(model.config, Layout(scan_layers=True), {"fsdp": 8}, batch_size=8,
+                   seq_len=16)
     config = hf.load_config(FIXTURES / "gemma3")
     assert [config.window_of(i) for i in range(3)] == [8, 8, None]
     out = hf.config_to_hf(config)
@@ -165,9 +170,9 @@ def test_deepseek_layers_cannot_be_stacked_and_megatron_tp_is_refused():
     has no latent-attention form: both refused naming why."""
     from shardax.layout.spec import check_mesh
 
-    with pytest.raises(ValueError, match="first_k_dense=1 dense layers precede the experts"):
-        hf.load_model(FIXTURES / "deepseek_v3", scan_layers=True)
     config = hf.load_config(FIXTURES / "deepseek_v3")
+    with pytest.raises(ValueError, match="first_k_dense=1 dense layers precede the experts"):
+        check_mesh(config, Layout(scan_layers=True), {"fsdp": 8}, batch_size=8, seq_len=16)
     with pytest.raises(ValueError, match="tp_mode='sync' does not run multi-head latent"):
         check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
                    seq_len=16)
@@ -325,25 +330,23 @@ def test_exports_load_in_transformers_with_the_reference_outputs(tmp_path):
 
 def test_stacked_layers_round_trip_through_a_single_file(tmp_path):
     """A shardax-native model (stacked layers, sharded on fsdp=8) exports to one
-    model.safetensors and re-imports bit-identically into the list layout."""
+    model.safetensors (a tensor per layer) and re-imports bit-identically."""
     mesh = MeshShardingHelper.from_string("fsdp=8")
     cfg = models.get_config("llama-tiny", n_layers=2, qkv_bias=True)
-    model = models.create(cfg, nnx.Rngs(1), scan_layers=True)
+    model = models.create(cfg, nnx.Rngs(1))
     state = jax.device_put(nnx.state(model, nnx.Param),
                            jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()))
     nnx.update(model, state)
     hf.save_model(model, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert "model.layers.1.self_attn.q_proj.bias" in f.keys()
     back = hf.load_model(tmp_path)
-    assert not back.scan_layers and back.config.qkv_bias
+    assert back.stacked and back.config.qkv_bias
     ours, theirs = params(model), params(back)
+    assert ours.keys() == theirs.keys()
     for k, v in ours.items():
-        if k.startswith("layers/"):
-            for i in range(2):
-                name = k.replace("layers/", f"layers/{i}/")
-                assert v[i].tobytes() == theirs[name].tobytes(), name
-        else:
-            assert v.tobytes() == theirs[k].tobytes(), k
+        assert v.tobytes() == theirs[k].tobytes(), k
 
 
 def test_sharded_load_reads_each_device_slice_once_and_nothing_else():
@@ -355,9 +358,14 @@ def test_sharded_load_reads_each_device_slice_once_and_nothing_else():
     log = hf.ReadLog()
     graphdef, state = hf.load_params(FIXTURES / arch, config, mesh, read_log=log)
     leaves = jax.tree.leaves(state)
-    distinct = sum(len({tuple(sl.indices(n)[:2] for sl, n in zip(s.index, x.shape))
-                        for s in x.addressable_shards}) for x in leaves)
-    assert len(log.reads) == distinct
+    reads = 0
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        slices = {tuple(sl.indices(n)[:2] for sl, n in zip(s.index, x.shape))
+                  for s in x.addressable_shards}
+        # a stacked layer parameter's slice is one read per layer it spans
+        stacked = "layers" in jax.tree_util.keystr(path[:1])
+        reads += sum(s[0][1] - s[0][0] if stacked else 1 for s in slices)
+    assert len(log.reads) == reads
     assert log.nbytes == sum(x.nbytes for x in leaves)
     embed = [r for r in log.reads if r[1] == "model.embed_tokens.weight"]
     assert sorted(r[2] for r in embed) == sorted(

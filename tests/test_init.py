@@ -10,6 +10,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardax import layout, models
+from shardax.models._layers import make_layers
+from shardax.models.llama import Block
 from shardax.sharding import LogicalAxisRules, MeshShardingHelper, match_specs
 from shardax.train.step import init_state
 
@@ -19,8 +21,8 @@ CFG = models.get_config("llama-tiny", dim=256, mlp_dim=704, n_layers=2)
 MESHES = {"fsdp=8": "fsdp", "dp=2,fsdp=2,tp=2": "fsdp_tp"}  # mesh -> rule preset
 
 
-def create(cfg=CFG, scan_layers=False):
-    return nnx.state(models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers))
+def create(cfg=CFG):
+    return nnx.state(models.create(cfg, nnx.Rngs(0)))
 
 
 def leaves(tree):
@@ -65,22 +67,30 @@ def test_init_is_bit_identical_on_any_mesh(mesh_spec, reference, fsdp_init):
     else:
         state = mesh.sjit(create, out_shardings=rules)()
     assert_sharded_as_ruled(state, rules, mesh)
-    assert state["layers"][0]["mlp"]["w_up"][...].sharding.spec[0] == "fsdp"
+    assert state["layers"]["mlp"]["w_up"][...].sharding.spec[1] == "fsdp"  # [layers, embed, mlp]
     for got, want in zip(leaves(state), leaves(reference), strict=True):
         assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_scan_layout_init_is_bit_identical_too(reference):
-    """Layers stacked under nnx.vmap keep their 'layers' axis (here split over 'dp') and hold
-    the same numbers as the list layout, layer for layer."""
+def test_a_stack_holds_the_numbers_of_its_layers_built_one_by_one(reference):
+    """Layers stacked under nnx.vmap keep their 'layers' axis (here split over 'dp') and hold,
+    layer for layer, the numbers of the same layers built one by one into a list from the same
+    keys (what the list layout of older runs held)."""
     mesh = MeshShardingHelper.from_string("dp=2,fsdp=2,tp=2")
     rules = LogicalAxisRules([("layers", "dp"), *layout.PRESETS["fsdp_tp"]])
-    state = mesh.sjit(lambda: create(CFG, scan_layers=True), out_shardings=rules)()
+    state = mesh.sjit(lambda: create(CFG), out_shardings=rules)()
     w_up = state["layers"]["mlp"]["w_up"]
     assert w_up.get_metadata("out_sharding") == ("layers", "embed", "mlp")
     assert w_up[...].sharding.spec == jax.sharding.PartitionSpec("dp", "fsdp", "tp")
     assert_sharded_as_ruled(state, rules, mesh)
-    stacked = models.stack_states([reference["layers"][i] for i in range(CFG.n_layers)])
+    def build_list():
+        rngs = nnx.Rngs(0)
+        rngs.params()  # the embedding's key, drawn before the layers'
+        return nnx.state(make_layers(lambda r: Block(CFG, r), CFG.n_layers, rngs,
+                                     stacked=False))
+
+    listed = jax.jit(build_list)()
+    stacked = models.stack_states([listed[i] for i in range(CFG.n_layers)])
     got = nnx.to_pure_dict(state["layers"])
     for path, want in jax.tree.leaves_with_path(stacked):
         assert np.array_equal(np.asarray(_at(got, path)), np.asarray(want)), path
@@ -94,12 +104,13 @@ def _at(tree, path):
 
 
 def test_sharded_init_memory_is_bounded(reference, fsdp_init):
-    """Per device, the compiled init holds (temp + output) at most ~2x the final state.
+    """Per device, the compiled init holds (temp + output) at most ~2.5x the final state.
 
-    XLA:CPU keeps the random bits as temporaries about the size of the parameters, on one
-    device as on many: parameters alone come to 2.2x their size (the same factor as a plain
-    single-device jax.jit of this init, checked below), a train state with Adam moments (zeros,
-    no random bits) to 1.4x. Materialising the full model would be 8x.
+    XLA:CPU keeps the random bits as temporaries about the size of the parameters (a layer
+    stack's for all its layers at once), on one device as on many: parameters alone come to
+    2.5x their size (the same factor as a plain single-device jax.jit of this init, checked
+    below), a train state with Adam moments (zeros, no random bits) to 1.5x. Materialising the
+    full model would be 8x.
     """
     mesh, rules, compiled, state = fsdp_init
     full = sum(x.nbytes for x in leaves(reference))
@@ -107,8 +118,8 @@ def test_sharded_init_memory_is_bounded(reference, fsdp_init):
     state_bytes = per_device_bytes(state)
     held = memory.temp_size_in_bytes + memory.output_size_in_bytes
     assert state_bytes * 8 == pytest.approx(full, rel=0.01)
-    assert held <= 2.25 * state_bytes, (held, state_bytes)
-    assert held <= full / 3.5
+    assert held <= 2.55 * state_bytes, (held, state_bytes)
+    assert held <= full / 3
     single = jax.jit(create).lower().compile().memory_analysis()
     single_ratio = (single.temp_size_in_bytes + single.output_size_in_bytes) / full
     assert held / state_bytes <= 1.05 * single_ratio, (held / state_bytes, single_ratio)

@@ -25,6 +25,9 @@ from shardax.models import (
     stack_states,
     use_logical_rules,
 )
+from shardax.models import gpt2 as gpt2_module
+from shardax.models import llama as llama_module
+from shardax.models._layers import make_layers
 from shardax.models.llama import gqa_attention
 
 PARAM_NAMES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "layers", "norm", None}
@@ -65,13 +68,13 @@ def tiny(name="llama-tiny", **kw):
 
 
 @functools.cache
-def built(cfg, scan_layers=False):
+def built(cfg):
     """Models are built eagerly once per config (eager init compiles one kernel per shape)."""
-    return models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers)
+    return models.create(cfg, nnx.Rngs(0))
 
 
-def abstract(cfg, scan_layers=False):
-    return nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0), scan_layers=scan_layers))
+def abstract(cfg):
+    return nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0)))
 
 
 # ---------------------------------------------------------------- shapes and names
@@ -96,11 +99,11 @@ def test_forward_shapes():
 
 @pytest.mark.parametrize("make", [
     lambda: Llama(tiny(), nnx.Rngs(0)),
-    lambda: Llama(tiny(tie_embeddings=True), nnx.Rngs(0), scan_layers=True),
+    lambda: Llama(tiny(tie_embeddings=True), nnx.Rngs(0)),
+    lambda: Llama(tiny(global_every=2, sliding_window=4), nnx.Rngs(0)),  # a list of layers
     lambda: GPT2(tiny("gpt2-tiny"), nnx.Rngs(0)),
-    lambda: GPT2(tiny("gpt2-tiny"), nnx.Rngs(0), scan_layers=True),
     lambda: MLP(din=5, dhidden=16, dout=3, depth=3, rngs=nnx.Rngs(0)),
-], ids=["llama", "llama-scan-tied", "gpt2", "gpt2-scan", "mlp"])
+], ids=["llama", "llama-tied", "llama-mixed", "gpt2", "mlp"])
 def test_every_param_has_logical_names(make):
     model = nnx.eval_shape(make)
     params = named_params(model)
@@ -109,7 +112,7 @@ def test_every_param_has_logical_names(make):
         names = v.get_metadata("out_sharding")
         assert names is not None and len(names) == v.ndim, (path, names, v.shape)
         assert set(names) <= PARAM_NAMES, (path, names)
-        if "layers" in path and getattr(model, "scan_layers", False):
+        if "layers" in path and getattr(model, "stacked", False):
             assert names[0] == "layers" and v.shape[0] == model.config.n_layers, (path, names)
         # Every preset turns the names into a valid spec (Flax raises on a repeated name).
         for rules in PRESETS.values():
@@ -124,17 +127,15 @@ def test_mlp_kernels_alternate_names():
 
 
 def test_param_count_matches_real_count():
-    for cfg, scan in [(tiny(), False), (tiny(tie_embeddings=True), False), (tiny(), True),
-                      (get_config("llama-tiny"), False), (tiny("gpt2-tiny"), False),
-                      (tiny("gpt2-tiny"), True)]:
-        model = abstract(cfg, scan_layers=scan)
-        assert param_count(cfg) == n_params(model), cfg
-    # Large sizes: count abstractly (no memory), scanned so tracing is one layer deep.
+    for cfg in [tiny(), tiny(tie_embeddings=True), tiny(global_every=2, sliding_window=4),
+                get_config("llama-tiny"), tiny("gpt2-tiny")]:
+        assert param_count(cfg) == n_params(abstract(cfg)), cfg
+    # Large sizes: count abstractly (no memory; the stack is built once, one layer deep).
     expected = {"llama-small": (24e6, 26e6), "llama-125m": (120e6, 130e6),
                 "llama-1b": (1.05e9, 1.15e9), "gpt2": (124e6, 125e6)}
     for name, (lo, hi) in expected.items():
         cfg = get_config(name)
-        stacked = abstract(cfg, scan_layers=True)
+        stacked = abstract(cfg)
         assert param_count(cfg) == n_params(stacked), name
         assert lo < param_count(cfg) < hi, (name, param_count(cfg))
     assert param_count(get_config("llama-1b")) == 1_100_048_384  # TinyLlama-1.1B
@@ -149,31 +150,34 @@ def test_llama_tiny_layers_divisible_by_4():
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
-def test_scan_and_list_layers_hold_same_params_and_logits(name):
-    listed = built(tiny(name))
-    per_layer = [nnx.state(layer, nnx.Param) for layer in listed.layers]
-    # Same seed, same numbers: layer i of the list is slice i of the stack (bit-exact).
-    scanned = built(tiny(name), scan_layers=True)
+def test_scan_and_loop_over_the_stack_and_a_list_of_layers_agree(name):
+    stacked = built(tiny(name))
+    assert stacked.stacked and not isinstance(stacked.layers, nnx.List)
+    # Same keys, same numbers: layer i of a list (the layout of layers that differ) is slice
+    # i of the stack (bit-exact), and stacking the list's states gives the stack's.
+    c = tiny(name)
+    module = gpt2_module if name.startswith("gpt2") else llama_module
+    block = lambda r: module.Block(c, r)  # noqa: E731
+    listed = make_layers(block, c.n_layers, nnx.Rngs(0), stacked=False)
+    stack = make_layers(block, c.n_layers, nnx.Rngs(0))
+    per_layer = [nnx.state(layer, nnx.Param) for layer in listed]
     jax.tree.map(np.testing.assert_array_equal, stack_states(per_layer),
-                 nnx.to_pure_dict(nnx.state(scanned.layers, nnx.Param)))
-    # Converting list -> stack: a scanned model from another seed, given the listed model's
-    # layers, computes the same logits.
-    other = models.create(tiny(name), nnx.Rngs(1), scan_layers=True)
-    pure = nnx.to_pure_dict(nnx.state(listed, nnx.Param))
-    pure["layers"] = stack_states(per_layer)
-    state = nnx.state(other, nnx.Param)
-    nnx.replace_by_pure_dict(state, pure)
-    nnx.update(other, state)
-    a, b = jax.jit(lambda m1, m2: (m1(TOKENS), m2(TOKENS)))(listed, other)
+                 nnx.to_pure_dict(nnx.state(stack, nnx.Param)))
+    # The stack scanned, looped over its slices, and the plain forward: the same logits.
+    scan, loop, plain = jax.jit(lambda m: (
+        forward.logits(m, Layout(scan_layers=True), TOKENS),
+        forward.logits(m, Layout(scan_layers=False), TOKENS), m(TOKENS)))(stacked)
     # Same ops in a loop vs unrolled; tolerance 1e-6 (observed: equal to ~1e-7).
-    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(loop, scan, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(plain, scan)
 
 
 def test_scan_jaxpr_does_not_grow_with_depth():
     def n_eqns(n_layers, scan):
-        graphdef, state = nnx.split(
-            abstract(get_config("llama-tiny", n_layers=n_layers), scan_layers=scan))
-        return len(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(TOKENS))(state).eqns)
+        graphdef, state = nnx.split(abstract(get_config("llama-tiny", n_layers=n_layers)))
+        lay = Layout(scan_layers=scan)
+        return len(jax.make_jaxpr(
+            lambda s: forward.logits(nnx.merge(graphdef, s), lay, TOKENS))(state).eqns)
 
     assert n_eqns(2, scan=True) == n_eqns(8, scan=True)
     assert n_eqns(8, scan=False) > n_eqns(2, scan=False)
@@ -182,13 +186,14 @@ def test_scan_jaxpr_does_not_grow_with_depth():
 @pytest.mark.parametrize("scan", [False, True], ids=["list", "scan"])
 def test_remat_policies_match_no_remat(scan):
     base = tiny()
-    params = nnx.state(built(base, scan), nnx.Param)
-    # The scanned model runs every policy; the unrolled one 'full' only (compile time).
+    params = nnx.state(built(base), nnx.Param)
+    # The scanned stack runs every policy; the unrolled loop 'full' only (compile time).
     policies = models.REMAT_POLICIES if scan else ("none", "full")
-    graphdef = nnx.graphdef(built(base, scan))
+    graphdef = nnx.graphdef(built(base))
 
     def loss(remat, p):
-        logits = forward.logits(nnx.merge(graphdef, p), Layout(remat=remat), TOKENS[:, :-1])
+        logits = forward.logits(nnx.merge(graphdef, p), Layout(remat=remat, scan_layers=scan),
+                                TOKENS[:, :-1])
         return cross_entropy(logits, TOKENS[:, 1:])
 
     jaxpr = str(jax.make_jaxpr(lambda p: loss("full", p))(params))
@@ -373,7 +378,7 @@ def test_sharded_training_step_matches_single_device():
     """fsdp_tp preset on a dp=2 x fsdp=2 x tp=2 mesh: same loss and gradients as one device."""
     cfg = tiny()
     rules, mesh = FlaxRules(PRESETS["fsdp_tp"]), _mesh()
-    graphdef, ref_params = nnx.split(built(cfg, True), nnx.Param)
+    graphdef, ref_params = nnx.split(built(cfg), nnx.Param)
     shardings = jax.tree.map(
         lambda v: NamedSharding(mesh, rules.spec_for(v.get_metadata("out_sharding"))),
         ref_params, is_leaf=is_var)

@@ -187,7 +187,7 @@ def reference(tmp_path_factory):
     one = train_one_device(run.model_config, run.tx, batches, seed=run.config.seed,
                            policy=run.policy, end_id=end_id, grad_accum=TINY["grad_accum"],
                            scan_layers=True)
-    graphdef = init_train_state(run.model_config, run.tx, abstract=True, scan_layers=True)[0]
+    graphdef = init_train_state(run.model_config, run.tx, abstract=True)[0]
     return Reference(one, graphdef, batches, end_id)
 
 

@@ -58,7 +58,7 @@ def _sharded_step(mesh_spec, lay=LAYOUT):
     tx = optax.sgd(LR)
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.presets.resolve(layout.PRESETS["fsdp_tp"], mesh.shape))
-    graphdef, state = init_train_state(CONFIG, tx, scan_layers=True)
+    graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=tx, param_rules=rules,
                              layout=lay),
                      in_shardings=(rules, None), out_shardings=(rules, None))
@@ -69,7 +69,7 @@ def _sharded_step(mesh_spec, lay=LAYOUT):
 def reference():
     tx = optax.sgd(LR)
     with jax.default_device(jax.devices()[0]):
-        graphdef, state = init_train_state(CONFIG, tx, scan_layers=True)
+        graphdef, state = init_train_state(CONFIG, tx)
         start = jax.device_get(state.params)
         step = jax.jit(partial(train_step, graphdef=graphdef, tx=tx, layout=LAYOUT))
         return start, _train(step, state)

@@ -76,7 +76,7 @@ def test_muon_takes_the_hidden_matrices_and_leaves_embeddings_to_adamw():
     from flax import nnx
 
     model = nnx.eval_shape(lambda: models.create(
-        models.get_config("llama-tiny", n_layers=2), nnx.Rngs(0), scan_layers=True))
+        models.get_config("llama-tiny", n_layers=2), nnx.Rngs(0)))
     dims = muon_dimensions(nnx.state(model, nnx.Param))
     got = {tree_path_to_string(p, sep="/"): d for p, d in jax.tree_util.tree_flatten_with_path(
         dims, is_leaf=lambda x: x is None or hasattr(x, "reduction_axis"))[0]}

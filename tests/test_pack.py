@@ -206,33 +206,33 @@ def test_a_run_from_before_the_layout_held_remat_and_attention_resolves(tmp_path
     assert not {"remat", "attention"} & {f.name for f in dataclasses.fields(run.model_config)}
 
 
-@pytest.mark.parametrize("flags, stacked", [({"scan_layers": False}, False), ({}, True),
-                                            ({"scan_layers": False, "mesh": "pp=2,fsdp=4"}, True)],
-                         ids=["list", "scan-layers", "pp"])
-def test_a_run_from_before_the_layout_held_scan_layers_resolves(tmp_path, flags, stacked):
-    """A run's config.json from when ``--scan-layers`` went into the model config resolves
-    to the same parameter tree, which its checkpoints hold: with ``--scan-layers`` or a 'pp'
-    mesh (`Layout.scan_layers`) each layer parameter is one ``layers/...`` leaf ``[L, ...]``,
-    else a list ``layers/0/...``; the model config holds no ``scan_layers``."""
+@pytest.mark.parametrize("flags, scan", [({"scan_layers": False}, False), ({}, True),
+                                         ({"scan_layers": False, "mesh": "pp=2,fsdp=4"}, False)],
+                         ids=["loop", "scan-layers", "pp"])
+def test_a_run_from_before_the_layout_held_scan_layers_resolves(tmp_path, flags, scan):
+    """A run's config.json from when ``--scan-layers`` went into the model config resolves:
+    the flag goes to `Layout.scan_layers` (scan or loop) and the model config holds no
+    ``scan_layers``. The parameter tree is the stack ``layers/...`` ``[L, ...]`` either way
+    (checkpoints written with a list ``layers/0/...`` are stacked on restore:
+    tests/test_old_checkpoints.py)."""
     old = TrainConfig(**flags).to_json()
     (tmp_path / "config.json").write_text(json.dumps(old))
     run = resolve(check(load_run_config(tmp_path)))
-    assert run.layout.scan_layers == stacked
+    assert run.layout.scan_layers == scan
     assert "scan_layers" not in {f.name for f in dataclasses.fields(run.model_config)}
-    _, shapes = build.abstract(run.model_config, run.tx, 0, run.mesh, run.layout.scan_layers)
+    _, shapes = build.abstract(run.model_config, run.tx, 0, run.mesh)
     got = {tree_path_to_string(path, sep="/").removesuffix("/value"): leaf.shape
            for path, leaf in jax.tree_util.tree_flatten_with_path(shapes.params)[0]}
     c = run.model_config
     n, wq = c.n_layers, (c.dim, c.n_heads, c.head_dim)
-    want = {"layers/attn/wq": (n, *wq)} if stacked else {
-        f"layers/{i}/attn/wq": wq for i in range(n)}
-    assert {k: v for k, v in got.items() if k.endswith("attn/wq")} == want
+    assert {k: v for k, v in got.items() if k.endswith("attn/wq")} == {"layers/attn/wq": (n, *wq)}
 
 
-def test_a_run_from_before_scan_layers_existed_keeps_its_list_of_layers(tmp_path):
+def test_a_run_from_before_scan_layers_existed_keeps_its_loop_over_layers(tmp_path):
     """Layers are scanned by default now; a config.json without ``scan_layers`` (written
-    before the flag existed) belongs to a run that stored a list of layers, so it loads as
-    ``scan_layers=False`` and its resume builds the tree its checkpoints hold."""
+    before the flag existed) belongs to a run that looped over its layers, so it loads as
+    ``scan_layers=False`` and resumes running them as it did (its list checkpoint is stacked
+    on restore)."""
     old = TrainConfig().to_json()
     del old["scan_layers"]
     (tmp_path / "config.json").write_text(json.dumps(old))
@@ -249,8 +249,7 @@ def test_packed_pipeline_loss_equals_per_document(reference, schedule):
     mesh = MeshShardingHelper.from_string("pp=2,fsdp=4")
     rules = LogicalAxisRules(layout.presets.resolve(
         layout.PRESETS["fsdp"], mesh.shape, heads=config.n_heads, kv_heads=config.n_kv_heads))
-    graphdef, state = init_train_state(config, _KEEP_GRADS,
-                                       scan_layers=True)  # the same numbers, stacked
+    graphdef, state = init_train_state(config, _KEEP_GRADS)  # the same numbers, stacked
     step = mesh.sjit(partial(train_step, graphdef=graphdef, tx=_KEEP_GRADS, end_id=END,
                              param_rules=rules,
                              layout=layout.Layout(pp_schedule=schedule, pp_microbatches=2,

@@ -61,7 +61,7 @@ def reference():
 def _sharded_step(mesh_spec, tx, grad_accum):
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.PRESETS["fsdp_tp"])
-    graphdef, state = init_train_state(CONFIG, tx, scan_layers=SCAN)
+    graphdef, state = init_train_state(CONFIG, tx)
     step = mesh.sjit(
         partial(train_step, graphdef=graphdef, tx=tx, grad_accum=grad_accum,
                 param_rules=rules, layout=layout.Layout(fsdp_mode="explicit", scan_layers=SCAN)),

@@ -333,7 +333,7 @@ def test_moe_cross_entropy_alone_is_refused_under_1f1b():
     lay = layout.Layout(pp_schedule="1f1b", pp_microbatches=2, scan_layers=True)
     mesh = jax.make_mesh((2, 4), ("pp", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = jnp.zeros((4, 16), jnp.int32)
-    model = models.create(config, nnx.Rngs(0), scan_layers=lay.scan_layers)
+    model = models.create(config, nnx.Rngs(0))
     with jax.set_mesh(mesh):
         with pytest.raises(ValueError, match="use training_loss"):
             jax.eval_shape(lambda: layout.forward.loss(model, lay, tokens, tokens))

@@ -83,7 +83,7 @@ def initial(prefs):
     rows = encode_preferences(read_preferences(prefs), load_tokenizer("bytes"), SEQ)
     with jax.default_device(jax.devices()[0]):
         graphdef, state = init_train_state(resolve(config).model_config, optax.sgd(LR),
-                                           seed=config.seed, scan_layers=True)
+                                           seed=config.seed)
     return graphdef, state, rows
 
 
@@ -185,8 +185,7 @@ def test_lora_dpo_holds_no_second_copy_of_the_weights(prefs):
     its batch, nothing else: no reference model beside it."""
     config = check(_config(Path("unused"), prefs, lora_rank=4, mesh="fsdp=8", steps=2))
     run = resolve(config)
-    graphdef, shapes = build.abstract(run.model_config, run.tx, config.seed, run.mesh,
-                                      run.layout.scan_layers)
+    graphdef, shapes = build.abstract(run.model_config, run.tx, config.seed, run.mesh)
     shardings = run.shardings(shapes)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          shapes, shardings)

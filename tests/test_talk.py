@@ -50,8 +50,7 @@ def test_train_says_compiling_with_seconds_before_the_first_step_and_the_wasted_
 
 def _findings(**flags) -> list[str]:
     run = resolve(TrainConfig(model="llama-tiny", batch_size=8, seq_len=16, **flags))
-    return axis_findings(run, abstract(run.model_config, run.tx, 0, run.mesh,
-                                       run.layout.scan_layers)[1].params)
+    return axis_findings(run, abstract(run.model_config, run.tx, 0, run.mesh)[1].params)
 
 
 def test_the_findings_name_a_wasted_axis_and_none_for_a_well_ruled_mesh():

@@ -35,7 +35,6 @@ from shardax.train.config import check
 from shardax.train.generate import generate
 from shardax.train.loop import TrainConfig, prepare, train
 from shardax.train.optimizers import make_optimizer
-from shardax.train.rundir import check_resume
 from shardax.train.step import train_step
 
 MESH_3D = "dp=2,fsdp=2,tp=2"
@@ -180,19 +179,6 @@ def test_a_scanned_run_resumes_onto_a_circular_pipeline(fsdp_run, resumed_same_m
     assert sorted(piped) == [1, 2, 3, 4]
     for step in (3, 4):
         np.testing.assert_allclose(piped[step], same[step], rtol=REL)
-
-
-def test_a_list_run_keeps_its_pipeline_axis_or_its_absence_on_resume():
-    listed = check(TrainConfig(**TINY, mesh="fsdp=-1", scan_layers=False))
-    piped = check(TrainConfig(**TINY, mesh="pp=2,fsdp=4", scan_layers=False))
-    check_resume(piped, piped)
-    with pytest.raises(UsageError, match="stores its layers as a list, which a 'pp' axis "
-                                         "cannot split: resume it without one"):
-        check_resume(listed, piped)
-    with pytest.raises(UsageError, match="stores its layers stacked, as its 'pp' axis needs"):
-        check_resume(piped, listed)
-    with pytest.raises(UsageError, match="--scan-layers True"):
-        check_resume(listed, check(TrainConfig(**TINY, mesh="pp=2,fsdp=4")))
 
 
 def test_first_loss_is_mesh_invariant(fsdp_run, mesh3d_run, single_device):

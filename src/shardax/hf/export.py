@@ -57,10 +57,9 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | os.PathLike,
                 *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, dtype: Any = None,
-                config_extra: Mapping[str, Any] | None = None,
-                scan_layers: bool = False) -> list[Path]:
+                config_extra: Mapping[str, Any] | None = None) -> list[Path]:
     """Writes ``params`` (the model's ``nnx.State``, or a ``{path: array}`` dict with '/'-joined
-    paths; ``scan_layers``: its layers stacked, as the model's) as a Hugging Face directory.
+    paths) as a Hugging Face directory.
     ``dtype`` casts the tensors (default: as stored);
     ``config_extra``: more ``config.json`` entries (e.g. the tokenizer's ``eos_token_id``).
     Returns the safetensors files this process wrote.
@@ -71,7 +70,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
                     max_shard_bytes=500 * 2**20)
     """
     flat = _flat(params)
-    maps = param_maps(config, scan_layers)
+    maps = param_maps(config)
     missing = sorted(set(maps) - set(flat))
     if missing:
         raise ValueError(f"parameters {missing[:3]} are missing: is this state of the model "
@@ -127,8 +126,7 @@ def save_params(config: LlamaConfig | GPT2Config, params: Any, directory: str | 
 def save_model(model: nnx.Module, directory: str | os.PathLike, **kwargs: Any) -> list[Path]:
     """Writes ``model`` (a shardax Llama or GPT-2) as a Hugging Face directory; see
     :func:`save_params`."""
-    return save_params(model.config, nnx.state(model, EXPORTED), directory,
-                       scan_layers=model.scan_layers, **kwargs)
+    return save_params(model.config, nnx.state(model, EXPORTED), directory, **kwargs)
 
 
 def _flat(params: Any) -> dict[str, Any]:

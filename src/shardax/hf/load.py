@@ -79,9 +79,8 @@ def _key(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def load_params(directory: str | os.PathLike, config: LlamaConfig | GPT2Config, mesh: Any = None,
-                rules: Any = None, *, read_log: ReadLog | None = None,
-                scan_layers: bool = False) -> tuple[Any, Any]:
-    """``(graphdef, state)`` of ``models.create(config, scan_layers=scan_layers)`` with every
+                rules: Any = None, *, read_log: ReadLog | None = None) -> tuple[Any, Any]:
+    """``(graphdef, state)`` of ``models.create(config)`` with every
     parameter read from ``directory`` straight into its sharding under ``rules`` on ``mesh``
     (default: one device). Raises ``ValueError`` naming the tensor that is missing or
     mis-shaped.
@@ -95,13 +94,12 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig | GPT2Config, 
     rules = default_rules(config, mesh) if rules is None else rules
     if not isinstance(rules, LogicalAxisRules) and not hasattr(rules, "apply"):
         rules = LogicalAxisRules(rules)
-    abstract = nnx.eval_shape(lambda: models.create(config, nnx.Rngs(0),
-                                                     scan_layers=scan_layers))
+    abstract = nnx.eval_shape(lambda: models.create(config, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     specs = jax.tree.leaves(match_specs(rules, state, mesh),
                             is_leaf=lambda x: isinstance(x, PartitionSpec))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    maps = param_maps(config, scan_layers)
+    maps = param_maps(config)
     index = tensor_index(directory, read_log)
     out = []
     for (path, leaf), spec in zip(leaves, specs):
@@ -113,19 +111,16 @@ def load_params(directory: str | os.PathLike, config: LlamaConfig | GPT2Config, 
 
 
 def load_model(directory: str | os.PathLike, mesh: Any = None, rules: Any = None, *,
-               read_log: ReadLog | None = None, scan_layers: bool = False,
-               **overrides: Any) -> nnx.Module:
-    """The model in ``directory``, sharded on ``mesh`` by ``rules`` (see :func:`load_params`),
-    its layers stacked when ``scan_layers``; ``overrides`` replace config fields
-    (``dtype=jnp.bfloat16``, ...).
+               read_log: ReadLog | None = None, **overrides: Any) -> nnx.Module:
+    """The model in ``directory``, sharded on ``mesh`` by ``rules`` (see :func:`load_params`);
+    ``overrides`` replace config fields (``dtype=jnp.bfloat16``, ...).
 
     Example::
 
-        model = load_model('gpt2', mesh, scan_layers=True)
+        model = load_model('gpt2', mesh)
     """
     config = load_config(directory, **overrides)
-    graphdef, state = load_params(directory, config, mesh, rules, read_log=read_log,
-                                  scan_layers=scan_layers)
+    graphdef, state = load_params(directory, config, mesh, rules, read_log=read_log)
     return nnx.merge(graphdef, state)
 
 

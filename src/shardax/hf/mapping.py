@@ -105,12 +105,11 @@ def to_hf(m: TensorMap, value: np.ndarray, out: np.ndarray) -> None:
     view[idx] = np.transpose(value, inverse)
 
 
-def param_maps(config: LlamaConfig | GPT2Config, scan_layers: bool = False
-               ) -> dict[str, TensorMap | list]:
-    """``{shardax parameter path ('/'-joined): map}`` of the model built from ``config`` with
-    ``scan_layers``; a parameter stacked on leading axes maps to nested lists of
-    :class:`TensorMap` (one list level per axis): a ``scan_layers`` stack holds one item per
-    layer, an expert weight one :class:`TensorMap` per expert."""
+def param_maps(config: LlamaConfig | GPT2Config) -> dict[str, TensorMap | list]:
+    """``{shardax parameter path ('/'-joined): map}`` of the model built from ``config``; a
+    parameter stacked on leading axes maps to nested lists of :class:`TensorMap` (one list
+    level per axis): a layer stack holds one item per layer, an expert weight one
+    :class:`TensorMap` per expert."""
     if isinstance(config, LlamaConfig):
         top, layer = _llama_maps(config)
     elif isinstance(config, GPT2Config):
@@ -119,7 +118,7 @@ def param_maps(config: LlamaConfig | GPT2Config, scan_layers: bool = False
         raise ValueError(f"no Hugging Face layout for {type(config).__name__}")
     out: dict[str, TensorMap | list] = dict(top)
     per_layer = [layer(i) for i in range(config.n_layers)]
-    if scan_layers:
+    if not getattr(config, "mixed_layers", False):  # one stack (`shardax.models.create`)
         for key in per_layer[0] if per_layer else ():
             out[f"layers/{key}"] = [p[key] for p in per_layer]
     else:  # layers may differ (first_k_dense): each its own keys

@@ -76,7 +76,7 @@ def save_adapters(model: nnx.Module, directory: str | os.PathLike, *, base_model
     if not isinstance(config, LlamaConfig) or config.lora is None:
         raise ValueError("PEFT adapters need a Llama-layout model trained with LoRA "
                          "(--lora-rank)")
-    maps = param_maps(config, model.scan_layers)
+    maps = param_maps(config)
     tensors: dict[str, np.ndarray] = {}
     modules = set()
     for path, weight in lora_weights(model).items():

@@ -1,7 +1,7 @@
 """One forward that runs any model (the protocol of `shardax.models.protocol`) on any layout.
 
 It reads the mesh and the `Layout` and picks, from ``shardax.parallel``: the layer stack as a
-scan or loop (the model's ``scan_layers``), a pipeline over 'pp' (gpipe, circular, 1f1b), or
+scan or loop (``layout.scan_layers``), a pipeline over 'pp' (gpipe, circular, 1f1b), or
 explicit FSDP's gathered stack (`fsdp_value_and_grad`); tensor-parallel blocks over 'tp' and
 the mixture of experts over 'ep' (`shardax.layout.blocks`); ring attention over 'cp' (else
 ``layout.attention``'s implementation); each layer under ``layout.remat``. The model itself
@@ -36,7 +36,7 @@ from shardax.logical import with_logical_constraint
 from shardax.models import embedding
 from shardax.models.attention import attention
 from shardax.models.loss import chunked_cross_entropy
-from shardax.models.protocol import LanguageModel, MoEStats, aux_loss, run_blocks
+from shardax.models.protocol import LanguageModel, MoEStats, aux_loss, run_blocks, split_stack
 from shardax.models.remat import remat_policy
 from shardax.parallel import fsdp, to_microbatches
 from shardax.parallel.axes import axis_size
@@ -200,11 +200,11 @@ class _Run:
         model, c = self.model, self.model.config
         if stack is None:
             return run_blocks(model, x, extras, self.block, self.attend, self.layout.remat,
-                              stats=stats)
+                              stats=stats, scan=self.layout.scan_layers)
         if getattr(c, "mixed_layers", False):
             raise ValueError("a custom layer stack (explicit FSDP) needs identical layers "
                              "(no global_every)")
-        graphdef = nnx.graphdef(model.layers if model.scan_layers else model.layers[0])
+        graphdef = nnx.graphdef(model.layers)
 
         def layer_fn(state, h):
             return self.block(nnx.merge(graphdef, state), h, extras, self.attend)[0]
@@ -232,8 +232,8 @@ class _Run:
         microbatch holds that microbatch's loss), so ``aux`` is the mean over microbatches:
         equal to the unpipelined loss when ``pp_microbatches == 1``."""
         model, lay = self.model, self.layout
-        if not model.scan_layers:
-            raise ValueError("a 'pp' mesh axis needs scan_layers=True (stacked layers)")
+        if not model.stacked:
+            raise ValueError("a 'pp' mesh axis needs identical (stacked) layers")
         v = lay.virtual_stages
         graphdef, state = nnx.split(model.layers)
         state = to_stage_layout(state, axis_size(PIPELINE_AXIS), v)
@@ -327,7 +327,6 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
     if not isinstance(model, LanguageModel):
         raise ValueError("fsdp_mode='explicit' needs a shardax language model "
                          "(shardax.models.protocol)")
-    c = model.config
     # An untied embedding table stays sharded: each device looks up its own columns of the
     # tokens of its FSDP group and the rows move (embedding.lookup_manual), not the table. A
     # tied one is gathered for the head anyway.
@@ -362,10 +361,9 @@ def fsdp_value_and_grad(graphdef: Any, params: Any, rest: Any, layout: Layout,
         layers = params["layers"]
 
         def stack(layer_fn, x):
-            if model.scan_layers:
+            if layout.scan_layers:
                 return fsdp.scan_layers(gather, layer_fn, layers, x, **keep)
-            return fsdp.loop_layers(gather, layer_fn, [layers[i] for i in range(c.n_layers)],
-                                    x, **keep)
+            return fsdp.loop_layers(gather, layer_fn, split_stack(layers), x, **keep)
 
         hooks = dict(head_after_pipeline=True) if piped else dict(stack=stack)
         return training_loss(model, layout, inputs, targets, cast=policy.cast_to_output,

@@ -44,10 +44,10 @@ class Layout:
     'offload', 'names:q,k,v', 'offload:q,k'; ``shardax.models.remat``). ``attention``: the
     attention implementation ('auto', 'cudnn', 'xla', 'blockwise', 'einsum';
     ``shardax.models.attention``). Both apply on one device too (``Layout(remat='full')``).
-    ``scan_layers``: stack the layers on a leading 'layers' axis and run them with
-    ``nnx.scan`` (compile time flat in depth; a 'pp' axis needs it). The model is built so
-    (``models.create(config, rngs, scan_layers=layout.scan_layers)``): it sets how the
-    parameters are stored, so checkpoints keep it.
+    ``scan_layers``: run a model's stacked layers with ``nnx.scan`` (compile time flat in
+    depth), else in a loop over the stack's slices; a model whose layers differ keeps them in
+    a list and loops (its ``scan_layers=True`` is refused). How the layers are stored does not
+    depend on it (`shardax.models.create`).
 
     Example::
 
@@ -176,15 +176,16 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
                  f"'tp' size {tp}, which does not divide it")
             need(cp == 1, "sequence parallelism together with a 'cp' axis is not supported; "
                  "use one of them")
-    if lay.scan_layers and getattr(c, "mixed_layers", False):
-        why = (f"first_k_dense={c.first_k_dense} dense layers precede the experts"
-               if c.first_k_dense else f"global_every={c.global_every} mixes sliding-window "
-               "and global attention layers")
-        raise ValueError(f"scan_layers=True needs identical layers, but {why}; use "
+    mixed = getattr(c, "mixed_layers", False) and (
+        f"first_k_dense={c.first_k_dense} dense layers precede the experts" if c.first_k_dense
+        else f"global_every={c.global_every} mixes sliding-window and global attention layers")
+    if lay.scan_layers and mixed:
+        raise ValueError(f"scan_layers=True needs identical layers, but {mixed}; use "
                          "scan_layers=False (and no pipeline parallelism)")
     if pp > 1:
         v, m = lay.pp_virtual_stages, lay.pp_microbatches
-        need(lay.scan_layers, "a 'pp' axis needs scan_layers=True (stacked layers)")
+        need(not mixed, f"a 'pp' axis splits one stack of identical layers into stages, but "
+             f"{mixed}; use a mesh without 'pp'")
         need(c.n_layers % (pp * v) == 0, f"n_layers={c.n_layers} is not divisible by 'pp' size "
              f"{pp} x virtual stages {v}")
         need(v == 1 or m >= pp, f"the circular schedule with {v} virtual stages "

@@ -52,20 +52,20 @@ def get_config(name: str, **overrides: Any) -> LlamaConfig | GPT2Config:
     return dataclasses.replace(CONFIGS[name], **overrides)
 
 
-def create(config: LlamaConfig | GPT2Config, rngs: nnx.Rngs, *,
-           scan_layers: bool = False) -> Llama | GPT2:
+def create(config: LlamaConfig | GPT2Config, rngs: nnx.Rngs) -> Llama | GPT2:
     """Build the model a config describes (with LoRA adapters when ``config.lora`` is set:
-    ``shardax.models.lora``), its layers stacked for ``nnx.scan`` when ``scan_layers``
-    (a run's ``Layout.scan_layers``).
+    ``shardax.models.lora``): identical layers stacked on a leading 'layers' axis, layers
+    that differ (``config.mixed_layers``) in a list. Whether a stack runs as a scan or a loop
+    is the layout's (``Layout.scan_layers``).
 
     Example::
 
-        model = create(get_config('llama-tiny'), nnx.Rngs(0), scan_layers=True)
+        model = create(get_config('llama-tiny'), nnx.Rngs(0))
     """
     if isinstance(config, LlamaConfig):
-        model = Llama(config, rngs, scan_layers=scan_layers)
+        model = Llama(config, rngs)
     elif isinstance(config, GPT2Config):
-        model = GPT2(config, rngs, scan_layers=scan_layers)
+        model = GPT2(config, rngs)
     else:
         raise ValueError(f"expected a LlamaConfig or GPT2Config, got {type(config).__name__}")
     if config.lora is not None:

@@ -1,5 +1,5 @@
-"""Shared building blocks: annotated parameters, layer stacks (scan or list), remat policies
-and the token cross-entropy."""
+"""Shared building blocks: annotated parameters, layer stacks (stacked, or a list where the
+layers differ; run by scan or loop), remat policies and the token cross-entropy."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from shardax.models.remat import checkpoint_name, remat_policy
 from shardax.parallel.remat import checkpoint_in_order
 
 __all__ = ["LAYERS", "cross_entropy", "make_layers", "param", "remat_policy", "run_layers",
-           "stack_states", "token_nll"]
+           "split_stack", "stack_states", "token_nll", "unstack"]
 
 LAYERS = "layers"
 
@@ -44,15 +44,16 @@ def param(
 
 
 def make_layers(
-    make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, scan: bool
+    make: Callable[[nnx.Rngs], nnx.Module], n: int, rngs: nnx.Rngs, stacked: bool = True
 ) -> nnx.Module | nnx.List:
-    """Build ``n`` layers, stacked on a leading ``'layers'`` axis (scan) or as a list.
+    """Build ``n`` layers, stacked on a leading ``'layers'`` axis, or as a list (``stacked=
+    False``: layers that differ in structure or static settings).
 
     Layer ``i`` is always built from the ``i``-th of ``n`` keys split from ``rngs.params()``,
     so both layouts hold the same numbers: ``stacked[i] == listed[i]``.
     """
     keys = jax.random.split(rngs.params(), n)
-    if not scan:
+    if not stacked:
         return nnx.List([make(nnx.Rngs(params=k)) for k in keys])
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
@@ -69,13 +70,13 @@ def run_layers(
     scan: bool,
     remat: str,
 ) -> jax.Array:
-    """Apply ``call(layer, x)`` through every layer, under the remat policy ``remat``.
-
-    With ``scan`` the body is traced once, so compile time does not grow with depth.
+    """Apply ``call(layer, x)`` through every layer, under the remat policy ``remat``: a scan
+    over stacked layers with ``scan`` (the body is traced once, so compile time does not grow
+    with depth), else a loop (over the stack's slices, or the list).
     """
     policy = remat_policy(remat)
-    if not scan:
-        for layer in layers:
+    if not scan or isinstance(layers, nnx.List):
+        for layer in (layers if isinstance(layers, nnx.List) else unstack(layers)):
             x = call(layer, x) if remat == "none" else _remat_layer(call, layer, x, policy)
         return x
     body = call
@@ -89,6 +90,31 @@ def run_layers(
         return body(layer, h)
 
     return step(layers, x)
+
+
+def split_stack(stack: Any) -> list[Any]:
+    """The per-layer trees of a tree of arrays stacked on a leading axis (slices by
+    ``jnp.split``, whose gradient is one concatenate rather than a padded copy per layer).
+
+    Example::
+
+        first, second = split_stack({"w": jnp.zeros((2, 3))})    # {"w": [3]} each
+    """
+    leaves, treedef = jax.tree.flatten(stack)
+    parts = [jnp.split(a, a.shape[0]) for a in leaves]
+    return [jax.tree.unflatten(treedef, [p[i][0] for p in parts])
+            for i in range(leaves[0].shape[0])]
+
+
+def unstack(layers: nnx.Module) -> list[nnx.Module]:
+    """The layers of a stacked module, one module each (`split_stack` of its state).
+
+    Example::
+
+        first = unstack(model.layers)[0]
+    """
+    graphdef, state = nnx.split(layers)
+    return [nnx.merge(graphdef, one) for one in split_stack(state)]
 
 
 def _remat_layer(call, layer, x, policy):

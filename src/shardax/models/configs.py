@@ -30,8 +30,7 @@ class LlamaConfig:
     """Llama hyper-parameters. ``dtype`` is the compute dtype, ``param_dtype`` the storage one.
 
     How the model runs (its parallelism, remat, the attention implementation, scanned layers)
-    is not here: it is a `shardax.layout.Layout` (the model's constructor takes
-    ``scan_layers``: how its layers are stored).
+    is not here: it is a `shardax.layout.Layout`.
     ``n_experts > 0`` makes every MLP a top-``top_k`` mixture of experts with ``mlp_dim``
     hidden units per expert; ``moe_aux_weight`` weighs its load-balancing loss.
 

@@ -33,6 +33,7 @@ from flax import nnx
 
 from shardax.logical import use_logical_rules
 from shardax.models._annotate import constrain
+from shardax.models._layers import unstack
 from shardax.models.attention import attention as attend
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
@@ -64,12 +65,8 @@ def init_cache(model: Llama | GPT2, batch: int, length: int) -> KVCache:
 
 
 def _layers(model: Llama | GPT2) -> list[nnx.Module]:
-    """The decoder layers as a list (a stacked ``scan_layers`` stack is indexed per layer)."""
-    if not model.scan_layers:
-        return list(model.layers)
-    graphdef, state = nnx.split(model.layers)
-    return [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            for i in range(model.config.n_layers)]
+    """The decoder layers as a list (a stack's slices)."""
+    return unstack(model.layers) if model.stacked else list(model.layers)
 
 
 def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache: KVCache,

@@ -154,14 +154,14 @@ class GPT2(LanguageModel):
     ``positions`` [b, s] index the learned position table (default ``0 .. s-1``).
     """
 
-    def __init__(self, config: GPT2Config, rngs: nnx.Rngs, *, scan_layers: bool = False):
+    def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
         c = self.config = config
-        self.scan_layers = scan_layers  # layers stacked on a leading 'layers' axis (nnx.scan)
+        self.stacked = True  # layers stacked on a leading 'layers' axis
         self.wte = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                          ("vocab", "embed"), c.param_dtype)
         self.wpe = param(rngs.params(), _normal(0.01), (c.max_seq_len, c.dim),
                          (None, "embed"), c.param_dtype)
-        self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs, scan_layers)
+        self.layers = make_layers(lambda r: Block(c, r), c.n_layers, rngs)
         self.ln_f = LayerNorm(c.dim, c.norm_eps, c.param_dtype, rngs)
 
     def embed_inputs(self, tokens, positions=None, segment_ids=None, *, lookup=None):

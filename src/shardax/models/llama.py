@@ -261,22 +261,17 @@ class Llama(LanguageModel):
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
     """
 
-    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, *, scan_layers: bool = False):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
         c = self.config = config
-        if c.mixed_layers and scan_layers:
-            why = (f"first_k_dense={c.first_k_dense} dense layers precede the experts"
-                   if c.first_k_dense else f"global_every={c.global_every} mixes "
-                   "sliding-window and global attention layers")
-            raise ValueError(f"scan_layers=True needs identical layers, but {why}; use "
-                             "scan_layers=False (and no pipeline parallelism)")
-        self.scan_layers = scan_layers  # layers stacked on a leading 'layers' axis (nnx.scan)
+        # identical layers stacked on a leading 'layers' axis; a list where they differ
+        self.stacked = not c.mixed_layers
         self.embed = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                                  ("vocab", "embed"), c.param_dtype)
         kinds = iter(range(c.n_layers))  # make_layers builds layer i from the i-th call
         self.layers = make_layers(
             lambda r: Block(c, r, dense=c.first_k_dense > 0 and c.is_dense(next(kinds))),
-            c.n_layers, rngs, scan_layers)
-        if c.mixed_layers:  # list layout (refused with scan_layers above)
+            c.n_layers, rngs, self.stacked)
+        if c.mixed_layers:  # list layout
             for i, layer in enumerate(self.layers):
                 layer.attn.window = c.window_of(i)
                 layer.attn.local_rope = c.rope_local_theta is not None and not c.is_global(i)

@@ -71,7 +71,9 @@ class LoRA:
 class LoRAWeight(nnx.Module):
     """A frozen weight with a low-rank update; ``self[...]`` is the merged weight.
 
-    ``stacked``: the base has a leading 'layers' axis (scanned layers); the factors get it too.
+    ``stacked``: the base has a leading 'layers' axis (a layer stack); the factors get it too,
+    and ``key`` holds one key per layer (layer ``i``'s factor is what a lone layer's adapter
+    draws from ``key[i]``).
     """
 
     def __init__(self, base: nnx.Param, n_in: int, settings: LoRA, key: jax.Array,
@@ -87,6 +89,10 @@ class LoRAWeight(nnx.Module):
             return jax.random.uniform(key, shape, dtype, -bound, bound)
 
         def make(init, shape, axes):
+            if stacked:
+                one = init
+                init = lambda keys, shape, dtype: jax.vmap(  # noqa: E731
+                    lambda k: one(k, shape[1:], dtype))(keys)
             init = nnx.with_partitioning(init, axes, eager_sharding=False)
             return nnx.LoRAParam(init(key, shape, base.dtype))
 
@@ -132,7 +138,7 @@ def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:
 
     Example::
 
-        add_lora(model, LoRA(rank=4), nnx.Rngs(1))   # ['layers/0/attn/wq', ...]
+        add_lora(model, LoRA(rank=4), nnx.Rngs(1))   # ['layers/attn/wq', ...]
     """
     pattern = re.compile(settings.targets)
     found = []
@@ -156,12 +162,31 @@ def add_lora(model: nnx.Module, settings: LoRA, rngs: nnx.Rngs) -> list[str]:
     if not found:
         raise LoRAError("targets", f"LoRA targets {settings.targets!r} match no weight of the "
                         "model")
-    for _name, path, node, n_in, stacked in found:
+    for (_name, path, node, n_in, stacked), key in zip(found, _keys(found, rngs), strict=True):
         parent = model
         for part in path[:-1]:
             parent = parent[part] if isinstance(part, int) else getattr(parent, part)
-        setattr(parent, path[-1], LoRAWeight(node, n_in, settings, rngs.params(), stacked))
+        setattr(parent, path[-1], LoRAWeight(node, n_in, settings, key, stacked))
     return [name for name, *_ in found]
+
+
+def _keys(found: list, rngs: nnx.Rngs) -> list[jax.Array]:
+    """One key per adapted weight (a key per layer for a stacked one), drawn in the order a
+    list of the same layers would draw them (layer 0's weights, then layer 1's, ...), so a
+    stack's adapters hold the numbers of adapters on the same layers kept in a list."""
+    keys, i = [], 0
+    while i < len(found):
+        if not found[i][4]:
+            keys.append(rngs.params())
+            i += 1
+            continue
+        group = i
+        while i < len(found) and found[i][4]:  # a run of stacked weights: one layer stack
+            i += 1
+        n, width = found[group][2].shape[0], i - group
+        drawn = [rngs.params() for _ in range(n * width)]
+        keys += [jnp.stack(drawn[j::width]) for j in range(width)]
+    return keys
 
 
 def lora_weights(model: nnx.Module) -> dict[str, LoRAWeight]:

@@ -9,8 +9,9 @@ torchtitan's ``parallelize_*`` applies parallelism from outside the model:
   the batch as leading dim that every block reads (RoPE tables, segment ids). ``lookup(table,
   tokens)`` replaces the token-embedding lookup (a layout that keeps the table split looks up
   its own shard).
-* ``layers``: the layer stack (stacked on a leading 'layers' axis, or an ``nnx.List``), and
-  ``scan_layers``: which of the two (the constructor's choice; scanned when stacked).
+* ``layers``: the layer stack (identical layers stacked on a leading 'layers' axis, or an
+  ``nnx.List`` where they differ), and ``stacked``: which of the two. Whether a stack runs
+  as a scan or a loop is the caller's (`run_blocks`'s ``scan``; a layout's ``scan_layers``).
 * ``block(layer, h, extras, attend=attention) -> (h, aux)``: one layer; ``aux`` its
   auxiliary loss (a mixture of experts' load balancing; 0 otherwise), or a mixture of
   experts' `MoEStats` (the loss with the layer's expert load); ``attend`` the attention
@@ -36,11 +37,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardax.models._layers import run_layers
+from shardax.models._layers import run_layers, split_stack
 from shardax.models.attention import attention
 from shardax.models.loss import chunked_cross_entropy
 
-__all__ = ["LanguageModel", "MoEStats", "aux_loss", "run_blocks"]
+__all__ = ["LanguageModel", "MoEStats", "aux_loss", "run_blocks", "split_stack"]
 
 
 class MoEStats(NamedTuple):
@@ -66,8 +67,8 @@ class LanguageModel(nnx.Module):
 
     config: Any
     layers: Any
-    #: the layers are stacked on a leading 'layers' axis and run with ``nnx.scan``
-    scan_layers: bool = False
+    #: the layers are stacked on a leading 'layers' axis (else an ``nnx.List``)
+    stacked: bool = True
     #: whether ``block`` returns an auxiliary loss to add to the objective
     has_aux: bool = False
     aux_weight: float = 0.0
@@ -102,8 +103,8 @@ class LanguageModel(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """``(h, aux)``: the last layer's output (before the head) and the mean auxiliary
-        loss, through the scan or loop of ``model.scan_layers`` (no remat: that is the
-        layout's, `shardax.layout.forward`)."""
+        loss, through a scan of stacked layers or a loop over listed ones (no remat: that is
+        the layout's, `shardax.layout.forward`)."""
         x, extras = self.embed_inputs(tokens, positions, segment_ids)
         return run_blocks(self, x, extras, self.block)
 
@@ -130,17 +131,17 @@ class LanguageModel(nnx.Module):
 
 
 def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block: Callable,
-               attend: Callable = attention, remat: str = "none", *, stats: bool = False
-               ) -> tuple[jax.Array, Any]:
-    """``(h, aux)``: ``block(layer, h, extras, attend)`` through ``model.layers`` (scan or
-    loop, ``model.scan_layers``) under the remat policy ``remat``
+               attend: Callable = attention, remat: str = "none", *, stats: bool = False,
+               scan: bool = True) -> tuple[jax.Array, Any]:
+    """``(h, aux)``: ``block(layer, h, extras, attend)`` through ``model.layers`` (a scan of
+    a stack with ``scan``, else a loop) under the remat policy ``remat``
     (``shardax.models.remat``); ``aux`` the auxiliary losses' mean over layers (0 without
     them). ``stats``: ``aux`` is the stack's `MoEStats` instead (per-layer expert tokens
     [n_layers, n_experts]; zeros for a model without experts)."""
     c = model.config
     if not model.has_aux:
         x = run_layers(model.layers, x, lambda layer, h: block(layer, h, extras, attend)[0],
-                       model.scan_layers, remat)
+                       scan, remat)
         zero = jnp.zeros((), jnp.float32)
         return x, (MoEStats(zero, jnp.zeros((c.n_layers, 0), jnp.float32), zero) if stats
                    else zero)
@@ -158,7 +159,6 @@ def run_blocks(model: LanguageModel, x: jax.Array, extras: dict[str, Any], block
     zero = jnp.zeros((), jnp.float32)
     start = MoEStats(zero, jnp.zeros((c.n_layers, getattr(c, "n_experts", 0)), jnp.float32),
                      zero)
-    x, s, _ = run_layers(model.layers, (x, start, jnp.int32(0)), call, model.scan_layers,
-                         remat)
+    x, s, _ = run_layers(model.layers, (x, start, jnp.int32(0)), call, scan, remat)
     s = s._replace(loss=s.loss / c.n_layers, dropped_fraction=s.dropped_fraction / c.n_layers)
     return x, (s if stats else s.loss)

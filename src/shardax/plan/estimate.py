@@ -273,8 +273,7 @@ def _compile(run: Resolved) -> Compiled:
     start = time.perf_counter()
     run = on_target(run)
     config = run.config
-    graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh,
-                                     run.layout.scan_layers)
+    graphdef, state_shape = abstract(run.model_config, run.tx, config.seed, run.mesh)
     shardings = run.shardings(state_shape)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state_shape, shardings)

@@ -46,7 +46,7 @@ def update_router_bias(graphdef: Any, params: Any, rest: Any, expert_tokens: jax
         return rest
     model = nnx.merge(graphdef, params, rest)
     step = bias_step(expert_tokens, config.router_bias_update)
-    if model.scan_layers:
+    if model.stacked:
         bias = model.layers.mlp.router_bias
         bias[...] = bias[...] + step
     else:

@@ -7,8 +7,7 @@ reads the config's strings or the training data.
 >>> from shardax.train.config import TrainConfig, check
 >>> from shardax.train.resolve import resolve
 >>> run = resolve(check(TrainConfig(batch_size=8)))
->>> graphdef, state_shape = abstract(run.model_config, run.tx, run.config.seed, run.mesh,
-...                                  run.layout.scan_layers)
+>>> graphdef, state_shape = abstract(run.model_config, run.tx, run.config.seed, run.mesh)
 >>> step = step_function(run, graphdef, end_id=0)  # call it with (state, batch), or .plan() it
 >>> int(state_shape.step.size)
 1
@@ -54,12 +53,9 @@ def step_function(run: Resolved, graphdef: Any, *, end_id: int | None):
     )
 
 
-def create(model_config: Any, tx: Any, seed: int, scan_layers: bool
-           ) -> tuple[Any, TrainState]:
-    """``(graphdef, state)`` of a fresh model (its layers stacked when ``scan_layers``) and
-    optimizer (call under ``sjit``)."""
-    return init_state(lambda: models.create(model_config, nnx.Rngs(seed),
-                                            scan_layers=scan_layers), tx)
+def create(model_config: Any, tx: Any, seed: int) -> tuple[Any, TrainState]:
+    """``(graphdef, state)`` of a fresh model and optimizer (call under ``sjit``)."""
+    return init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
 
 
 def create_from_hf(run: Resolved) -> TrainState:
@@ -67,10 +63,9 @@ def create_from_hf(run: Resolved) -> TrainState:
     into their sharding under the run's rules (each process reads only its devices' slices)
     and the optimizer state created sharded alike."""
     mesh, rules, config = run.mesh, run.rules, run.model_config
-    scan = run.layout.scan_layers
     try:
         graphdef, loaded = hf.load_params(run.init_dir, dataclasses.replace(config, lora=None),
-                                          mesh, rules, scan_layers=scan)
+                                          mesh, rules)
     except ValueError as e:
         raise UsageError(f"--init-from {run.config.init_from}: {e}") from None
     if config.lora is not None:  # the adapters, created sharded around the loaded weights
@@ -82,7 +77,7 @@ def create_from_hf(run: Resolved) -> TrainState:
             return nnx.state(model)
 
         graphdef = nnx.graphdef(nnx.eval_shape(
-            lambda: models.create(config, nnx.Rngs(0), scan_layers=scan)))
+            lambda: models.create(config, nnx.Rngs(0))))
         loaded = mesh.sjit(adapt, in_shardings=(rules,), out_shardings=rules)(loaded)
     _, params, rest = nnx.split(nnx.merge(graphdef, loaded), trainable(config), ...)
     opt_state = mesh.sjit(run.tx.init, in_shardings=(rules,),
@@ -97,14 +92,13 @@ def initial_state(run: Resolved) -> TrainState:
     or a fresh model created on the mesh."""
     if run.config.init_from is not None:
         return create_from_hf(run)
-    return run.mesh.sjit(lambda: create(run.model_config, run.tx, run.config.seed,
-                                        run.layout.scan_layers)[1],
+    return run.mesh.sjit(lambda: create(run.model_config, run.tx, run.config.seed)[1],
                          out_shardings=run.state_rules)()
 
 
-def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper,
-             scan_layers: bool) -> tuple[Any, Any]:
-    """The model's graphdef (layers stacked when ``scan_layers``) and the train state's
-    shapes, without computing anything; LoRA settings that do not fit the model are a
-    UsageError here, before anything is allocated (`shardax.train.resolve.state_shape`)."""
-    return state_shape(model_config, tx, seed, mesh, scan_layers)
+def abstract(model_config: Any, tx: Any, seed: int, mesh: MeshShardingHelper
+             ) -> tuple[Any, Any]:
+    """The model's graphdef and the train state's shapes, without computing anything; LoRA
+    settings that do not fit the model are a UsageError here, before anything is allocated
+    (`shardax.train.resolve.state_shape`)."""
+    return state_shape(model_config, tx, seed, mesh)

@@ -68,7 +68,7 @@ def export_run(config: ExportConfig, run_dir: RunDir | None = None) -> list[Path
         merge_lora(model)  # LoRA: the merged weights W + (alpha / rank) A @ B
         return hf.save_params(model_config, nnx.state(model, EXPORTED), config.to,
                               max_shard_bytes=config.max_shard_mb * 2**20, dtype=out_dtype,
-                              config_extra=ids, scan_layers=model.scan_layers)
+                              config_extra=ids)
     except OSError as e:
         raise UsageError(f"--to {config.to}: cannot write it ({e.strerror or e})") from None
 

@@ -39,10 +39,10 @@ from shardax.precision import Policy
 from shardax.rules import LogicalAxisRules
 from shardax.train import build
 from shardax.train.config import GenerateConfig, check_generate, hf_dir
-from shardax.train.resolve import make_mesh, model_config, optimizer, scans_layers
+from shardax.train.resolve import make_mesh, model_config, optimizer
 from shardax.train.run.checkpoint import Checkpointer, restore_state
 from shardax.train.run.notes import note
-from shardax.train.rundir import RunDir, check_run, pipelined
+from shardax.train.rundir import RunDir, check_run
 
 __all__ = ["Chat", "Sampler", "generate", "load_hf", "load_sampler", "restore_model", "sample"]
 
@@ -60,11 +60,8 @@ def restore_model(run_dir: RunDir, step: int | None = None, mesh_spec: str | Non
     config = run_dir.saved
     init_dir = None if config.init_from is None else hf_dir(config.init_from, "--init-from")
     model = model_config(config, Policy.from_string(config.precision), init_dir)
-    # The layers as the run stored them.
-    scan = scans_layers(config, model, pipeline=pipelined(config.mesh))
     mesh = make_mesh(mesh_spec or f"dp={jax.device_count()}")
-    graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh,
-                                           scan)
+    graphdef, state_shape = build.abstract(model, optimizer(config)[0], config.seed, mesh)
     if rules is None:
         shardings = jax.tree.map(
             lambda _: jax.sharding.NamedSharding(mesh.mesh, jax.sharding.PartitionSpec()),

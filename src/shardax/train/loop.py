@@ -376,8 +376,7 @@ def _train(p: Prepared, stop: StopRequests) -> list[dict]:
     run, run_dir, inputs = p.run, p.run_dir, p.inputs
     config, mesh = run.config, run.mesh
     is_main = jax.process_index() == 0
-    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh,
-                                           run.layout.scan_layers)
+    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, mesh)
     metrics_log = report.MetricsLog(run_dir.metrics)
     with report.phase("restoring the checkpoint" if config.resume else
                       f"loading {config.init_from}" if config.init_from is not None else

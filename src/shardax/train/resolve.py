@@ -122,21 +122,18 @@ def _with_lora(model_config: Any, config: TrainConfig) -> Any:
                                                        config.lora_targets))
 
 
-def scans_layers(config: TrainConfig, model_config: Any = None, *, pipeline: bool) -> bool:
-    """Whether a run stacks its layers and scans them (its checkpoints hold them so): with
-    ``--scan-layers`` (the default) where ``model_config``'s layers are identical, and always
-    on a ``pipeline`` (a 'pp' axis splits the stack; `layout.check_mesh` refuses a model whose
-    layers differ there).
+def scans_layers(config: TrainConfig, model_config: Any = None) -> bool:
+    """Whether a run scans its stacked layers (else it loops over them): with
+    ``--scan-layers`` (the default) where ``model_config``'s layers are identical (a model
+    whose layers differ keeps them in a list). How a checkpoint stores them does not depend
+    on it (`shardax.models.create`), and a 'pp' pipeline runs the stack its own way.
 
     >>> from shardax.models import get_config
-    >>> scans_layers(TrainConfig(), pipeline=False), scans_layers(
-    ...     TrainConfig(scan_layers=False), pipeline=True)
-    (True, True)
-    >>> scans_layers(TrainConfig(), get_config("deepseek-v3"), pipeline=False)  # dense, then MoE
+    >>> scans_layers(TrainConfig()), scans_layers(TrainConfig(scan_layers=False))
+    (True, False)
+    >>> scans_layers(TrainConfig(), get_config("deepseek-v3"))  # dense, then MoE
     False
     """
-    if pipeline:
-        return True
     return config.scan_layers and not getattr(model_config, "mixed_layers", False)
 
 
@@ -162,7 +159,7 @@ def layout_of(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     values = {field: getattr(config, flag) for flag, field in LAYOUT_FLAGS.items()}
     if config.sequence_parallel and config.tp_mode == "none":
         values["tp_mode"] = "sync"  # sequence parallelism runs through the explicit TP blocks
-    values["scan_layers"] = scans_layers(config, model_config, pipeline=pp > 1)
+    values["scan_layers"] = scans_layers(config, model_config)
     return Layout(**{**values, "pp_microbatches": config.microbatches or pp})
 
 
@@ -330,21 +327,18 @@ def _device_memory() -> int | None:
 
 
 def state_shape(model_config: Any, tx: optax.GradientTransformation, seed: int,
-                mesh: MeshShardingHelper, scan_layers: bool) -> tuple[Any, TrainState]:
-    """``(graphdef, train-state shapes)`` of a fresh model (its layers stacked when
-    ``scan_layers``) and optimizer, computed abstractly (nothing allocated); LoRA settings
-    that do not fit the model are a UsageError.
+                mesh: MeshShardingHelper) -> tuple[Any, TrainState]:
+    """``(graphdef, train-state shapes)`` of a fresh model and optimizer, computed abstractly
+    (nothing allocated); LoRA settings that do not fit the model are a UsageError.
 
     Example::
 
-        graphdef, shapes = state_shape(run.model_config, run.tx, 0, run.mesh,
-                                       run.layout.scan_layers)
+        graphdef, shapes = state_shape(run.model_config, run.tx, 0, run.mesh)
     """
     graphdefs = []
 
     def state_only():
-        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed),
-                                                           scan_layers=scan_layers), tx)
+        graphdef, state = init_state(lambda: models.create(model_config, nnx.Rngs(seed)), tx)
         graphdefs.append(graphdef)  # static structure, no tracers: safe to keep
         return state
 
@@ -379,8 +373,7 @@ def _fit_fsdp(config: TrainConfig, mesh: MeshShardingHelper, base: Any, tx: Any
         except ValueError:
             continue
         if shapes is None:
-            shapes = state_shape(_one_of_each_layer(base), tx, config.seed, candidate,
-                                 lay.scan_layers)[1]
+            shapes = state_shape(_one_of_each_layer(base), tx, config.seed, candidate)[1]
         rules = LogicalAxisRules(rule_list)
         try:
             candidate.match_sharding_rule(TrainState(rules, rules, rules, rules), shapes)

@@ -28,15 +28,13 @@ from shardax.data.tokenizer import TOKENIZER_DIR, Tokenizer
 from shardax.errors import UsageError
 from shardax.filecheck import read_json
 from shardax.filewrite import check_target_dir, remove_tree, write_text
-from shardax.mesh import parse_mesh_string
 from shardax.train.config import TrainConfig, flag, with_defaults
 from shardax.train.configfile import from_dict
-from shardax.train.resolve import scans_layers
 from shardax.train.run.checkpoint import list_steps
 
 __all__ = ["CHECKPOINT_DIR", "CONFIG_FILE", "FIXED_ON_RESUME", "PROFILE_DIR", "SET_ASIDE_DIR",
            "RunDir", "check_resume", "check_run", "check_run_dir", "load_run_config",
-           "pipelined", "tidy_checkpoints", "write_config"]
+           "tidy_checkpoints", "write_config"]
 
 #: The effective config of a run.
 CONFIG_FILE = "config.json"
@@ -55,7 +53,7 @@ _WRITTEN_DIRS = (CHECKPOINT_DIR, SET_ASIDE_DIR, PROFILE_DIR, TOKENIZER_DIR, "ten
 # (`resolve.schedule_change`).
 FIXED_ON_RESUME = ("model", "init_from", "seed", "batch_size", "seq_len", "data", "optimizer",
                    "precision", "tokenizer", "text_field", "data_split", "token_dtype",
-                   "scan_layers", "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets",
+                   "pack", "loss_on", "lora_rank", "lora_alpha", "lora_targets",
                    "objective", "group_size", "num_iterations")
 
 
@@ -119,29 +117,17 @@ def load_run_config(out: str | Path, flag_name: str = "--out") -> TrainConfig:
     if isinstance(values, dict):
         # A run from before --pack trained its rows as one stream: it keeps doing so.
         values.setdefault("pack", "concat")
-        # A run from before --scan-layers existed stored its layers as a list.
+        # A run from before --scan-layers existed looped over its layers: it keeps doing so.
         values.setdefault("scan_layers", False)
     # A run from before `check` filled in the optimizer's defaults saved them as null.
     return with_defaults(from_dict(TrainConfig, values, where=f"{path}: "))
 
 
-def pipelined(mesh: str) -> bool:
-    """Whether a (checked) ``--mesh`` string has a 'pp' axis of size > 1 (layers stacked).
-
-    >>> pipelined("pp=2,fsdp=-1"), pipelined("fsdp=-1")
-    (True, False)
-    """
-    try:
-        return parse_mesh_string(mesh).get("pp", 1) != 1
-    except ValueError as e:  # a saved config.json edited by hand
-        raise UsageError(f"--mesh {mesh!r}: {e}") from None
-
-
 def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
     """Whether ``config`` may continue the run that ``saved`` started (UsageError if not):
-    the settings in `FIXED_ON_RESUME` must match, and the mesh must keep the layers stored as
-    the checkpoints hold them (`scans_layers`: stacked with ``--scan-layers`` or on a 'pp'
-    axis, else a list), so a scanned run may gain or lose a 'pp' axis."""
+    the settings in `FIXED_ON_RESUME` must match. The mesh may change, a 'pp' axis included:
+    a checkpoint holds identical layers stacked whatever ran them (one written as a list by an
+    older version is stacked on restore: `shardax.train.run.checkpoint.listed_layers`)."""
     # --per-device-batch-size gives the global batch once the mesh is known: `resolve` then
     # checks it against the run's (`check_batch`).
     changed = [k for k in FIXED_ON_RESUME if _fixed(saved, k) != _fixed(config, k)
@@ -153,13 +139,6 @@ def check_resume(saved: TrainConfig, config: TrainConfig) -> None:
                          + ("; a mixture's weights may change, its sources not"
                             if "data" in changed and isinstance(_fixed(saved, "data"), tuple)
                             else ""))
-    stacked = scans_layers(saved, pipeline=pipelined(saved.mesh))
-    if stacked != scans_layers(config, pipeline=pipelined(config.mesh)):
-        # scan_layers is fixed above, so only a 'pp' axis on one side (of a list run) differs
-        raise UsageError(
-            f"--resume: the run (--mesh {saved.mesh!r}, --no-scan-layers) stores its layers "
-            + ("stacked, as its 'pp' axis needs: resume it with a 'pp' axis" if stacked else
-               "as a list, which a 'pp' axis cannot split: resume it without one"))
 
 
 def _fixed(config: TrainConfig, key: str) -> object:

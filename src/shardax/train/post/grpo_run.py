@@ -160,8 +160,7 @@ def train_grpo_run(config: TrainConfig, run_dir: RunDir | None, stop: StopReques
         raise UsageError(f"--max-new-tokens {settings.max_new_tokens}: with the longest prompt "
                          f"of --data ({longest} tokens) it exceeds the model's max_seq_len "
                          f"{limit}")
-    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, run.mesh,
-                                           run.layout.scan_layers)
+    graphdef, state_shape = build.abstract(run.model_config, run.tx, config.seed, run.mesh)
     lora = run.model_config.lora is not None
     ref_params, start = None, 0
     metrics_log = report.MetricsLog(run_dir.metrics)

@@ -40,7 +40,7 @@ from shardax.train.run.orbax_logs import quiet_orbax
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
-           "abstract_state", "flat", "list_steps", "restore_state"]
+           "abstract_state", "flat", "list_steps", "listed_layers", "restore_state"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -163,6 +163,10 @@ def _check_target(target: Any, saved_tree: Any, where: str) -> None:
                 f"target expects shape {tuple(expect.shape)} dtype {np.dtype(expect.dtype)}, "
                 f"checkpoint has shape {tuple(found.shape)} dtype {np.dtype(found.dtype)}"
             )
+
+
+#: ``adapt(target, saved_shapes) -> (target as saved, convert) | None`` (`Checkpointer.restore`)
+Adapt = Callable[[Any, dict[str, tuple[int, ...]]], tuple[Any, Callable[[Any], Any]] | None]
 
 
 class _Pinned:
@@ -343,7 +347,8 @@ class Checkpointer:
 
     def restore(self, step: int | None = None, target: Any = None, *, verify: bool = True,
                 fallback: bool = False, check: Callable[[Restored], None] | None = None,
-                on_skip: Callable[[int, str], None] | None = None) -> Restored:
+                on_skip: Callable[[int, str], None] | None = None,
+                adapt: Adapt | None = None) -> Restored:
         """Restores ``step`` (default: the latest committed) onto ``target`` 's shardings.
 
         ``target`` is a tree of ``jax.ShapeDtypeStruct`` (see `abstract_state`) or arrays; its
@@ -354,6 +359,9 @@ class Checkpointer:
         next older committed step is tried. ``check(restored)`` may raise
         `CorruptCheckpointError` too (e.g. an ``extra`` without the keys the caller needs);
         ``on_skip(step, reason)`` hears of every skipped step (default: a logged warning).
+        ``adapt(target, saved)`` (``saved``: the step's flat ``{key: shape}``) may return
+        ``(the target as saved, convert)``, ``convert`` turning what is read into ``target``'s
+        form (an older layout of the same state), or None when the target fits as it is.
         """
         steps = self.all_steps()
         if not steps:
@@ -368,22 +376,23 @@ class Checkpointer:
         older = [s for s in reversed(steps) if s < step] if fallback else []
         for s in older:
             try:
-                return self._restore_checked(step, target, verify, check)
+                return self._restore_checked(step, target, verify, check, adapt)
             except CorruptCheckpointError as e:
                 if on_skip is None:
                     log.warning("skipping unreadable checkpoint step %d: %s", step, e)
                 else:
                     on_skip(step, str(e))
                 step = s
-        return self._restore_checked(step, target, verify, check)
+        return self._restore_checked(step, target, verify, check, adapt)
 
-    def _restore_checked(self, step, target, verify, check) -> Restored:
-        restored = self._restore_step(step, target, verify)
+    def _restore_checked(self, step, target, verify, check, adapt=None) -> Restored:
+        restored = self._restore_step(step, target, verify, adapt)
         if check is not None:
             check(restored)
         return restored
 
-    def _restore_step(self, step: int, target: Any, verify: bool) -> Restored:
+    def _restore_step(self, step: int, target: Any, verify: bool, adapt: Adapt | None = None
+                      ) -> Restored:
         where = f"{str(self.directory / str(step))!r}"
         if step not in self._manager.all_steps():  # committed after this manager started
             self._manager.reload()
@@ -393,12 +402,17 @@ class Checkpointer:
             raise CorruptCheckpointError(
                 f"cannot read the metadata of checkpoint step {step} at {where}: {_short(e)}"
             ) from e
+        adapted = None
         if target is not None:
             target = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                 if isinstance(x, jax.Array) else x,
                 target,
             )
+            adapted = adapt and adapt(target, {k: tuple(getattr(v, "shape", ()))
+                                               for k, v in _flat(saved_tree).items()})
+            if adapted:
+                target, convert = adapted
             _check_target(target, saved_tree, where)
         try:
             out = self._manager.restore(
@@ -428,7 +442,8 @@ class Checkpointer:
                         f"fingerprint (saved {expected.get(path)}, read {found.get(path)}); "
                         "the stored data is corrupted"
                     )
-        return Restored(step, out["state"], out["extra"] or {})
+        state = convert(out["state"]) if adapted else out["state"]
+        return Restored(step, state, out["extra"] or {})
 
     def wait(self) -> None:
         """Blocks until background saves are committed; a failed one raises
@@ -474,6 +489,47 @@ def restore_state(ckpt: Checkpointer, state_shape: Any, shardings: Any, **kwargs
     state in the structure of ``state_shape`` (any pytree whose `flat` keys are the saved
     ones). ``kwargs`` go to `Checkpointer.restore` (step, fallback, check, on_skip)."""
     target = abstract_state(flat(state_shape), flat(shardings))
-    restored = ckpt.restore(target=target, **kwargs)
+    restored = ckpt.restore(target=target, adapt=listed_layers, **kwargs)
     leaves = [restored.state[k] for k in flat(state_shape)]
     return restored, jax.tree_util.tree_unflatten(jax.tree.structure(state_shape), leaves)
+
+
+def listed_layers(target: dict[str, Any], saved: dict[str, tuple[int, ...]]
+                  ) -> tuple[dict[str, Any], Callable[[dict], dict]] | None:
+    """Restores a checkpoint that holds a model's identical layers as a list (``...layers.<i>.
+    ...``: runs before the layers were always stacked) onto a target that stacks them
+    (``...layers....`` with a leading layer axis), for `Checkpointer.restore`'s ``adapt``:
+    the target as saved (each layer's slice, its sharding without the layer axis) and the
+    conversion that stacks what is read onto the target's shardings. None when the target's
+    keys are the saved ones.
+
+    >>> target = {"params.layers.w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    >>> sorted(listed_layers(target, {"params.layers.0.w": (3,), "params.layers.1.w": (3,)})[0])
+    ['params.layers.0.w', 'params.layers.1.w']
+    """
+    stacked = {}
+    for key, leaf in target.items():
+        head, sep, tail = key.partition(".layers.")
+        if key not in saved and sep and f"{head}.layers.0.{tail}" in saved:
+            stacked[key] = [f"{head}.layers.{i}.{tail}" for i in range(leaf.shape[0])]
+    if not stacked:
+        return None
+    listed = {k: v for k, v in target.items() if k not in stacked}
+    for key, parts in stacked.items():
+        leaf = target[key]
+        sharding = leaf.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:]),
+                memory_kind=sharding.memory_kind)
+        listed.update({p: jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+                       for p in parts})
+    out_shardings = {k: target[k].sharding for k in stacked}
+
+    def convert(state: dict) -> dict:
+        parts = {k: [state[p] for p in ps] for k, ps in stacked.items()}
+        stack = jax.jit(lambda parts: {k: jnp.stack(v) for k, v in parts.items()},
+                        out_shardings=out_shardings)
+        return {**{k: v for k, v in state.items() if k in target}, **stack(parts)}
+
+    return listed, convert
