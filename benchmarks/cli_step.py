@@ -55,8 +55,9 @@ def _steps(model: str, mesh_text: str, remat: str, fsdp_mode: str = "auto"
     mesh, rules = run.mesh, run.rules
     state_shardings = mesh.match_sharding_rule(rules, state_shape)
     batch_sharding = NamedSharding(mesh.mesh, rules.spec_for(("batch", "length"), mesh.mesh))
-    # the plain one-device step: only the run's remat and attention implementation
-    lay = Layout(remat=run.layout.remat, attention=run.layout.attention, fsdp_mode="xla")
+    # the plain one-device step: only the run's remat, attention implementation and scan
+    lay = Layout(remat=run.layout.remat, attention=run.layout.attention, fsdp_mode="xla",
+                 scan_layers=run.layout.scan_layers)
     jitted = jax.jit(partial(train_step, graphdef=graphdef, tx=run.tx, policy=run.policy,
                              param_rules=rules, layout=lay),
                      in_shardings=(state_shardings, (batch_sharding, batch_sharding)),

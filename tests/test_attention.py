@@ -426,14 +426,15 @@ def test_looped_layer_remat_holds_layer_inputs_or_a_stack_slice():
     seq, dim = 512, models.get_config("llama-small").dim
     mixed = dict(sliding_window=64, global_every=2)
 
-    def temp(n_layers, remat, **overrides):
+    def temp(n_layers, remat, scan=False, **overrides):
         cfg = models.get_config("llama-small", n_layers=n_layers, max_seq_len=seq, **overrides)
         graphdef, params = nnx.split(nnx.eval_shape(lambda: models.create(cfg, nnx.Rngs(0))),
                                      nnx.Param)
         tokens = jax.ShapeDtypeStruct((1, seq + 1), jnp.int32)
 
         def loss(p, t):
-            return forward.training_loss(nnx.merge(graphdef, p), Layout(remat=remat),
+            return forward.training_loss(nnx.merge(graphdef, p),
+                                         Layout(remat=remat, scan_layers=scan),
                                          t[:, :-1], t[:, 1:])[0]
 
         c = jax.jit(jax.grad(loss)).lower(params, tokens).compile()

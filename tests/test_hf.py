@@ -149,14 +149,16 @@ def test_qk_norm_under_megatron_tensor_parallelism(arch):
                         ref["logits"])
 
 
-def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
+def test_mixed_layers_stay_a_list_refuse_a_pipeline_and_export_keeps_the_layer_pattern():
+    """Gemma 2's layers differ: they stay a list, which loops whatever ``scan_layers`` says,
+    and a 'pp' axis (one stack split into stages) is refused naming why."""
     from shardax.layout.spec import check_mesh
 
     model = hf.load_model(FIXTURES / "gemma2")
     assert not model.stacked and isinstance(model.layers, nnx.List)  # its layers differ
+    check_mesh(model.config, Layout(scan_layers=True), {"fsdp": 8}, batch_size=8, seq_len=16)
     with pytest.raises(ValueError, match="global_every=2 mixes sliding-window and global"):
-        check_mesh(model.config, Layout(scan_layers=True), {"fsdp": 8}, batch_size=8,
-                   seq_len=16)
+        check_mesh(model.config, Layout(), {"pp": 2, "fsdp": 4}, batch_size=8, seq_len=16)
     config = hf.load_config(FIXTURES / "gemma3")
     assert [config.window_of(i) for i in range(3)] == [8, 8, None]
     out = hf.config_to_hf(config)
@@ -165,14 +167,15 @@ def test_mixed_layers_cannot_be_stacked_and_export_keeps_the_layer_pattern():
         assert out[key] == src[key], key
 
 
-def test_deepseek_layers_cannot_be_stacked_and_megatron_tp_is_refused():
-    """DeepSeek-V3's dense first layer keeps its layers listed; Megatron tp_mode (fused QKV)
-    has no latent-attention form: both refused naming why."""
+def test_deepseek_layers_refuse_a_pipeline_and_megatron_tp():
+    """DeepSeek-V3's dense first layer keeps its layers listed, which a 'pp' axis cannot split
+    into stages; Megatron tp_mode (fused QKV) has no latent-attention form: both refused naming
+    why."""
     from shardax.layout.spec import check_mesh
 
     config = hf.load_config(FIXTURES / "deepseek_v3")
     with pytest.raises(ValueError, match="first_k_dense=1 dense layers precede the experts"):
-        check_mesh(config, Layout(scan_layers=True), {"fsdp": 8}, batch_size=8, seq_len=16)
+        check_mesh(config, Layout(), {"pp": 2, "fsdp": 4}, batch_size=8, seq_len=16)
     with pytest.raises(ValueError, match="tp_mode='sync' does not run multi-head latent"):
         check_mesh(config, Layout(tp_mode="sync"), {"fsdp": 4, "tp": 2}, batch_size=8,
                    seq_len=16)

@@ -44,10 +44,10 @@ class Layout:
     'offload', 'names:q,k,v', 'offload:q,k'; ``shardax.models.remat``). ``attention``: the
     attention implementation ('auto', 'cudnn', 'xla', 'blockwise', 'einsum';
     ``shardax.models.attention``). Both apply on one device too (``Layout(remat='full')``).
-    ``scan_layers``: run a model's stacked layers with ``nnx.scan`` (compile time flat in
-    depth), else in a loop over the stack's slices; a model whose layers differ keeps them in
-    a list and loops (its ``scan_layers=True`` is refused). How the layers are stored does not
-    depend on it (`shardax.models.create`).
+    ``scan_layers``: run a model's stacked layers with ``nnx.scan`` (the default: compile time
+    flat in depth, as the plain ``model(tokens)``), else in a loop over the stack's slices
+    (more memory: docs/models.md); a model whose layers differ keeps them in a list, which
+    always loops. How the layers are stored does not depend on it (`shardax.models.create`).
 
     Example::
 
@@ -63,7 +63,7 @@ class Layout:
     fsdp_recompute: bool = True
     remat: str = "none"
     attention: str = "auto"
-    scan_layers: bool = False
+    scan_layers: bool = True
 
     def __post_init__(self):
         if self.tp_mode not in TP_MODES:
@@ -179,9 +179,6 @@ def check_mesh(config: Any, layout: Layout, mesh_shape: Mapping[str, int], *,
     mixed = getattr(c, "mixed_layers", False) and (
         f"first_k_dense={c.first_k_dense} dense layers precede the experts" if c.first_k_dense
         else f"global_every={c.global_every} mixes sliding-window and global attention layers")
-    if lay.scan_layers and mixed:
-        raise ValueError(f"scan_layers=True needs identical layers, but {mixed}; use "
-                         "scan_layers=False (and no pipeline parallelism)")
     if pp > 1:
         v, m = lay.pp_virtual_stages, lay.pp_microbatches
         need(not mixed, f"a 'pp' axis splits one stack of identical layers into stages, but "

@@ -79,17 +79,18 @@ def run_layers(
         for layer in (layers if isinstance(layers, nnx.List) else unstack(layers)):
             x = call(layer, x) if remat == "none" else _remat_layer(call, layer, x, policy)
         return x
-    body = call
+    # A jax.lax.scan over the stack's state, each step one layer merged from its slice (as
+    # `split_stack` gives the loop): unlike nnx.scan it takes a model of any trace level (one
+    # closed over by jax.jit, as a plain function of arrays would be).
+    graphdef, state = nnx.split(layers)
+
+    def body(one, h):
+        return call(nnx.merge(graphdef, one), h)
+
     if remat != "none":
         # Inside scan the loop already keeps XLA from CSE-ing the recomputation away.
-        body = nnx.remat(call, policy=policy, prevent_cse=False)
-
-    @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-              transform_metadata={nnx.PARTITION_NAME: LAYERS})
-    def step(layer, h):
-        return body(layer, h)
-
-    return step(layers, x)
+        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+    return jax.lax.scan(lambda h, one: (body(one, h), None), x, state)[0]
 
 
 def split_stack(stack: Any) -> list[Any]:
