@@ -388,7 +388,7 @@ def params_loss(params: Any, rest: Any, graphdef: Any, layout: Layout, policy: P
         objective, ce = params_loss(params, rest, graphdef, Layout(), Policy(), x, y, {})
     """
     # Fresh Variables for the non-differentiated state (LoRA's frozen base) at this trace
-    # level, as the differentiated ones are: nnx.scan refuses Variables of an outer trace.
+    # level, as the differentiated ones are (nnx transforms refuse Variables of an outer trace).
     rest = jax.tree.map(lambda x: x, rest)
     model = nnx.merge(graphdef, policy.cast_to_compute(params), rest)
     return training_loss(model, layout, inputs, targets, cast=policy.cast_to_output, **kwargs)

@@ -44,7 +44,7 @@ class Layout:
     'offload', 'names:q,k,v', 'offload:q,k'; ``shardax.models.remat``). ``attention``: the
     attention implementation ('auto', 'cudnn', 'xla', 'blockwise', 'einsum';
     ``shardax.models.attention``). Both apply on one device too (``Layout(remat='full')``).
-    ``scan_layers``: run a model's stacked layers with ``nnx.scan`` (the default: compile time
+    ``scan_layers``: run a model's stacked layers as a ``jax.lax.scan`` (the default: compile time
     flat in depth, as the plain ``model(tokens)``), else in a loop over the stack's slices
     (more memory: docs/models.md); a model whose layers differ keeps them in a list, which
     always loops. How the layers are stored does not depend on it (`shardax.models.create`).

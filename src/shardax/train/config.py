@@ -149,7 +149,7 @@ class TrainConfig:
     RoPE positions restart at each document, no loss across a boundary), concat (one stream,
     as if it were one document)"""
     scan_layers: bool = True
-    """run the stack of identical layers with nnx.scan: the step compiles one layer, whatever
+    """run the stack of identical layers as a scan: the step compiles one layer, whatever
     the depth; a model whose layers differ (Gemma 2/3's sliding and global attention,
     DeepSeek-V3's leading dense layers) runs its list of layers in a loop. --no-scan-layers: a
     loop over the stack's layers (each layer compiled; holds about 1.3x a layer's parameters
