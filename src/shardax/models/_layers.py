@@ -16,7 +16,7 @@ from shardax.models.remat import checkpoint_name, remat_policy
 from shardax.parallel.remat import checkpoint_in_order
 
 __all__ = ["LAYERS", "cross_entropy", "make_layers", "param", "remat_policy", "run_layers",
-           "split_stack", "stack_states", "token_nll", "unstack"]
+           "layer_list", "split_stack", "stack_states", "token_nll", "unstack"]
 
 LAYERS = "layers"
 
@@ -76,7 +76,7 @@ def run_layers(
     """
     policy = remat_policy(remat)
     if not scan or isinstance(layers, nnx.List):
-        for layer in (layers if isinstance(layers, nnx.List) else unstack(layers)):
+        for layer in layer_list(layers):
             x = call(layer, x) if remat == "none" else _remat_layer(call, layer, x, policy)
         return x
     # A jax.lax.scan over the stack's state, each step one layer merged from its slice (as
@@ -105,6 +105,11 @@ def split_stack(stack: Any) -> list[Any]:
     parts = [jnp.split(a, a.shape[0]) for a in leaves]
     return [jax.tree.unflatten(treedef, [p[i][0] for p in parts])
             for i in range(leaves[0].shape[0])]
+
+
+def layer_list(layers: nnx.Module | nnx.List) -> list[nnx.Module]:
+    """The layers one module each: a list's items, or a stack's slices (`unstack`)."""
+    return list(layers) if isinstance(layers, nnx.List) else unstack(layers)
 
 
 def unstack(layers: nnx.Module) -> list[nnx.Module]:

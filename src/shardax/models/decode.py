@@ -29,11 +29,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from shardax.logical import use_logical_rules
 from shardax.models._annotate import constrain
-from shardax.models._layers import unstack
+from shardax.models._layers import layer_list
 from shardax.models.attention import attention as attend
 from shardax.models.gpt2 import GPT2
 from shardax.models.llama import Llama
@@ -62,11 +61,6 @@ def init_cache(model: Llama | GPT2, batch: int, length: int) -> KVCache:
     shape = (c.n_layers, batch, length, kv, c.head_dim)
     z = constrain(jnp.zeros(shape, c.dtype), _CACHE_NAMES)
     return KVCache(z, z)
-
-
-def _layers(model: Llama | GPT2) -> list[nnx.Module]:
-    """The decoder layers as a list (a stack's slices)."""
-    return unstack(model.layers) if model.stacked else list(model.layers)
 
 
 def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache: KVCache,
@@ -98,7 +92,7 @@ def forward(model: Llama | GPT2, tokens: jax.Array, positions: jax.Array, cache:
     fn = partial(attend, implementation=attention)
     x, extras = model.embed_inputs(tokens, positions)
     ks, vs = [], []
-    for i, layer in enumerate(_layers(model)):
+    for i, layer in enumerate(layer_list(model.layers)):
         h = layer.attn_norm(x) if llama else layer.ln_1(x)
         q, k, v = layer.attn.qkv(h)
         if llama:

@@ -156,7 +156,6 @@ class GPT2(LanguageModel):
 
     def __init__(self, config: GPT2Config, rngs: nnx.Rngs):
         c = self.config = config
-        self.stacked = True  # layers stacked on a leading 'layers' axis
         self.wte = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                          ("vocab", "embed"), c.param_dtype)
         self.wpe = param(rngs.params(), _normal(0.01), (c.max_seq_len, c.dim),

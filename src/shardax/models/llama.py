@@ -263,14 +263,12 @@ class Llama(LanguageModel):
 
     def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
         c = self.config = config
-        # identical layers stacked on a leading 'layers' axis; a list where they differ
-        self.stacked = not c.mixed_layers
         self.embed = param(rngs.params(), _normal(0.02), (c.vocab_size, c.dim),
                                  ("vocab", "embed"), c.param_dtype)
         kinds = iter(range(c.n_layers))  # make_layers builds layer i from the i-th call
         self.layers = make_layers(
             lambda r: Block(c, r, dense=c.first_k_dense > 0 and c.is_dense(next(kinds))),
-            c.n_layers, rngs, self.stacked)
+            c.n_layers, rngs, stacked=not c.mixed_layers)  # a list where layers differ
         if c.mixed_layers:  # list layout
             for i, layer in enumerate(self.layers):
                 layer.attn.window = c.window_of(i)

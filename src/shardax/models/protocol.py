@@ -67,8 +67,6 @@ class LanguageModel(nnx.Module):
 
     config: Any
     layers: Any
-    #: the layers are stacked on a leading 'layers' axis (else an ``nnx.List``)
-    stacked: bool = True
     #: whether ``block`` returns an auxiliary loss to add to the objective
     has_aux: bool = False
     aux_weight: float = 0.0
@@ -99,6 +97,11 @@ class LanguageModel(nnx.Module):
         x, aux = self.hidden(tokens, positions, segment_ids)
         logits = self.head(x, *self.head_params())
         return (logits, aux) if return_aux else logits
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the layers are one stack on a leading 'layers' axis (else an ``nnx.List``)."""
+        return not isinstance(self.layers, nnx.List)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
