@@ -19,6 +19,7 @@ from shardax.rules import FSDPShardingRule, HostOffloadRule
 from shardax.train.config import check
 from shardax.train.loop import TrainConfig, train
 from shardax.train.resolve import resolve
+from shardax.train.run import fingerprint
 from shardax.train.run.fingerprint import fingerprints
 
 MESH = "fsdp=4,tp=2"
@@ -95,9 +96,10 @@ def test_plan_subtracts_offloaded_state_from_the_device_peak():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "float64"])
-def test_host_fingerprint_equals_the_device_fingerprint(dtype):
-    """A checkpoint's leaf fingerprints are the same whichever memory the leaf is in (host
-    leaves are hashed with numpy, device ones by a compiled program)."""
+def test_numpy_fingerprint_equals_the_compiled_one(dtype):
+    """A checkpoint's leaf fingerprints are the same whichever way a leaf is hashed: with numpy
+    from this process's shards (leaves in host memory, small leaves on CPU) or by the compiled
+    program (device leaves), sharded or replicated."""
     mesh = MeshShardingHelper([4, 2], ["fsdp", "tp"])
     values = np.random.default_rng(0).normal(size=(8, 6)).astype(np.float32) * 100
     x = jnp.asarray(values, dtype=jnp.dtype(dtype)) if dtype != "float64" else values
@@ -106,4 +108,7 @@ def test_host_fingerprint_equals_the_device_fingerprint(dtype):
         "device").update(spec=P("fsdp")))}
     on_host = jax.tree.map(lambda v: jax.device_put(v, v.sharding.with_memory_kind(
         "pinned_host")), tree)
-    assert fingerprints(on_host) == fingerprints(tree)
+    compiled = {k: int(np.asarray(fingerprint._leaf_fingerprint_jit(v).addressable_data(0)))
+                for k, v in tree.items()}
+    assert {k: fingerprint._local_sum(v) for k, v in tree.items()} == compiled
+    assert fingerprints(on_host) == fingerprints(tree) == compiled

@@ -169,6 +169,23 @@ def _check_target(target: Any, saved_tree: Any, where: str) -> None:
 Adapt = Callable[[Any, dict[str, tuple[int, ...]]], tuple[Any, Callable[[Any], Any]] | None]
 
 
+def _save_whole_shards_on_cpu() -> None:
+    """On the CPU backend, each replicated shard is saved whole by its first replica.
+
+    Orbax's default there (replica-parallel saving) has every replica copy its part of a
+    shard to the host, and cutting the parts compiles a slicing program per part and device:
+    ~20 ms each, about a second per save of a small state replicated over 8 CPU devices, for
+    copies that are memcpys on CPU. Orbax already saves whole shards on GPUs. Its handler
+    takes the setting only in its constructor, and the registered one (with its array
+    metadata store) is kept, so the setting is changed on it.
+    """
+    if jax.default_backend() != "cpu":
+        return
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "_use_replica_parallel", False):  # private: no public setter
+        handler._use_replica_parallel = False
+
+
 class _Pinned:
     """An orbax preservation policy: the steps in ``steps`` (a set the `Checkpointer` adds
     to) are kept whatever ``max_to_keep`` says, and so are step folders that are symlinks
@@ -216,6 +233,8 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = epath.Path(directory).absolute()
         self.read_only = read_only
+        if not read_only:
+            _save_whole_shards_on_cpu()
         self._pinned = _Pinned(self.directory)
         if read_only:
             if not self.directory.is_dir():

@@ -58,14 +58,26 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 _leaf_fingerprint_jit = jax.jit(_leaf_fingerprint)
 
 
-def _on_host(x: jax.Array) -> bool:
-    return getattr(x.sharding, "memory_kind", None) not in (None, "device")
+# On the CPU backend a leaf's bytes are already in this process's memory: below this many
+# elements numpy hashes it in less time than compiling its program takes (~45 ms).
+_NUMPY_ON_CPU = 1 << 20
 
 
-def _host_fingerprint(x: jax.Array) -> int:
-    """`_leaf_fingerprint` of a leaf kept in host memory (``--offload-optimizer``), computed
-    with numpy from this process's shards (no device memory, no device program), summed over
-    processes. Same bits as the device version: uint32 arithmetic wraps alike."""
+def _by_numpy(x: jax.Array) -> bool:
+    """Whether ``x`` is hashed from this process's shards with numpy: a leaf kept in host
+    memory (``--offload-optimizer``), or a small leaf on the CPU backend."""
+    if getattr(x.sharding, "memory_kind", None) not in (None, "device"):
+        return True
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) or jnp.issubdtype(x.dtype,
+                                                                       jnp.complexfloating):
+        return False  # `_as_words` turns these into words on the device
+    return x.size < _NUMPY_ON_CPU and next(iter(x.devices())).platform == "cpu"
+
+
+def _local_sum(x: jax.Array) -> int:
+    """`_leaf_fingerprint`'s sum over this process's shards of ``x`` (one copy of each),
+    computed with numpy: no device program. Same bits as the device version: uint32
+    arithmetic wraps alike."""
     u32 = np.uint32
     total = 0
     for shard in x.addressable_shards:
@@ -93,9 +105,6 @@ def _host_fingerprint(x: jax.Array) -> int:
             h = (h ^ (h >> u32(13))) * u32(0xC2B2AE35)
             h = h ^ (h >> u32(16))
         total = (total + int(np.sum(h, dtype=u32))) % 2**32
-    if jax.process_count() > 1:
-        total = int(np.sum(multihost_utils.process_allgather(np.asarray(total, u32)),
-                           dtype=u32))
     return total
 
 
@@ -105,11 +114,15 @@ def fingerprints(tree: Any) -> dict[str, int]:
     against, and what ``shardax train`` logs of each batch (``data_hash``)."""
     flat = {k: v for k, v in flatten_tree(tree, sep="/").items()
             if isinstance(v, jax.Array)}
+    by_numpy = [k for k, v in flat.items() if _by_numpy(v)]
     out = {}
+    if by_numpy:
+        sums = np.asarray([_local_sum(flat[k]) for k in by_numpy], np.uint32)
+        if jax.process_count() > 1:  # one gather for all of them
+            sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
+        out.update(zip(by_numpy, map(int, sums)))
     for k, v in flat.items():
-        if _on_host(v):
-            out[k] = _host_fingerprint(v)
-        else:
+        if k not in out:
             # Read before the next leaf starts: with a whole state's programs in flight at
             # once, XLA:CPU's collectives can wait on each other forever. The output is
             # replicated: this process's copy (works across processes too).
