@@ -157,32 +157,24 @@ def test_recompute_choice_and_banner():
     assert not fsdp_recompute(TrainConfig(), {}, c, Policy(), 4 * full)[0]
     assert fsdp_recompute(TrainConfig(), {}, c, Policy(), 2 * full)[0]
     assert not fsdp_recompute(TrainConfig(), {"tp": 2}, c, Policy(), 2 * full)[0]  # tp shards
+    # auto: xla where explicit would keep its gathered layers (the same memory, a faster step)
     for mesh, model in (("fsdp=8", "llama-tiny"), ("fsdp=4,cp=2", "llama-tiny"),
                         ("fsdp=4,ep=2", "llama-moe-tiny")):
-        # auto over scanned layers (the default): xla, whatever --remat and --grad-accum (the
-        # scan gathers one layer at a time in either mode; the partitioner's step is faster)
-        for flags in ({}, {"remat": "full"}, {"grad_accum": 2}):
-            line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=16,
-                                             **flags))).fsdp_summary()
-            assert line.startswith("fsdp: xla") and "auto: the layers run as a scan" in line, \
-                line
-        # over a loop of layers: xla where explicit would keep its gathered layers (the same
-        # memory, a faster step) ...
-        loop = dict(mesh=mesh, model=model, scan_layers=False)
-        line = resolve(check(TrainConfig(**loop, batch_size=8))).fsdp_summary()
+        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8))).fsdp_summary()
         assert line.startswith("fsdp: xla") and "auto: xla holds what explicit would" in line, \
             line
-        # ... explicit where it holds less: re-gathering (remat) or a sharded grad accumulator
-        line = resolve(check(TrainConfig(**loop, batch_size=8, remat="full"))).fsdp_summary()
+        # explicit where it holds less: re-gathering (remat) or a sharded grad accumulator
+        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8,
+                                         remat="full"))).fsdp_summary()
         assert line.startswith("fsdp: explicit") and "auto: explicit re-gathers" in line, line
         assert "forward recomputed" in line, line
-        line = resolve(check(TrainConfig(**loop, batch_size=16, grad_accum=2))).fsdp_summary()
+        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=16,
+                                         grad_accum=2))).fsdp_summary()
         assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, \
             line
         assert "auto: explicit reduce-scatters each microbatch's gradient" in line, line
-    # where the gathered layers of a loop would not fit, explicit re-gathers them (the memory
-    # decides)
-    line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8, scan_layers=False)),
+    # where the gathered layers would not fit, explicit re-gathers them (the memory decides)
+    line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8)),
                    device_memory=2 * full).fsdp_summary()
     assert line.startswith("fsdp: explicit") and "forward recomputed" in line, line
     assert "exceed 25% of device memory" in line, line

@@ -141,8 +141,7 @@ def test_llama_list_layers_full_remat_five_sgd_steps_equal_one_device():
 
 
 def test_banner_states_what_the_cli_runs():
-    run = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8, remat="full",
-                                    fsdp_mode="explicit")))
+    run = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8, remat="full")))
     assert "forward recomputed in the backward pass (each layer re-gathered)" in \
         run.fsdp_summary(), run.fsdp_summary()
     assert "prefetched" not in run.fsdp_summary()  # the CLI does not prefetch

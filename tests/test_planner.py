@@ -96,10 +96,9 @@ def test_plan_command_line_prints_and_writes_json(real_run, tmp_path, capsys, mo
 
 def test_the_fsdp_mode_is_weighed_against_the_targets_memory():
     """`shardax plan` resolves `--fsdp-mode auto` against its target's memory, as `shardax
-    train` does against the device's own: a loop's gathered layers kept where they fit in a
-    quarter (then the partitioner's FSDP holds as much and runs faster), re-gathered where
-    not."""
-    config = check(TrainConfig(**TINY, mesh="fsdp=8", scan_layers=False))
+    train` does against the device's own: the gathered layers kept where they fit in a quarter
+    (then the partitioner's FSDP holds as much and runs faster), re-gathered where not."""
+    config = check(TrainConfig(**TINY, mesh="fsdp=8"))
     gathered = models.param_count(models.CONFIGS["llama-tiny"]) * 4  # float32
     tight = resolve(config, usable_bytes(BARE, 2 * gathered))
     roomy = resolve(config, usable_bytes(BARE, 8 * gathered))

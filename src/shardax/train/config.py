@@ -183,11 +183,10 @@ class TrainConfig:
     """FSDP over 'fsdp': explicit (ZeRO-3 written out: each layer gathered right before use,
     its gradient reduce-scattered at once; bounded peak memory; without --remat the gathered
     layers are kept from forward to backward when they fit), xla (the partitioner, from
-    the shardings), auto: explicit where it holds less memory than xla (over a loop of
-    layers with --remat, with --grad-accum or when the gathered layers would not fit; on a pp
-    axis without --grad-accum) and can run (a llama without explicit TP/SP, no tp axis), else
-    xla (the same memory, a faster step; over scanned layers the partitioner gathers one layer
-    at a time too)"""
+    the shardings), auto: explicit where it holds less memory than xla (with --remat, with
+    --grad-accum, when the gathered layers would not fit, on a pp axis without --grad-accum)
+    and can run (a llama without explicit TP/SP, no tp axis), else xla (the same memory, a
+    faster step)"""
     pp_schedule: Literal["gpipe", "circular", "1f1b"] = "gpipe"
     """pipeline schedule over 'pp' (1f1b: activation memory bounded by the 'pp' size)"""
     microbatches: int = 0

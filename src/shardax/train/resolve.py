@@ -184,31 +184,21 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     (`fsdp_recompute`), and why, for the banner. UsageError (one line naming the combination)
     when explicit is asked for where it cannot run.
 
-    ``--fsdp-mode auto`` takes the faster mode at the memory that fits. Over scanned layers
-    (`scans_layers`, the default) the partitioner's FSDP gathers each layer inside the scan's
-    loop, one at a time, and its backward loop gathers it again: it holds about what explicit
-    would (llama-small on fsdp=8, ``benchmarks/cli_step.py``: 156.4 MiB each with ``--remat
-    full``; 241.3 against explicit's 275.4 with ``--grad-accum 2``; 197.1 against 189.5 with
-    both) and its step is faster (explicit / xla about 1.04 on 8 CPU devices): xla. Over a loop
-    of layers (``--no-scan-layers``, or layers that differ), where explicit would keep its
-    gathered layers from forward to backward (no ``--remat``, they fit, no ``--grad-accum``) it
-    holds what the partitioner's FSDP holds (llama-small on fsdp=8: 243.9 MiB of temporaries
-    each), and the partitioner's step is faster (explicit / xla about 1.06): xla. Where explicit
-    re-gathers (``--remat``, or the gathered layers would not fit) or reduce-scatters microbatch
-    gradients into a sharded accumulator, it holds less (150.1 against 238.6 MiB with ``--remat
-    full``; 278.9 against 338.5 with ``--grad-accum 2``): explicit. On a 'pp' axis explicit
-    gathers each stage's layers once per step and keeps them through the pipeline: it holds
-    less than the partitioner's FSDP there (llama-small, fsdp=4,pp=2: 262.2 against 306.3 MiB,
-    with or without ``--remat``) and moves a third of its bytes (its step took 1.3x the
-    partitioner's on 8 emulated CPU devices, whose permute rings are slow), so auto picks it
-    where the stage fits, except with ``--grad-accum`` (explicit gathers per microbatch: 261.3
-    against 220.8 MiB).
+    ``--fsdp-mode auto`` takes the faster mode at the memory that fits: where explicit would
+    keep its gathered layers from forward to backward (no ``--remat``, they fit, no
+    ``--grad-accum``) it holds what the partitioner's FSDP holds (llama-small on fsdp=8: 243.9
+    MiB of temporaries each), and the partitioner's step is faster (explicit / xla about 1.06 on
+    8 CPU devices, ``benchmarks/cli_step.py``): xla. Where explicit re-gathers (``--remat``, or
+    the gathered layers would not fit) or reduce-scatters microbatch gradients into a sharded
+    accumulator, it holds less (113.9 against 203.0 MiB with ``--remat full``; 242.4 against
+    302.2 with ``--grad-accum 2``): explicit. On a 'pp' axis explicit gathers each stage's layers
+    once per step and keeps them through the pipeline: it holds less than the partitioner's FSDP
+    there (llama-small, fsdp=4,pp=2: 262.2 against 306.3 MiB, with or without ``--remat``) and
+    moves a third of its bytes (its step took 1.3x the partitioner's on 8 emulated CPU
+    devices, whose permute rings are slow), so auto picks it where the stage fits, except with
+    ``--grad-accum`` (explicit gathers per microbatch: 261.3 against 220.8 MiB).
 
-    >>> lay = dict(mesh="fsdp=8", remat="full")
-    >>> fsdp_mode(TrainConfig(**lay), {"fsdp": 8}, models.CONFIGS["llama-tiny"], Policy(),
-    ...           None)[:2]
-    ('xla', True)
-    >>> fsdp_mode(TrainConfig(**lay, scan_layers=False), {"fsdp": 8},
+    >>> fsdp_mode(TrainConfig(mesh="fsdp=8", remat="full"), {"fsdp": 8},
     ...           models.CONFIGS["llama-tiny"], Policy(), None)[:2]
     ('explicit', True)
     """
@@ -235,10 +225,6 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
             return "xla", True, f"auto: {keep_why}"
         return "explicit", False, ("auto: explicit holds less than the partitioner's FSDP on a "
                                    f"'pp' axis and moves a third of its bytes; {keep_why}")
-    if scans_layers(config, model_config):
-        return "xla", True, ("auto: the layers run as a scan, where the partitioner's FSDP "
-                             "gathers one layer at a time too and holds about what explicit "
-                             "would; its step is faster")
     if not recompute and config.grad_accum == 1:
         return "xla", True, (f"auto: xla holds what explicit would here ({keep_why}; the "
                              "partitioner keeps them too) and its step is faster")
