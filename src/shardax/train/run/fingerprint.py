@@ -63,6 +63,12 @@ _leaf_fingerprint_jit = jax.jit(_leaf_fingerprint)
 _NUMPY_ON_CPU = 1 << 20
 
 
+def _compiled_sum(x: jax.Array) -> int:
+    """`_leaf_fingerprint` of ``x`` by its compiled program; the output is replicated, so this
+    process's copy is the whole sum (across processes too)."""
+    return int(np.asarray(_leaf_fingerprint_jit(x).addressable_data(0)))
+
+
 def _by_numpy(x: jax.Array) -> bool:
     """Whether ``x`` is hashed from this process's shards with numpy: a leaf kept in host
     memory (``--offload-optimizer``), or a small leaf on the CPU backend."""
@@ -124,7 +130,6 @@ def fingerprints(tree: Any) -> dict[str, int]:
     for k, v in flat.items():
         if k not in out:
             # Read before the next leaf starts: with a whole state's programs in flight at
-            # once, XLA:CPU's collectives can wait on each other forever. The output is
-            # replicated: this process's copy (works across processes too).
-            out[k] = int(np.asarray(_leaf_fingerprint_jit(v).addressable_data(0)))
+            # once, XLA:CPU's collectives can wait on each other forever.
+            out[k] = _compiled_sum(v)
     return dict(sorted(out.items()))
