@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as PS
 
 from shardax import models
 from shardax.hf import config_from_hf, config_to_hf, load_config
+from shardax.hlo import hlo_collectives
 from shardax.layout import PRESETS, Layout, forward
 from shardax.logical import use_logical_rules
 from shardax.models import attention as attn
@@ -584,5 +585,36 @@ def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
         with jax.set_mesh(mesh):
             got = jax.jit(jax.value_and_grad(balanced))(params, t, pos, s)
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])
+
+
+def test_partitioned_loss_reduces_the_head_gradient_once_not_per_chunk(monkeypatch):
+    """Under the partitioner (rules, no explicit FSDP) each data shard computes its chunks of
+    the loss with its own copy of the head: the head is gathered, and its gradient reduced,
+    once per step, not once in each of the 8 chunks (the loop moves no head-sized buffer).
+    Loss and gradients equal one device's."""
+    monkeypatch.setattr(loss_mod, "MAX_CHUNK_LOGITS", 4 * 2 * 256)  # 8 chunks of 2 tokens
+    cfg = _tiny()
+    model = _model(cfg)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 17)), jnp.int32)
+
+    def objective(p):
+        m = nnx.merge(graphdef, p)
+        return forward.training_loss(m, Layout(), tokens[:, :-1], tokens[:, 1:])[0]
+
+    ref = jax.jit(jax.value_and_grad(objective))(params)
+    rules = LogicalAxisRules(PRESETS["fsdp_tp"])
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh), use_logical_rules(rules):
+        step = jax.jit(jax.value_and_grad(objective))
+        hlo = step.lower(params).compile().as_text()
+        got = step(params)
+    head_bytes = cfg.vocab_size * cfg.dim * 4 // (4 * 2)  # one device's shard
+    in_loop = [op for op in hlo_collectives(hlo) if op.multiplier % 8 == 0  # chunks' loop
+               and op.bytes // op.multiplier >= head_bytes]
+    assert "while" in hlo and not in_loop, in_loop
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])

@@ -163,16 +163,21 @@ def test_recompute_choice_and_banner():
         line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8))).fsdp_summary()
         assert line.startswith("fsdp: xla") and "auto: xla holds what explicit would" in line, \
             line
-        # explicit where it holds less: re-gathering (remat) or a sharded grad accumulator
-        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8,
-                                         remat="full"))).fsdp_summary()
-        assert line.startswith("fsdp: explicit") and "auto: explicit re-gathers" in line, line
-        assert "forward recomputed" in line, line
-        line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=16,
-                                         grad_accum=2))).fsdp_summary()
-        assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, \
-            line
-        assert "auto: explicit reduce-scatters each microbatch's gradient" in line, line
+        # explicit where it re-gathers (remat) or reduce-scatters into a sharded accumulator:
+        # over a loop of layers it holds less; over scanned ones it moves less
+        for scan, why in ((False, "auto: explicit re-gathers"),
+                          (True, "auto: over scanned layers both modes gather one layer")):
+            line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=8,
+                                             remat="full", scan_layers=scan))).fsdp_summary()
+            assert line.startswith("fsdp: explicit") and why in line, line
+            assert "forward recomputed" in line, line
+        for scan, why in ((False, "auto: explicit reduce-scatters each microbatch's gradient"),
+                          (True, "explicit reduce-scatters each layer's gradient")):
+            line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=16,
+                                             grad_accum=2, scan_layers=scan))).fsdp_summary()
+            assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, \
+                line
+            assert why in line, line
     # where the gathered layers would not fit, explicit re-gathers them (the memory decides)
     line = resolve(check(TrainConfig(mesh="fsdp=8", batch_size=8)),
                    device_memory=2 * full).fsdp_summary()

@@ -46,6 +46,24 @@ def current_logical_rules() -> SpecFor | None:
     return _context.active().logical_rules
 
 
+def auto_mesh_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the logical axis ``name`` maps to under the current rules and mesh where
+    the partitioner places it: less the axes manual in an enclosing ``jax.shard_map``; ``()``
+    without rules or a mesh, or where one of them has an explicit axis type.
+
+    >>> auto_mesh_axes("batch")  # no rules active
+    ()
+    """
+    rules, mesh = current_logical_rules(), _context.active().abstract_mesh
+    if rules is None or mesh is None:
+        return ()
+    spec = rules.spec_for((name,))
+    axes = tuple(a for a in _entry_axes(spec[0] if len(spec) else None)
+                 if a not in set(mesh.manual_axes))
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return () if any(types.get(a) != AxisType.Auto for a in axes) else axes
+
+
 def _entry_axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
