@@ -618,3 +618,36 @@ def test_partitioned_loss_reduces_the_head_gradient_once_not_per_chunk(monkeypat
     np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])
+
+
+def test_partitioned_blockwise_attention_skips_blocks_on_each_device(monkeypatch):
+    """Under the partitioner the attention runs per data shard (`forward.per_data_shard`): the
+    blockwise kernel decides which key blocks to skip on each device, with no all-reduce of
+    that decision per block (packed rows: segment ids differ by row). Loss and gradients equal
+    one device's."""
+    cfg = _tiny()
+    model = _model(cfg)
+    graphdef, params = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng(2)
+    tokens = jnp.asarray(rng.integers(0, 256, (4, 33)), jnp.int32)
+    segments = jnp.asarray(np.sort(rng.integers(0, 3, (4, 32)), axis=1), jnp.int32)
+    lay = Layout(attention="blockwise")
+
+    def objective(p):
+        m = nnx.merge(graphdef, p)
+        return forward.training_loss(m, lay, tokens[:, :-1], tokens[:, 1:],
+                                     segment_ids=segments)[0]
+
+    monkeypatch.setattr(forward, "attention", functools.partial(attn.attention, block_size=8))
+    ref = jax.jit(jax.value_and_grad(objective))(params)
+    rules = LogicalAxisRules(PRESETS["fsdp_tp"])
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh), use_logical_rules(rules):
+        step = jax.jit(jax.value_and_grad(objective))
+        hlo = step.lower(params).compile().as_text()
+        got = step(params)
+    decisions = [op for op in hlo_collectives(hlo) if op.dtype == "pred"]
+    assert "while" in hlo and not decisions, decisions
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])

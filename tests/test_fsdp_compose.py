@@ -172,7 +172,7 @@ def test_recompute_choice_and_banner():
             assert line.startswith("fsdp: explicit") and why in line, line
             assert "forward recomputed" in line, line
         for scan, why in ((False, "auto: explicit reduce-scatters each microbatch's gradient"),
-                          (True, "explicit reduce-scatters each layer's gradient")):
+                          (True, "auto: over scanned layers both modes gather one layer")):
             line = resolve(check(TrainConfig(mesh=mesh, model=model, batch_size=16,
                                              grad_accum=2, scan_layers=scan))).fsdp_summary()
             assert line.startswith("fsdp: explicit") and "kept from forward to backward" in line, \

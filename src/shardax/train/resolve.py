@@ -194,9 +194,9 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     with ``--remat full``; 242.4 against 302.2 with ``--grad-accum 2``). Over scanned layers
     (the default) the partitioner gathers one layer at a time too (156.4 MiB each with
     ``--remat full``) and its step is faster at llama-small on CPU (explicit / xla tokens/s
-    0.96), but its program all-reduces the gradients and the attention kernel's block-skipping
-    decisions (24,576 a step at llama-8b, sequence 8192), which explicit keeps on each device
-    or reduce-scatters: planned at 2.62 against 3.04 s a step (llama-8b, fsdp=8, H100). On a
+    0.96), but at scale explicit holds and moves less: its program reduce-scatters each
+    layer's gradient where the partitioner's all-reduces it (llama-8b, fsdp=8, sequence 8192:
+    87.0 against 88.6 GiB, a step planned at 2.62 against 2.80 s on H100). On a
     'pp' axis explicit gathers each stage's layers once per step and keeps them through the
     pipeline: it holds less than the partitioner's FSDP
     there (llama-small, fsdp=4,pp=2: 262.2 against 306.3 MiB, with or without ``--remat``) and
@@ -236,11 +236,10 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
                              "partitioner keeps them too) and its step is faster")
     if (lay or Layout()).scan_layers:
         return "explicit", recompute, (
-            "auto: over scanned layers both modes gather one layer at a time and hold about "
-            "the same memory; explicit reduce-scatters each layer's gradient and decides the "
-            "attention kernel's block skipping on each device, where the partitioner's "
-            "program all-reduces both (llama-8b on fsdp=8 at sequence 8192: 2.62 against "
-            f"3.04 s a step planned on H100); {keep_why}")
+            "auto: over scanned layers both modes gather one layer at a time; at scale "
+            "explicit holds and moves less (it reduce-scatters each layer's gradient where "
+            "the partitioner's program all-reduces it; llama-8b on fsdp=8 at sequence 8192: "
+            f"87.0 against 88.6 GiB, 2.62 against 2.80 s a step planned on H100); {keep_why}")
     saves = ("re-gathers each layer" if recompute else
              "reduce-scatters each microbatch's gradient into a sharded accumulator")
     return "explicit", recompute, (f"auto: explicit {saves}, less memory than the "
