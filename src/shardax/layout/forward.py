@@ -274,6 +274,14 @@ class _Run:
         return out[0], aux
 
 
+def _data_shards() -> tuple[tuple[str, ...], int]:
+    """``(axes, count)``: the mesh axes over which the partitioner splits the batch's rows, and
+    the number of shards they make; ``((), 1)`` where it splits none (no rules, or inside
+    explicit FSDP's region, where those axes are manual)."""
+    axes = auto_mesh_axes("batch")
+    return axes, math.prod(axis_size(a) for a in axes)
+
+
 def _data_groups() -> RowGroups | None:
     """The batch's data shards where the partitioner places it, as `chunked_cross_entropy`'s
     row blocks; None inside explicit FSDP's region (they are manual there) or without rules.
@@ -281,8 +289,7 @@ def _data_groups() -> RowGroups | None:
     gradient, in every chunk of the loss (llama-8b at sequence 8192 on fsdp=8: 256 chunks,
     1,002 GiB a step instead of 4). Within a block the rows are one device's: the logical
     'batch' axis maps to no mesh axis there, and the block dim to the data shards' axes."""
-    axes = auto_mesh_axes("batch")
-    count = math.prod(axis_size(a) for a in axes)
+    axes, count = _data_shards()
     if count == 1:
         return None
     rules = current_logical_rules()
@@ -306,8 +313,8 @@ class _RowsLocal:
     def __init__(self, rules: Any):
         self.rules = rules
 
-    def spec_for(self, names):
-        return self.rules.spec_for(tuple(None if n == "batch" else n for n in names))
+    def spec_for(self, names, *args):
+        return self.rules.spec_for(tuple(None if n == "batch" else n for n in names), *args)
 
 
 def per_data_shard(attend: Callable) -> Callable:
@@ -323,8 +330,7 @@ def per_data_shard(attend: Callable) -> Callable:
 
         attend = per_data_shard(partial(attention, implementation="blockwise"))
     """
-    axes = auto_mesh_axes("batch")
-    shards = math.prod(axis_size(a) for a in axes)
+    axes, shards = _data_shards()
     if shards == 1 or manual_axes() or axis_size(PIPELINE_AXIS) > 1:
         return attend
     rows, whole = PartitionSpec(axes), PartitionSpec()

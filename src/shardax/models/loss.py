@@ -98,6 +98,7 @@ def chunked_cross_entropy(
     if x.shape[:2] != (b, s):
         raise ValueError(f"hidden states {x.shape} and targets {targets.shape} disagree on "
                          "[batch, seq]")
+
     def logits(h: jax.Array) -> jax.Array:
         return logits_fn(h, *params)
 
