@@ -589,6 +589,22 @@ def test_packed_loss_and_grads_on_pp_and_cp_meshes(mesh_name):
         a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])
 
 
+def _partitioned_equals_one_device(objective, params):
+    """Checks that ``objective``'s loss and gradients under the partitioner (fsdp=4 x tp=2,
+    rules 'fsdp_tp') equal one device's; returns the partitioned program's optimized HLO."""
+    ref = jax.jit(jax.value_and_grad(objective))(params)
+    rules = LogicalAxisRules(PRESETS["fsdp_tp"])
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh), use_logical_rules(rules):
+        step = jax.jit(jax.value_and_grad(objective))
+        hlo = step.lower(params).compile().as_text()
+        got = step(params)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(
+        a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])
+    return hlo
+
+
 def test_partitioned_loss_reduces_the_head_gradient_once_not_per_chunk(monkeypatch):
     """Under the partitioner (rules, no explicit FSDP) each data shard computes its chunks of
     the loss with its own copy of the head: the head is gathered, and its gradient reduced,
@@ -604,20 +620,11 @@ def test_partitioned_loss_reduces_the_head_gradient_once_not_per_chunk(monkeypat
         m = nnx.merge(graphdef, p)
         return forward.training_loss(m, Layout(), tokens[:, :-1], tokens[:, 1:])[0]
 
-    ref = jax.jit(jax.value_and_grad(objective))(params)
-    rules = LogicalAxisRules(PRESETS["fsdp_tp"])
-    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    with jax.set_mesh(mesh), use_logical_rules(rules):
-        step = jax.jit(jax.value_and_grad(objective))
-        hlo = step.lower(params).compile().as_text()
-        got = step(params)
+    hlo = _partitioned_equals_one_device(objective, params)
     head_bytes = cfg.vocab_size * cfg.dim * 4 // (4 * 2)  # one device's shard
     in_loop = [op for op in hlo_collectives(hlo) if op.multiplier % 8 == 0  # chunks' loop
                and op.bytes // op.multiplier >= head_bytes]
     assert "while" in hlo and not in_loop, in_loop
-    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])
 
 
 def test_partitioned_blockwise_attention_skips_blocks_on_each_device(monkeypatch):
@@ -639,15 +646,6 @@ def test_partitioned_blockwise_attention_skips_blocks_on_each_device(monkeypatch
                                      segment_ids=segments)[0]
 
     monkeypatch.setattr(forward, "attention", functools.partial(attn.attention, block_size=8))
-    ref = jax.jit(jax.value_and_grad(objective))(params)
-    rules = LogicalAxisRules(PRESETS["fsdp_tp"])
-    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
-    with jax.set_mesh(mesh), use_logical_rules(rules):
-        step = jax.jit(jax.value_and_grad(objective))
-        hlo = step.lower(params).compile().as_text()
-        got = step(params)
+    hlo = _partitioned_equals_one_device(objective, params)
     decisions = [op for op in hlo_collectives(hlo) if op.dtype == "pred"]
     assert "while" in hlo and not decisions, decisions
-    np.testing.assert_allclose(got[0], ref[0], rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(
-        a, b, rtol=0, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9), got[1], ref[1])
