@@ -423,6 +423,9 @@ def _train_run_dir(args: Any) -> Any:
 def _train_backend(args: Any, argv: list[str]) -> None:
     _start_backend(args.devices)
     _compile_cache(args.no_compile_cache)
+    from shardax.train.run.checkpoint import save_whole_shards_on_cpu
+
+    save_whole_shards_on_cpu()  # after a multi-process job is joined: it reads the backend
 
 
 def _train_run(args: Any, where: Any) -> int:

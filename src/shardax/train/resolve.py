@@ -196,19 +196,20 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     ``--remat full``) and its step is faster at llama-small on CPU (explicit / xla tokens/s
     0.96), but at scale explicit holds and moves less: its program reduce-scatters each
     layer's gradient where the partitioner's all-reduces it (llama-8b, fsdp=8, sequence 8192:
-    87.0 against 88.6 GiB, a step planned at 2.62 against 2.80 s on H100). On a
-    'pp' axis explicit gathers each stage's layers once per step and keeps them through the
-    pipeline: it holds less than the partitioner's FSDP
-    there (llama-small, fsdp=4,pp=2: 262.2 against 306.3 MiB, with or without ``--remat``) and
-    moves a third of its bytes (its step took 1.3x the partitioner's on 8 emulated CPU
-    devices, whose permute rings are slow), so auto picks it where the stage fits, except with
-    ``--grad-accum`` (explicit gathers per microbatch: 261.3 against 220.8 MiB).
+    87.0 against 88.6 GiB, a step planned at 2.62 against 2.80 s on H100). On a 'pp' axis
+    explicit gathers each stage's layers once per step and keeps them through the pipeline: it
+    holds less than the partitioner's FSDP there (llama-small, fsdp=4,pp=2: 262.2 against
+    306.3 MiB, with or without ``--remat``) and moves a third of its bytes (its step took 1.3x
+    the partitioner's on 8 emulated CPU devices, whose permute rings are slow), so auto picks it
+    where the stage fits, except with ``--grad-accum`` (explicit gathers per microbatch: 261.3
+    against 220.8 MiB).
 
     >>> fsdp_mode(TrainConfig(mesh="fsdp=8", remat="full"), {"fsdp": 8},
     ...           models.CONFIGS["llama-tiny"], Policy(), None)[:2]
     ('explicit', True)
     """
-    blockers = _explicit_blockers(config, mesh_shape, model_config, lay or Layout())
+    lay = lay or Layout()
+    blockers = _explicit_blockers(config, mesh_shape, model_config, lay)
     if config.fsdp_mode == "explicit" and blockers:
         raise UsageError(f"--fsdp-mode explicit does not run with {blockers[0]}; "
                          "use --fsdp-mode xla")
@@ -234,7 +235,7 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     if not recompute and config.grad_accum == 1:
         return "xla", True, (f"auto: xla holds what explicit would here ({keep_why}; the "
                              "partitioner keeps them too) and its step is faster")
-    if (lay or Layout()).scan_layers:
+    if lay.scan_layers:
         return "explicit", recompute, (
             "auto: over scanned layers both modes gather one layer at a time; at scale "
             "explicit holds and moves less (it reduce-scatters each layer's gradient where "

@@ -40,7 +40,8 @@ from shardax.train.run.orbax_logs import quiet_orbax
 from shardax.utils import flatten_tree
 
 __all__ = ["CheckpointWriteError", "Checkpointer", "CorruptCheckpointError", "Restored",
-           "abstract_state", "flat", "list_steps", "listed_layers", "restore_state"]
+           "abstract_state", "flat", "list_steps", "listed_layers", "restore_state",
+           "save_whole_shards_on_cpu"]
 
 # Written inside a step directory just before orbax commits it (atomic rename on local and
 # POSIX file systems, the commit marker itself on GCS); a step without it never finished.
@@ -169,8 +170,10 @@ def _check_target(target: Any, saved_tree: Any, where: str) -> None:
 Adapt = Callable[[Any, dict[str, tuple[int, ...]]], tuple[Any, Callable[[Any], Any]] | None]
 
 
-def _save_whole_shards_on_cpu() -> None:
-    """On the CPU backend, each replicated shard is saved whole by its first replica.
+def save_whole_shards_on_cpu() -> None:
+    """On the CPU backend, each replicated shard is saved whole by its first replica; for a
+    program that opts in (the ``shardax train`` command, once its backend is up): it changes
+    orbax's registered array handler for the whole process.
 
     Orbax's default there (replica-parallel saving) has every replica copy its part of a
     shard to the host, and cutting the parts compiles a slicing program per part and device:
@@ -233,8 +236,6 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         self.directory = epath.Path(directory).absolute()
         self.read_only = read_only
-        if not read_only:
-            _save_whole_shards_on_cpu()
         self._pinned = _Pinned(self.directory)
         if read_only:
             if not self.directory.is_dir():
