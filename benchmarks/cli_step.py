@@ -204,13 +204,11 @@ def render(r: dict[str, Any]) -> str:
     if slow:
         lines += ["", f"Below the tokens/s goal: {', '.join(slow)}. There the CLI runs explicit "
                   "FSDP (`--fsdp-mode auto`) and the hand-written `jax.jit` the partitioner's "
-                  "FSDP: two programs. On this CPU explicit's step is slower by about section "
-                  "7's paired ratio (step time explicit / XLA FSDP), the price of its written-out "
-                  "per-layer collectives; `--fsdp-mode xla` runs jax.jit's program. Auto "
+                  "FSDP: two programs (`--fsdp-mode xla` runs jax.jit's program). Auto "
                   "keeps explicit over scanned layers for scale: at llama-8b, sequence 8192, "
                   "fsdp=8 the partitioner's program all-reduces each layer's gradient where "
                   "explicit reduce-scatters it: 88.6 against 87.0 GiB, a step planned at 2.80 "
-                  "against 2.62 s on H100 (`shardax plan --fsdp-mode xla|explicit`)."]
+                  "against 2.61 s on H100 (`shardax plan --fsdp-mode xla|explicit`)."]
     if r.get("kept"):
         lines += ["", "Why `--fsdp-mode auto` runs xla without remat (no grad accumulation): "
                   "explicit FSDP would keep its gathered layers from forward to backward, "

@@ -5,7 +5,9 @@ re-gathers layer i - 1 before layer i's backward, and the loss and gradients equ
 which does not prefetch) equal one device too.
 
 The layers have different widths, so the shapes in the compiled HLO name the layer of each
-all-gather and of each dot; the scheduled HLO lists the entry computation in execution order.
+dot, and of each all-gather by its size (a layer's split weights move in one all-gather of their
+shards flattened: 2·D·width/8 elements per device); the scheduled HLO lists the entry
+computation in execution order.
 Tolerances: as `test_parallel_fsdp` (the same math, summed in another order).
 """
 
@@ -31,6 +33,7 @@ from shardax.train.step import train_step
 
 D, V, B, S = 16, 32, 16, 8
 WIDTHS = (24, 40, 56)  # one per layer: no other dim of the program has these sizes
+BUCKETS = tuple(2 * D * h // 8 for h in WIDTHS)  # a layer's gathered shards: 96, 160, 224
 
 
 def _toy(tp=False):
@@ -93,7 +96,8 @@ def _entry_order(hlo: str) -> list[tuple[str, int]]:
         text = line + called
         kind = "gather" if " all-gather(" in line else "dot" if " dot(" in text else None
         dims = {int(d) for shape in re.findall(r"\[([\d,]+)\]", text) for d in shape.split(",")}
-        layers = [i for i, h in enumerate(WIDTHS) if h in dims]
+        sizes = BUCKETS if kind == "gather" else WIDTHS
+        layers = [i for i, h in enumerate(sizes) if h in dims]
         if kind and len(layers) == 1:
             out.append((kind, layers[0]))
     return out
@@ -105,13 +109,13 @@ def test_gathers_are_prefetched_and_values_equal_one_device(one_device):
     order = _entry_order(hlo)
     gathers = {i: [k for k, e in enumerate(order) if e == ("gather", i)] for i in range(3)}
     dots = {i: [k for k, e in enumerate(order) if e == ("dot", i)] for i in range(3)}
-    # Two split weights a layer: gathered twice each, in the forward and in the backward.
-    assert all(len(g) == 4 for g in gathers.values()), order
+    # A layer's two split weights in one all-gather: in the forward and in the backward.
+    assert all(len(g) == 2 for g in gathers.values()), order
     for i in range(2):  # forward: layer i + 1 gathered before layer i's first dot
-        assert gathers[i + 1][1] < dots[i][0], order
+        assert gathers[i + 1][0] < dots[i][0], order
     for i in (1, 2):  # backward: layer i - 1 re-gathered before layer i's backward dots
-        backward = [k for k in dots[i] if k > gathers[i][3]]
-        assert backward and gathers[i - 1][3] < backward[0], order
+        backward = [k for k in dots[i] if k > gathers[i][1]]
+        assert backward and gathers[i - 1][1] < backward[0], order
 
 
 def test_prefetched_loop_with_hsdp_and_tp_equals_one_device(one_device):

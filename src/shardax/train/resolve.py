@@ -196,7 +196,7 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     ``--remat full``) and its step is faster at llama-small on CPU (explicit / xla tokens/s
     0.96), but at scale explicit holds and moves less: its program reduce-scatters each
     layer's gradient where the partitioner's all-reduces it (llama-8b, fsdp=8, sequence 8192:
-    87.0 against 88.6 GiB, a step planned at 2.62 against 2.80 s on H100). On a 'pp' axis
+    87.0 against 88.6 GiB, a step planned at 2.61 against 2.80 s on H100). On a 'pp' axis
     explicit gathers each stage's layers once per step and keeps them through the pipeline: it
     holds less than the partitioner's FSDP there (llama-small, fsdp=4,pp=2: 262.2 against
     306.3 MiB, with or without ``--remat``) and moves a third of its bytes (its step took 1.3x
@@ -240,7 +240,7 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
             "auto: over scanned layers both modes gather one layer at a time; at scale "
             "explicit holds and moves less (it reduce-scatters each layer's gradient where "
             "the partitioner's program all-reduces it; llama-8b on fsdp=8 at sequence 8192: "
-            f"87.0 against 88.6 GiB, 2.62 against 2.80 s a step planned on H100); {keep_why}")
+            f"87.0 against 88.6 GiB, 2.61 against 2.80 s a step planned on H100); {keep_why}")
     saves = ("re-gathers each layer" if recompute else
              "reduce-scatters each microbatch's gradient into a sharded accumulator")
     return "explicit", recompute, (f"auto: explicit {saves}, less memory than the "
