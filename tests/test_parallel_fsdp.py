@@ -194,3 +194,36 @@ def test_explicit_where_it_cannot_run_exits_2(flags, message, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and message in err, err
+
+
+def test_one_gather_per_dtype_and_values_equal_one_device():
+    """A gathered subtree's split leaves move in one all-gather (and one reduce-scatter) per
+    dtype: here a float32 and a bfloat16 pair, split on different dims, with equal shard
+    shapes; the gradients equal one device's."""
+    k = jax.random.split(jax.random.key(1), 5)
+    params = {"a": jax.random.normal(k[0], (16, 8)), "b": jax.random.normal(k[1], (8, 16)),
+              "c": jax.random.normal(k[2], (16, 8)).astype(jnp.bfloat16),
+              "d": jax.random.normal(k[3], (8, 16)).astype(jnp.bfloat16)}
+    specs = {"a": P("fsdp", None), "b": P(None, "fsdp"), "c": P("fsdp", None),
+             "d": P(None, "fsdp")}
+    x = jax.random.normal(k[4], (16, 16))
+
+    def loss(gather, p, x):
+        p = gather(p)
+        h = jnp.tanh(x @ p["a"]) @ p["b"]
+        h = h + (jnp.tanh(x @ p["c"].astype(jnp.float32)) @ p["d"].astype(jnp.float32))
+        return jnp.mean(h ** 2)
+
+    fn = jax.jit(lambda p, x: fsdp.value_and_grad(loss, p, specs, x))
+    with jax.default_device(jax.devices()[0]):
+        want = fn(params, x)
+    with jax.set_mesh(_auto_mesh((8,), ("fsdp",))):
+        got = fn(params, x)
+        hlo = fn.lower(params, x).compile().as_text()
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for name in params:  # bfloat16 gradients are summed in bfloat16: a few ulps apart
+        g, w = (np.asarray(t[1][name], np.float32) for t in (got, want))
+        ulp = 2.0 ** -8 if params[name].dtype == jnp.bfloat16 else 2.0 ** -23
+        np.testing.assert_allclose(g, w, rtol=0, atol=8 * ulp * np.abs(w).max())
+    kinds = [c.kind for c in hlo_collectives(hlo)]
+    assert kinds.count("all-gather") == 2 and kinds.count("reduce-scatter") == 2, kinds

@@ -110,21 +110,21 @@ class Gather:
     def __call__(self, tree: PyTree) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_leaf)
         out = [None if _bucketed(x) else self._one(x) for x in leaves]
-        for (dims, owned), idx in self._buckets(leaves).items():
+        for dims, owned, idx in self._buckets(leaves):
             for i, x in zip(idx, _gather_bucket(self, dims, owned,
                                                 tuple(leaves[i].shard for i in idx))):
                 out[i] = x
         return treedef.unflatten(out)
 
-    def _buckets(self, leaves: list) -> dict[tuple, list[int]]:
-        """The leaves gathered together (`_gather_bucket`): ``{(dims, owned): indices}``, one
-        bucket per ``owned`` axes and gathered dtype."""
+    def _buckets(self, leaves: list) -> list[tuple[tuple, tuple, list[int]]]:
+        """The leaves gathered together (`_gather_bucket`), one bucket per ``owned`` axes and
+        gathered dtype: ``(dims, owned, indices)`` each."""
         buckets: dict[tuple, list[int]] = {}
         for i, x in enumerate(leaves):
             if _bucketed(x):
                 buckets.setdefault((x.owned, self._gathered_dtype(x.shard)), []).append(i)
-        return {(tuple(_placement(leaves[i])[0] for i in idx), owned): idx
-                for (owned, _), idx in buckets.items()}
+        return [(tuple(_placement(leaves[i])[0] for i in idx), owned, idx)
+                for (owned, _), idx in buckets.items()]
 
     def _gathered_dtype(self, x):
         return self.dtype if self.dtype and _is_float(x) else x.dtype
@@ -389,7 +389,7 @@ def _reduced(gather, p, dg):
         return gather.reduce(g, dim, leaf.shard.dtype, auto, owned)
 
     out = [None if _bucketed(x) else one(x, g) for x, g in zip(leaves, cts)]
-    for (dims, owned), idx in gather._buckets(leaves).items():
+    for dims, owned, idx in gather._buckets(leaves):
         summed = _gather_bucket_bwd(gather, dims, owned, tuple(leaves[i].shard for i in idx),
                                     tuple(cts[i] for i in idx))[0]
         for i, g in zip(idx, summed):
