@@ -31,7 +31,8 @@ of the garbage collector's full collections walks that growing heap: at its defa
 collecting; at (10000, 10, 10) still ~6% of test_parallel_train.py's CPU time (perf). So
 automatic collection is off in test processes and one full collection runs after each test
 file (`pytest_runtest_teardown`), which frees the file's cyclic garbage (device buffers
-included) before the next file starts: test_parallel_train.py 0.94x the wall time.
+included) before the next file starts: test_parallel_train.py 0.94x the wall time (over the whole
+suite within this machine's run-to-run spread).
 """
 
 import atexit

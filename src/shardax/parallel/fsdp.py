@@ -122,12 +122,17 @@ class Gather:
         buckets: dict[tuple, list[int]] = {}
         for i, x in enumerate(leaves):
             if _bucketed(x):
-                buckets.setdefault((x.owned, self._gathered_dtype(x.shard)), []).append(i)
+                buckets.setdefault((x.owned, self._cast(x.shard).dtype), []).append(i)
         return [(tuple(_placement(leaves[i])[0] for i in idx), owned, idx)
                 for (owned, _), idx in buckets.items()]
 
-    def _gathered_dtype(self, x):
-        return self.dtype if self.dtype and _is_float(x) else x.dtype
+    def _cast(self, x):
+        """``x`` in the compute dtype (floats only; unchanged without one)."""
+        return x.astype(self.dtype) if self.dtype and _is_float(x) else x
+
+    def _replicas(self, owned: tuple[str, ...]) -> tuple[str, ...]:
+        """The batch axes a parameter is replicated over (not split over, unlike ``owned``)."""
+        return tuple(a for a in self.batch_axes if a not in owned)
 
     def local(self, tree: PyTree) -> PyTree:
         """This device's shards of ``tree``'s parameters, as they are (no communication)."""
@@ -135,7 +140,7 @@ class Gather:
 
     def _one(self, leaf):
         if not _is_leaf(leaf):  # no FSDP axis: a plain array, only cast
-            return leaf.astype(self.dtype) if self.dtype and _is_float(leaf) else leaf
+            return self._cast(leaf)
         return _gather_rs(self, *_placement(leaf), leaf.shard)
 
     def all_gather(self, shard, dim, auto=None, owned=()):
@@ -143,8 +148,8 @@ class Gather:
         spec over the other (non-manual) axes, which the gathered array keeps: a
         tensor-parallel shard is gathered over ``axis`` alone, never over 'tp'. ``owned``:
         manual axes the shard is split over besides ``axis`` (it already varies over them)."""
-        x = _keep(shard.astype(self.dtype) if self.dtype and _is_float(shard) else shard, auto)
-        replicas = tuple(a for a in self.batch_axes if a not in owned)
+        x = _keep(self._cast(shard), auto)
+        replicas = self._replicas(owned)
         if dim is not None:
             x = (lax.all_gather(x, self.axis, axis=dim, tiled=True) if auto is None
                  else _ring_all_gather(x, self.axis, dim, auto))
@@ -155,7 +160,7 @@ class Gather:
         """Backward: the gradient of the full array summed over devices, this device's shard
         (kept on ``auto``, as in `all_gather`; not summed over the ``owned`` axes)."""
         g = _keep(g.astype(self.reduce_dtype or g.dtype), auto)
-        replicas = tuple(a for a in self.batch_axes if a not in owned)
+        replicas = self._replicas(owned)
         if dim is not None:
             g = (lax.psum_scatter(g, self.axis, scatter_dimension=dim, tiled=True)
                  if auto is None else _ring_reduce_scatter(g, self.axis, dim, auto))
@@ -255,9 +260,9 @@ def _gather_bucket(g: Gather, dims, owned, shards):
 
 def _gather_bucket_fwd(g, dims, owned, shards):
     n = lax.axis_size(g.axis)
-    flat = jnp.concatenate([s.astype(g._gathered_dtype(s)).reshape(-1) for s in shards])
+    flat = jnp.concatenate([g._cast(s).reshape(-1) for s in shards])
     whole = lax.all_gather(flat, g.axis, axis=0, tiled=False)  # [n, sum of shard sizes]
-    replicas = tuple(a for a in g.batch_axes if a not in owned)
+    replicas = g._replicas(owned)
     if replicas:
         whole = lax.pcast(whole, replicas, to="varying")
     out, start = [], 0
@@ -278,7 +283,7 @@ def _gather_bucket_bwd(g, dims, owned, likes, cts):
         parts.append(jnp.moveaxis(ct.reshape(split), dim, 0).reshape(n, -1))
     summed = lax.psum_scatter(jnp.concatenate(parts, axis=1), g.axis, scatter_dimension=0,
                               tiled=False)  # this device's row: [sum of shard sizes]
-    replicas = tuple(a for a in g.batch_axes if a not in owned)
+    replicas = g._replicas(owned)
     if replicas:
         summed = lax.psum(summed, replicas)
     out, start = [], 0

@@ -184,25 +184,25 @@ def fsdp_mode(config: TrainConfig, mesh_shape: dict[str, int], model_config: Any
     (`fsdp_recompute`), and why, for the banner. UsageError (one line naming the combination)
     when explicit is asked for where it cannot run.
 
-    ``--fsdp-mode auto`` takes the faster mode at the memory that fits: where explicit would
-    keep its gathered layers from forward to backward (no ``--remat``, they fit, no
-    ``--grad-accum``) it holds what the partitioner's FSDP holds (llama-small on fsdp=8: 243.9
-    MiB of temporaries each), and the partitioner's step is faster (explicit / xla about 1.06 on
-    8 CPU devices, ``benchmarks/cli_step.py``): xla. Where explicit re-gathers (``--remat``, or
-    the gathered layers would not fit) or reduce-scatters microbatch gradients into a sharded
-    accumulator: explicit. Over a loop of layers it holds less there (113.9 against 203.0 MiB
-    with ``--remat full``; 242.4 against 302.2 with ``--grad-accum 2``). Over scanned layers
-    (the default) the partitioner gathers one layer at a time too (156.4 MiB each with
-    ``--remat full``) and its step is faster at llama-small on CPU (explicit / xla tokens/s
-    0.96), but at scale explicit holds and moves less: its program reduce-scatters each
-    layer's gradient where the partitioner's all-reduces it (llama-8b, fsdp=8, sequence 8192:
-    87.0 against 88.6 GiB, a step planned at 2.61 against 2.80 s on H100). On a 'pp' axis
-    explicit gathers each stage's layers once per step and keeps them through the pipeline: it
-    holds less than the partitioner's FSDP there (llama-small, fsdp=4,pp=2: 262.2 against
-    306.3 MiB, with or without ``--remat``) and moves a third of its bytes (its step took 1.3x
-    the partitioner's on 8 emulated CPU devices, whose permute rings are slow), so auto picks it
-    where the stage fits, except with ``--grad-accum`` (explicit gathers per microbatch: 261.3
-    against 220.8 MiB).
+    ``--fsdp-mode auto`` takes the faster mode at the memory that fits: where explicit would keep
+    its gathered layers from forward to backward (no ``--remat``, they fit, no ``--grad-accum``) it
+    holds what the partitioner's FSDP holds (llama-small on fsdp=8: 243.9 MiB of temporaries each),
+    and the partitioner's step was faster (explicit / xla about 1.06 on 8 CPU devices, measured
+    while explicit moved each parameter in its own collectives): xla. Where explicit re-gathers
+    (``--remat``, or the gathered layers would not fit) or reduce-scatters microbatch gradients into
+    a sharded accumulator: explicit. Over a loop of layers it holds less there (113.9 against 203.0
+    MiB with ``--remat full``; 242.4 against 302.2 with ``--grad-accum 2``). Over scanned layers
+    (the default) the partitioner gathers one layer at a time too (156.4 MiB each with ``--remat
+    full``) and both run at the same speed at llama-small on CPU (explicit / xla tokens/s 0.99,
+    ``benchmarks/cli_step.py``), but at scale explicit holds and moves less: its program
+    reduce-scatters each layer's gradient where the partitioner's all-reduces it (llama-8b, fsdp=8,
+    sequence 8192: 87.0 against 88.6 GiB, a step planned at 2.61 against 2.80 s on H100). On a 'pp'
+    axis explicit gathers each stage's layers once per step and keeps them through the pipeline: it
+    holds less than the partitioner's FSDP there (llama-small, fsdp=4,pp=2: 262.2 against 306.3 MiB,
+    with or without ``--remat``) and moves a third of its bytes (its step took 1.3x the
+    partitioner's on 8 emulated CPU devices, whose permute rings are slow), so auto picks it where
+    the stage fits, except with ``--grad-accum`` (explicit gathers per microbatch: 261.3 against
+    220.8 MiB).
 
     >>> fsdp_mode(TrainConfig(mesh="fsdp=8", remat="full"), {"fsdp": 8},
     ...           models.CONFIGS["llama-tiny"], Policy(), None)[:2]
