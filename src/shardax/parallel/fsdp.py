@@ -109,22 +109,30 @@ class Gather:
 
     def __call__(self, tree: PyTree) -> PyTree:
         leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_leaf)
-        out = [None if _bucketed(x) else self._one(x) for x in leaves]
-        for dims, owned, idx in self._buckets(leaves):
-            for i, x in zip(idx, _gather_bucket(self, dims, owned,
-                                                tuple(leaves[i].shard for i in idx))):
-                out[i] = x
-        return treedef.unflatten(out)
+        return treedef.unflatten(self._by_bucket(
+            leaves, lambda i: self._one(leaves[i]),
+            lambda dims, owned, idx: _gather_bucket(self, dims, owned,
+                                                    tuple(leaves[i].shard for i in idx))))
 
-    def _buckets(self, leaves: list) -> list[tuple[tuple, tuple, list[int]]]:
-        """The leaves gathered together (`_gather_bucket`), one bucket per ``owned`` axes and
-        gathered dtype: ``(dims, owned, indices)`` each."""
+    def _by_bucket(self, leaves: list, one: Callable[[int], Any],
+                   bucket: Callable[[tuple, tuple, list[int]], Sequence[Any]]) -> list:
+        """``one(i)`` for each leaf ``i`` gathered on its own, and the results of
+        ``bucket(dims, owned, indices)`` (in ``indices``' order) for the leaves gathered
+        together (`_gather_bucket`): one bucket per ``owned`` axes and gathered dtype."""
         buckets: dict[tuple, list[int]] = {}
         for i, x in enumerate(leaves):
             if _bucketed(x):
-                buckets.setdefault((x.owned, self._cast(x.shard).dtype), []).append(i)
-        return [(tuple(_placement(leaves[i])[0] for i in idx), owned, idx)
-                for (owned, _), idx in buckets.items()]
+                buckets.setdefault((x.owned, self._dtype(x.shard)), []).append(i)
+        out = [None if _bucketed(x) else one(i) for i, x in enumerate(leaves)]
+        for (owned, _), idx in buckets.items():
+            dims = tuple(_placement(leaves[i])[0] for i in idx)
+            for i, y in zip(idx, bucket(dims, owned, idx)):
+                out[i] = y
+        return out
+
+    def _dtype(self, x) -> Any:
+        """The dtype ``x`` is gathered in: the compute dtype for floats (if there is one)."""
+        return jnp.dtype(self.dtype) if self.dtype and _is_float(x) else x.dtype
 
     def _cast(self, x):
         """``x`` in the compute dtype (floats only; unchanged without one)."""
@@ -393,12 +401,11 @@ def _reduced(gather, p, dg):
         dim, auto, owned = _placement(leaf)
         return gather.reduce(g, dim, leaf.shard.dtype, auto, owned)
 
-    out = [None if _bucketed(x) else one(x, g) for x, g in zip(leaves, cts)]
-    for dims, owned, idx in gather._buckets(leaves):
-        summed = _gather_bucket_bwd(gather, dims, owned, tuple(leaves[i].shard for i in idx),
-                                    tuple(cts[i] for i in idx))[0]
-        for i, g in zip(idx, summed):
-            out[i] = g
+    out = gather._by_bucket(
+        leaves, lambda i: one(leaves[i], cts[i]),
+        lambda dims, owned, idx: _gather_bucket_bwd(
+            gather, dims, owned, tuple(leaves[i].shard for i in idx),
+            tuple(cts[i] for i in idx))[0])
     return treedef.unflatten([
         _Leaf(g, x.dim, x.auto, x.owned) if _is_leaf(x) else g for x, g in zip(leaves, out)])
 
