@@ -135,8 +135,9 @@ class Gather:
         return jnp.dtype(self.dtype) if self.dtype and _is_float(x) else x.dtype
 
     def _cast(self, x):
-        """``x`` in the compute dtype (floats only; unchanged without one)."""
-        return x.astype(self.dtype) if self.dtype and _is_float(x) else x
+        """``x`` in the dtype it is gathered in (`_dtype`; unchanged if it already is)."""
+        dtype = self._dtype(x)
+        return x if dtype == x.dtype else x.astype(dtype)
 
     def _replicas(self, owned: tuple[str, ...]) -> tuple[str, ...]:
         """The batch axes a parameter is replicated over (not split over, unlike ``owned``)."""
