@@ -4,6 +4,7 @@
     python benchmarks/gpu_llama_1b.py --precision bf16      # params=bf16 too
     python benchmarks/gpu_llama_1b.py --batch-per-device 8 --remat full --json out.json
     python benchmarks/gpu_llama_1b.py --documents 400     # packed documents, as the CLI's default
+    python benchmarks/gpu_llama_1b.py --set n_experts=8 --set top_k=2 --set moe_impl=dropless
 
 MFU = model FLOPs per second / peak dense bf16 FLOPs of all devices, with model FLOPs per token
 = 6·N + 12·L·d·T and the peak from the device table, both from ``shardax.train.run.mfu`` (the same
@@ -18,6 +19,7 @@ CPU (use a small ``--model``) to check that it works; it then reports no MFU.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import time
@@ -42,6 +44,9 @@ def main() -> None:
                         help="pack documents of about this many tokens (`shardax train --pack "
                              "documents`: attention and positions restart at each end-of-text "
                              "id 0); 0: each row one stream")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="replace a field of the model's config (`shardax.models.get_config`"
+                             "), e.g. n_layers=8 or moe_impl=dropless; repeatable")
     parser.add_argument("--rules", default="fsdp", help="logical-rule preset")
     parser.add_argument("--mesh", default="fsdp=-1")
     parser.add_argument("--peak-tflops", type=float,
@@ -78,9 +83,10 @@ def main() -> None:
     policy = Policy.from_string(args.precision)
     if args.precision in ("bf16", "bfloat16"):
         policy = Policy(params=jnp.dtype("bfloat16"), compute=jnp.dtype("bfloat16"))
+    overrides = dict(_field(item) for item in args.set)
     config = models.get_config(
         args.model, dtype=policy.compute, param_dtype=policy.params,
-        max_seq_len=max(args.seq_len, models.CONFIGS[args.model].max_seq_len))
+        max_seq_len=max(args.seq_len, models.CONFIGS[args.model].max_seq_len), **overrides)
     mesh = MeshShardingHelper.from_string(args.mesh)
     rules = LogicalAxisRules(layout.PRESETS[args.rules])
     batch = args.batch_per_device * len(devices)
@@ -138,7 +144,8 @@ def main() -> None:
     stats = devices[0].memory_stats() or {}
     q = jax.ShapeDtypeStruct((1, args.seq_len, config.n_heads, config.head_dim), policy.compute)
     result = {
-        "model": args.model, "params": models.param_count(config), "precision": str(policy),
+        "model": args.model, "overrides": overrides, "params": models.param_count(config),
+        "precision": str(policy),
         "devices": f"{len(devices)} x {kind}", "mesh": mesh.shape, "rules": args.rules,
         "remat": args.remat, "scan_layers": not args.no_scan, "documents": args.documents,
         "attention": resolve_implementation("auto", q, q, custom_mask=args.documents > 0),
@@ -159,6 +166,17 @@ def main() -> None:
         print("MFU: not reported (no GPU, or unknown peak: pass --peak-tflops)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def _field(item: str) -> tuple[str, object]:
+    """``'n_layers=8'`` -> ``('n_layers', 8)``: a Python literal, else the text itself."""
+    name, sep, text = item.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {item}: expected FIELD=VALUE")
+    try:
+        return name, ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return name, text
 
 
 if __name__ == "__main__":

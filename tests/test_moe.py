@@ -19,6 +19,7 @@ from flax import nnx
 from shardax import layout, models
 from shardax.logical import use_logical_rules
 from shardax.models.moe import DroplessMoE, route
+from shardax.parallel import grouped_kernel
 from shardax.rules import LogicalAxisRules
 from shardax.sharding import MeshShardingHelper
 
@@ -44,7 +45,9 @@ def dense_reference(moe, x):
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(moe_norm_topk=False, shared_expert_dim=8)])
-def test_dropless_equals_every_expert_on_every_token(overrides):
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])  # tiles; capacity buckets (grouped_kernel)
+def test_dropless_equals_every_expert_on_every_token(overrides, backend, monkeypatch):
+    monkeypatch.setattr(grouped_kernel, "_backend", lambda: backend)
     moe = DroplessMoE(dataclasses.replace(CFG, **overrides), nnx.Rngs(0))
     # Large router weights: confident, uneven routing (some experts get most tokens).
     moe.router[...] = 3.0 * jax.random.normal(jax.random.key(1), moe.router.shape)

@@ -2,8 +2,8 @@
 ep=2 x tp=2 x fsdp=2 (experts' hidden units split over 'tp') and pp=2 x ep=2 x fsdp=2 (gpipe),
 the tokens sent to their experts' devices with an all-to-all and back give the one-device
 numbers: the first loss (forward), the first SGD update (the gradient: ``-lr * grad``), the
-expert load, and 5 SGD steps. The CPU grouped matmul (tiles of one expert's rows) equals
-``jax.lax.ragged_dot``.
+expert load, and 5 SGD steps. The CPU grouped matmul (tiles of one expert's rows) and the
+GPU one (batched over a capacity bucket, `bucketed_matmul`) equal ``jax.lax.ragged_dot``.
 
 Tolerance: the suite's (`_reference`: losses rtol 2e-5, parameters `assert_trained_alike`;
 float32 summed in another order); the expert load is integer counts, exact.
@@ -23,8 +23,9 @@ from shardax import layout, models
 from shardax.hlo import hlo_collectives
 from shardax.layout import Layout
 from shardax.mesh import MeshShardingHelper
+from shardax.parallel import grouped_kernel
 from shardax.parallel.dropless import dropless_moe, pair_counts
-from shardax.parallel.grouped_kernel import grouped_matmul, sort_by_expert
+from shardax.parallel.grouped_kernel import bucketed_matmul, grouped_matmul, sort_by_expert
 from shardax.rules import LogicalAxisRules
 from shardax.train.step import train_step
 
@@ -120,6 +121,28 @@ def test_tiled_grouped_matmul_equals_ragged_dot():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
 
 
+# 64 rows over 4 experts: capacities 20 and 32 rows (1.25 and 2 x the mean 16), then ragged_dot.
+@pytest.mark.parametrize("sizes", [[16, 16, 16, 16], [30, 10, 0, 24], [50, 4, 4, 6],
+                                   [10, 0, 19, 14]],
+                         ids=["first bucket", "second bucket, an empty expert", "ragged_dot",
+                              "rows past the groups"])
+def test_bucketed_matmul_equals_ragged_dot(sizes):
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], (64, 16))
+    w = jax.random.normal(keys[1], (4, 16, 8))
+    ct = jax.random.normal(keys[2], (64, 8))
+    sizes = jnp.asarray(sizes, jnp.int32)
+
+    def both(fn):
+        y, vjp = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
+        return y, *vjp(ct)
+
+    want, got = both(jax.lax.ragged_dot), jax.jit(lambda: both(bucketed_matmul))()
+    assert not np.any(np.asarray(want[0][int(sizes.sum()):]))  # rows past the groups: zeros
+    for g, r in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
+
+
 def test_refused_inside_a_shard_map_over_its_axes():
     mesh = MeshShardingHelper.from_string("ep=8").mesh
     w = jnp.ones((8, 4, 4))
@@ -132,11 +155,14 @@ def test_refused_inside_a_shard_map_over_its_axes():
             jnp.ones((16, 4)))
 
 
-def test_exchange_moves_every_routed_row_once():
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_exchange_moves_every_routed_row_once(backend, monkeypatch):
     """A skewed routing on ep=8 (device 0 sends all its pairs to device 3, several chunks;
     device 1 sends device 2 nothing): the count matrix is each device's bincount, and the
     experts' outputs (expert e scales its rows by e + 1) come back to every pair once, forward
-    and backward, as numpy computes them: a row lost, duplicated or misplaced changes them."""
+    and backward, as numpy computes them: a row lost, duplicated or misplaced changes them.
+    With the grouped matmul of either backend (tiles on CPU, capacity buckets on a GPU)."""
+    monkeypatch.setattr(grouped_kernel, "_backend", lambda: backend)
     ep, t, k, n_experts, d = 8, 12, 2, 16, 4
     rng = np.random.default_rng(0)
     experts = rng.integers(0, n_experts, (ep, t, k))

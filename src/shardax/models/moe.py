@@ -2,12 +2,12 @@
 its top-k experts, none is dropped.
 
 Each token's ``top_k`` (token, expert) pairs are sorted by expert and every expert's rows run
-as one grouped matmul (`shardax.parallel.grouped_kernel`: ``jax.lax.ragged_dot`` on GPU and
-TPU, tiles of one expert's rows on CPU) in `expert_mlp`, the one function every path calls:
-the work is that of the tokens routed, with no capacity and no [tokens, experts, capacity]
-dispatch tensor (the capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in
-O(tokens²)). Routing is per token, so the output never depends on the batch, the mesh or the
-other tokens.
+as one grouped matmul (`shardax.parallel.grouped_kernel`: ``jax.lax.ragged_dot`` on TPU, a
+batched matmul over a capacity bucket that holds every expert's rows on GPU, tiles of one
+expert's rows on CPU) in `expert_mlp`, the one function every path calls: the work is that of
+the tokens routed, with no dropping and no [tokens, experts, capacity] dispatch tensor (the
+capacity-based ``llama_moe.MoE`` drops what overflows and dispatches in O(tokens²)).
+Routing is per token, so the output never depends on the batch, the mesh or the other tokens.
 
 Router: softmax over all experts in float32, top-k, optionally renormalised over the k
 (``moe_norm_topk``: Mixtral, Qwen3-MoE; not Qwen2-MoE); or DeepSeek-V3's sigmoid scores

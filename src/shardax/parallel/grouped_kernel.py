@@ -2,13 +2,16 @@
 grouped by expert, and each group multiplied by its expert's weights, doing only the routed
 work on every backend.
 
-Where the backend has a grouped-matmul kernel (GPU, TPU: `jax.lax.ragged_dot`) the rows are
-the pairs sorted by expert, unpadded. On CPU, XLA lowers ``ragged_dot`` to one dense matmul of
-a ``[rows, experts * d]`` masked copy of the input against every expert's weights (``experts``
-times the work and a ``rows x experts x d`` temporary), so there each expert's group is
-padded to whole tiles of `tile_rows` rows (megablox's layout: at most
-``pairs + experts * (tile - 1)`` rows, a static bound) and a scan over the tiles multiplies
-each by its own expert's weights. `tile_rows` is the one place that picks between the two.
+Where the backend has a grouped-matmul kernel (TPU: `jax.lax.ragged_dot`) the rows are the
+pairs sorted by expert, unpadded. XLA:GPU (JAX 0.11) and XLA:CPU lower ``ragged_dot`` to one
+dense matmul of a ``[rows, experts * d]`` masked copy of the input against every expert's
+weights (``experts`` times the work and a ``rows x experts x d`` temporary). So on a GPU the
+same unpadded rows go through `bucketed_matmul`: one batched matmul over ``[experts,
+capacity, d]`` with the smallest of a few static capacities that holds every expert's rows
+(``ragged_dot`` past the largest), which moves no token and drops none. On CPU each expert's
+group is padded to whole tiles of `tile_rows` rows (megablox's layout: at most ``pairs +
+experts * (tile - 1)`` rows, a static bound) and a scan over the tiles multiplies each by its
+own expert's weights. `tile_rows` picks the layout; `grouped_matmul` the product.
 
 Example::
 
@@ -21,6 +24,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -30,11 +34,18 @@ from shardax import _compat
 
 Array = jax.Array
 
-__all__ = ["ExpertRows", "Groups", "buffer_rows", "combine", "grouped_matmul", "routed_experts",
-           "row_experts", "sort_by_expert", "tile_rows"]
+__all__ = ["ExpertRows", "Groups", "bucketed_matmul", "buffer_rows", "combine", "grouped_matmul",
+           "routed_experts", "row_experts", "sort_by_expert", "tile_rows"]
 
 # CPU tile sizes tried by `tile_rows`: larger tiles mean fewer scan steps, smaller less padding.
 _MIN_TILE, _MAX_TILE = 8, 256
+# GPU capacities of `bucketed_matmul`, in an expert's mean rows: the first that holds the
+# largest group runs; past the last, `jax.lax.ragged_dot` (dense over the experts).
+_CAPACITIES = (1.25, 2.0)
+
+
+def _backend() -> str:
+    return jax.default_backend()
 
 
 def tile_rows(pairs: int, n_experts: int, backend: str | None = None) -> int:
@@ -46,7 +57,7 @@ def tile_rows(pairs: int, n_experts: int, backend: str | None = None) -> int:
     >>> tile_rows(4096, 8, backend="cpu"), tile_rows(4096, 8, backend="gpu")
     (128, 1)
     """
-    if (backend or jax.default_backend()) != "cpu":
+    if (backend or _backend()) != "cpu":
         return 1
     want = max(pairs / n_experts / 4, 1)
     tile = 1 << round(want).bit_length() - 1
@@ -161,18 +172,100 @@ def routed_experts(tokens: Array, weights: Array, experts: Array, mlp: Callable[
 
 def grouped_matmul(x: Array, w: Array, groups: Groups) -> Array:
     """``x [R, d]`` rows grouped by expert (`sort_by_expert`) times their expert's ``w [E, d,
-    f]``: ``[R, f]``. One `jax.lax.ragged_dot` when the buffer is untiled (a tile of 1 row),
-    else a scan of ``[tile, d] @ [d, f]`` products, one per tile, with its expert's weights.
+    f]``: ``[R, f]``. One `jax.lax.ragged_dot` when the buffer is untiled (a tile of 1 row;
+    on a GPU `bucketed_matmul`), else a scan of ``[tile, d] @ [d, f]`` products, one per
+    tile, with its expert's weights.
 
     >>> g = Groups(jnp.array([2, 2]), jnp.array([0, 1]))
     >>> grouped_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), g).shape
     (4, 5)
     """
     if groups.tile_expert is None:
+        if _backend() == "gpu":
+            return bucketed_matmul(x, w, groups.sizes)
         return jax.lax.ragged_dot(x, w, groups.sizes)
     tiles = groups.tile_expert.shape[0]
     used = jnp.sum(groups.sizes) // (x.shape[0] // tiles)
     return _tiled_matmul(x, w, groups.tile_expert, used.astype(jnp.int32))
+
+
+def bucketed_matmul(x: Array, w: Array, sizes: Array) -> Array:
+    """``x [R, d]`` rows sorted by expert, ``sizes [E]`` of them each (rows past their sum
+    give zeros), times their expert's ``w [E, d, f]``: `jax.lax.ragged_dot`'s product as one
+    batched ``[E, C, d] @ [E, d, f]`` matmul, ``C`` the smallest capacity of `_CAPACITIES`
+    (times ``R / E``) that holds the largest group, else ``ragged_dot`` itself. Each branch
+    is a static shape (a `jax.lax.switch`); the backward pass keeps only ``x`` and ``w``.
+
+    >>> bucketed_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.array([1, 3])).shape
+    (4, 5)
+    """
+    rows, n_experts = x.shape[0], w.shape[0]
+    capacities = tuple(sorted({min(-(-int(rows / n_experts * f) // 8) * 8, rows)
+                               for f in _CAPACITIES}))
+    return _bucketed(x, w, sizes, capacities)
+
+
+def _slots(sizes: Array, capacity: int, rows: int) -> tuple[Array, Array]:
+    """``[E, capacity]`` the row of each expert's slot (``rows``: an empty slot) and ``[rows]``
+    the slot of each row in the flattened ``[E * capacity]`` (past it for the rows past the
+    groups)."""
+    start = jnp.cumsum(sizes) - sizes
+    slot = jnp.arange(capacity, dtype=jnp.int32)
+    gather = jnp.where(slot < sizes[:, None], start[:, None] + slot, rows)
+    expert = row_experts(Groups(sizes, None), rows)
+    row = jnp.arange(rows, dtype=jnp.int32)
+    scatter = jnp.where(row < jnp.sum(sizes), expert * capacity + row - start[expert],
+                        sizes.shape[0] * capacity)
+    return gather, scatter
+
+
+def _bucket_index(sizes: Array, capacities: tuple[int, ...]) -> Array:
+    return jnp.sum(jnp.max(sizes) > jnp.asarray(capacities, sizes.dtype))
+
+
+def _bucketed_forward(x: Array, w: Array, sizes: Array, capacities: tuple[int, ...]) -> Array:
+    def batched(capacity):
+        def product(x, w, sizes):
+            gather, scatter = _slots(sizes, capacity, x.shape[0])
+            xs = jnp.take(x, gather, axis=0, mode="fill", fill_value=0)
+            ys = jnp.einsum("ecd,edf->ecf", xs, w).reshape(-1, w.shape[-1])
+            return jnp.take(ys, scatter, axis=0, mode="fill", fill_value=0)
+        return product
+
+    branches = [batched(c) for c in capacities] + [jax.lax.ragged_dot]
+    return jax.lax.switch(_bucket_index(sizes, capacities), branches, x, w, sizes)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _bucketed(x: Array, w: Array, sizes: Array, capacities: tuple[int, ...]) -> Array:
+    return _bucketed_forward(x, w, sizes, capacities)
+
+
+def _bucketed_fwd(x, w, sizes, capacities):
+    return _bucketed_forward(x, w, sizes, capacities), (x, w, sizes)
+
+
+def _bucketed_bwd(capacities, res, g):
+    x, w, sizes = res
+    dx = _bucketed_forward(g, jnp.swapaxes(w, 1, 2), sizes, capacities)
+
+    def batched(capacity):
+        def product(x, g, sizes):
+            gather, _ = _slots(sizes, capacity, x.shape[0])
+            xs, gs = (jnp.take(a, gather, axis=0, mode="fill", fill_value=0) for a in (x, g))
+            return jnp.einsum("ecd,ecf->edf", xs, gs)
+        return product
+
+    def ragged(x, g, sizes):
+        return jax.vjp(lambda w: jax.lax.ragged_dot(x, w, sizes), w)[1](g)[0]
+
+    branches = [batched(c) for c in capacities] + [ragged]
+    dw = jax.lax.switch(_bucket_index(sizes, capacities), branches, x, g, sizes)
+    return (_sum_to(dx, x).astype(x.dtype), _sum_to(dw, w).astype(w.dtype),
+            jnp.zeros(sizes.shape, jax.dtypes.float0))
+
+
+_bucketed.defvjp(_bucketed_fwd, _bucketed_bwd)
 
 
 def _zeros(shape: tuple[int, ...], *operands: Array) -> Array:
