@@ -121,17 +121,20 @@ def test_tiled_grouped_matmul_equals_ragged_dot():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
 
 
-# 64 rows over 4 experts: capacities 20 and 32 rows (1.25 and 2 x the mean 16), then ragged_dot.
-@pytest.mark.parametrize("sizes", [[16, 16, 16, 16], [30, 10, 0, 24], [50, 4, 4, 6],
-                                   [10, 0, 19, 14]],
+# 64 rows over 4 experts: buckets of 24 and 32 rows an expert (1.25 and 2 x the mean 16,
+# rounded up to 8), then ragged_dot (branch 2).
+@pytest.mark.parametrize("sizes,branch", [([16, 16, 16, 16], 0), ([30, 10, 0, 24], 1),
+                                          ([50, 4, 4, 6], 2), ([10, 0, 19, 14], 0)],
                          ids=["first bucket", "second bucket, an empty expert", "ragged_dot",
                               "rows past the groups"])
-def test_bucketed_matmul_equals_ragged_dot(sizes):
+def test_bucketed_matmul_equals_ragged_dot(sizes, branch):
     keys = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(keys[0], (64, 16))
     w = jax.random.normal(keys[1], (4, 16, 8))
     ct = jax.random.normal(keys[2], (64, 8))
     sizes = jnp.asarray(sizes, jnp.int32)
+    capacities = grouped_kernel._capacities(64, 4)
+    assert capacities == (24, 32) and grouped_kernel._bucket_index(sizes, capacities) == branch
 
     def both(fn):
         y, vjp = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)

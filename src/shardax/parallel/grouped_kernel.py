@@ -199,10 +199,18 @@ def bucketed_matmul(x: Array, w: Array, sizes: Array) -> Array:
     >>> bucketed_matmul(jnp.ones((4, 3)), jnp.ones((2, 3, 5)), jnp.array([1, 3])).shape
     (4, 5)
     """
-    rows, n_experts = x.shape[0], w.shape[0]
-    capacities = tuple(sorted({min(-(-int(rows / n_experts * f) // 8) * 8, rows)
-                               for f in _CAPACITIES}))
-    return _bucketed(x, w, sizes, capacities)
+    return _bucketed(x, w, sizes, _capacities(x.shape[0], w.shape[0]))
+
+
+def _capacities(rows: int, n_experts: int) -> tuple[int, ...]:
+    """Each bucket's rows per expert: `_CAPACITIES` times the mean, rounded up to 8 rows, at
+    most ``rows``.
+
+    >>> _capacities(64, 4), _capacities(64, 1)
+    ((24, 32), (64,))
+    """
+    return tuple(sorted({min(-(-int(rows / n_experts * f) // 8) * 8, rows)
+                         for f in _CAPACITIES}))
 
 
 def _slots(sizes: Array, capacity: int, rows: int) -> tuple[Array, Array]:
