@@ -91,11 +91,9 @@ def main() -> None:
 
     def grouped(tile, raw=False):
         lay = sort_by_expert(experts, EXPERTS, tile)
-        if raw:
-            return program(lambda x, w: jax.lax.ragged_dot(x, w, lay.groups.sizes),
-                           jnp.take(tokens, lay.rows, axis=0))
-        return program(lambda x, w: grouped_matmul(x, w, lay.groups),
-                       jnp.take(tokens, lay.rows, axis=0))
+        groups = lay.groups.sizes if raw else lay.groups
+        product = jax.lax.ragged_dot if raw else grouped_matmul
+        return program(lambda x, w: product(x, w, groups), jnp.take(tokens, lay.rows, axis=0))
 
     same_rows = tokens.reshape(EXPERTS, -1, DIM).repeat(TOP_K, axis=1)
     runs = {"ragged_dot": grouped(1, raw=True), "buckets (grouped_matmul)": grouped(1),
