@@ -37,6 +37,10 @@ from shardax.train.resolve import resolve
 H100 = device_spec("h100")
 BARE = dataclasses.replace(H100, reserved_bytes=0)  # memory limits of tiny layouts, in bytes
 TINY = dict(model="llama-tiny", batch_size=TINY_TRAIN["batch_size"], seq_len=TINY_TRAIN["seq_len"])
+# For the searches that compile: 30 tokens do not split over 'cp' (ring attention needs twice
+# its size to divide them), whose programs compile 2-3x as long as the other layouts' and
+# whose layout these tests do not need.
+SEARCHED = {**TINY, "seq_len": 30}
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,7 @@ def test_the_fsdp_mode_is_weighed_against_the_targets_memory():
 
 
 def test_search_returns_only_fitting_layouts(tmp_path):
-    base = TrainConfig(**TINY)
+    base = TrainConfig(**SEARCHED)
     cache = tmp_path / "cache"
     first = search(base, BARE, 1e12, max_compiles=2, cache=cache)
     assert first.compiled == 2 and first.cached == 0 and len(first.ranked) == 2
@@ -194,7 +198,7 @@ def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypat
                 os.abort()
             return real(*args)
         """)
-    result = search(TrainConfig(**TINY), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
+    result = search(TrainConfig(**SEARCHED), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
     assert not list(tmp_path.glob("shardax-plan-*"))  # removed at the end
     assert marker.exists()
     assert len(result.failed) == 1 and "could not compile: killed by SIGABRT" in \
@@ -246,7 +250,10 @@ def test_pipelines_only_across_hosts_unless_asked():
 
 def test_llama_small_on_8_devices_fits_plain_fsdp_with_full_remat():
     base = TrainConfig(model="llama-small", batch_size=16, seq_len=128)
-    result = search(base, H100, max_compiles=2, cache=None)
+    # One compile: plain FSDP with full remat is always compiled first (a second layout, the
+    # analytically fastest one, would be ring attention over 'cp': ~35 s more here).
+    result = search(base, H100, max_compiles=1, cache=None)
+    assert result.compiled == 1
     assert any(e.config["mesh"] == "fsdp=8" and e.config["remat"] == "full"
                for e in result.ranked), [e.config for e in result.ranked]
 

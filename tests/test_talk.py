@@ -72,8 +72,9 @@ def test_progress_lines_fit_the_width_and_break_between_fields():
 
 def test_plan_search_prints_each_candidate_as_it_is_compiled():
     proc = subprocess.Popen(
-        cli_command("plan", *FLAGS, "--devices", "2", "--search", "--max-compiles", "2",
-                    "--cache", "none", "--jobs", "1"),
+        # 18 tokens do not split over 'cp' (see test_planner.py's SEARCHED)
+        cli_command("plan", *FLAGS, "--seq-len", "18", "--devices", "2", "--search",
+                    "--max-compiles", "2", "--cache", "none", "--jobs", "1"),
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         header = wait_for_line(proc.stdout, r"^search: \d+ layouts", proc, 240)

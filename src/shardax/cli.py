@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import difflib
 import functools
+import gc
 import json
 import logging
 import os
@@ -338,6 +339,10 @@ def _pipeline(command: _Command, name: str, argv: list[str]) -> int:
             return 0
         run_dir = command.run_dir(args)
         command.backend(args, argv)
+    # The imports and the backend made most of what this process will hold; frozen, they are
+    # no longer walked by each full garbage collection while JAX traces and compiles (~10% of
+    # a short run's CPU time).
+    gc.freeze()
     return command.run(args, run_dir)
 
 

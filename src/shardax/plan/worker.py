@@ -19,6 +19,7 @@ because no backend (and none of XLA's threads) runs in the server.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import select
@@ -74,6 +75,7 @@ def serve() -> None:
     """The server loop (see the module docstring)."""
     if threading.active_count() != 1:
         sys.exit("shardax plan worker: a thread started before forking")
+    gc.freeze()  # the imports: not walked by the children's collections (nor copied on write)
     os.write(1, b"ready\n")
     children: dict[int, int] = {}  # pid -> request id
     pending, reading = b"", True
