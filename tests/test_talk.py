@@ -21,6 +21,8 @@ from shardax.train.resolve import resolve
 from shardax.train.run.report import Progress, fit, phase
 
 FLAGS = ["--model", "llama-tiny", "--batch-size", "8", "--seq-len", "16"]
+# The search's: 18 tokens do not split over 'cp' (see test_planner.py's SEARCHED).
+SEARCH_FLAGS = ["--model", "llama-tiny", "--batch-size", "8", "--seq-len", "18"]
 
 
 def test_train_says_compiling_with_seconds_before_the_first_step_and_the_wasted_axis(
@@ -72,9 +74,8 @@ def test_progress_lines_fit_the_width_and_break_between_fields():
 
 def test_plan_search_prints_each_candidate_as_it_is_compiled():
     proc = subprocess.Popen(
-        # 18 tokens do not split over 'cp' (see test_planner.py's SEARCHED)
-        cli_command("plan", *FLAGS, "--seq-len", "18", "--devices", "2", "--search",
-                    "--max-compiles", "2", "--cache", "none", "--jobs", "1"),
+        cli_command("plan", *SEARCH_FLAGS, "--devices", "2", "--search", "--max-compiles", "2",
+                    "--cache", "none", "--jobs", "1"),
         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         header = wait_for_line(proc.stdout, r"^search: \d+ layouts", proc, 240)
