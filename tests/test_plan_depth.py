@@ -81,6 +81,8 @@ def test_plan_of_a_deepseek_v3_shaped_model_on_64_devices_with_ep(tmp_path):
     assert "mesh ep=8, fsdp=8" in proc.stdout and ": fits" in proc.stdout, proc.stdout
     assert "61 listed layers: compiled at 4 and 5 layers and extended linearly to 61" \
         in proc.stdout
+    # The model is named by the flag it came from.
+    assert f"explicit does not run with --init-from hf:{d} (dropless experts" in proc.stdout
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["mesh"] == {"ep": 8, "fsdp": 8} and saved["fits"]
 

@@ -263,16 +263,17 @@ def _explicit_blockers(config: TrainConfig, mesh_shape: dict[str, int], model_co
                        lay: Layout) -> list[str]:
     """Why explicit FSDP cannot run here, one phrase each (none: it can)."""
     blockers = []
+    model = f"--init-from {config.init_from}" if config.init_from else f"--model {config.model}"
     if config.objective != "sft":
         blockers.append(f"--objective {config.objective} (explicit FSDP computes the "
                         "cross-entropy only)")
     if mesh_shape.get("fsdp", 1) == 1:
         blockers.append(f"a mesh without an 'fsdp' axis of size > 1 ({config.mesh})")
     if getattr(model_config, "n_experts", 0) and model_config.moe_impl == "dropless":
-        blockers.append(f"--model {config.model} (dropless experts run their own shard_map; "
+        blockers.append(f"{model} (dropless experts run their own shard_map; "
                         "the capacity MoE runs inside explicit FSDP)")
     elif getattr(model_config, "mixed_layers", False):
-        blockers.append(f"--model {config.model} (its sliding-window and global layers differ; "
+        blockers.append(f"{model} (its sliding-window and global layers differ; "
                         "explicit FSDP runs one layer body)")
     else:
         if lay.tp_mode != "none":
