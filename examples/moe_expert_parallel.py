@@ -2,8 +2,8 @@
 
 Experts are sharded over ``ep`` (and their d_model dim over ``fsdp``), tokens over both axes.
 Prints the loss, the load-balancing loss, the dropped fraction, and the all-to-all traffic read
-from the optimized HLO next to the textbook estimate. Runs on 8 emulated CPU devices when there
-is no accelerator:
+from the optimized HLO next to the textbook estimate. ``SHARDAX_EXAMPLE_STEPS`` sets the number
+of steps (300). Runs on 8 emulated CPU devices when there is no accelerator:
 
     PYTHONPATH=src python examples/moe_expert_parallel.py
 """
@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from shardax.parallel.expert import expert_capacity, init_moe_params, moe_mlp  # noqa: E402
 
 BATCH, SEQ, D, H, E, TOP_K, CF = 32, 16, 32, 64, 8, 2, 1.25
-STEPS, LR, LB_WEIGHT = 300, 2.0, 0.01
+STEPS = int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 300))
+LR, LB_WEIGHT = 2.0, 0.01
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4}
 
 

@@ -6,6 +6,7 @@ one stacked parameter tree ``[L, ...]`` split over the ``pp`` axis; the batch is
 plus cross-entropy run on the stage that holds the pipeline output (``loss_fn=``). Data: sklearn
 digits if sklearn is installed, else synthetic Gaussian clusters. The first step is checked
 against the same model on one device (plain ``lax.scan`` over the layers).
+``--steps`` (default: ``SHARDAX_EXAMPLE_STEPS``, else 60) sets the number of steps.
 
     python examples/pipeline_classifier.py                                  # gpipe, M=8
     python examples/pipeline_classifier.py --schedule circular --virtual 2
@@ -82,7 +83,8 @@ def main() -> None:
     parser.add_argument("--virtual", type=int, default=1, help="virtual stages (circular)")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int,
+                        default=int(os.environ.get("SHARDAX_EXAMPLE_STEPS", 60)))
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
 

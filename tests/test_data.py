@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import cli_command, cli_env
+from _cli import run_cli_batch
 from _reference import TINY_TRAIN
 
 from shardax.data import encode as encode_lib
@@ -586,7 +586,8 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(monkeypatch, c
 def test_unusable_data_from_the_command_line(tmp_path):
     """The four ``--data`` cases of issue 14 (a validation split short of a batch is no
     longer one: test_eval_control.py): one line on stderr naming the path and what to
-    do, exit code 2, nothing written (run concurrently: each pays JAX's start-up)."""
+    do, exit code 2, nothing written (the cases one after another in one `shardax` process:
+    `run_cli_batch`)."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "bins").mkdir()
     for name in ("a.o", "b.pyc"):
@@ -599,17 +600,14 @@ def test_unusable_data_from_the_command_line(tmp_path):
         "small": ([str(tmp_path / "small.txt")], ["small.txt", "training split has 19 tokens",
                                                   "--seq-len + 1 = 33", "lower --seq-len"]),
     }
-    procs = {
-        name: subprocess.Popen(
-            cli_command("train", "--batch-size", "8", "--seq-len", "32", "--steps", "2",
-                        "--out", tmp_path / f"run_{name}", "--data", *paths),
-            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name, (paths, _) in cases.items()}
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        lines = err.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1, (name, proc.returncode, err)
-        assert lines[0].startswith("shardax train: error: --data "), (name, err)
+    results = run_cli_batch([
+        ["train", "--batch-size", "8", "--seq-len", "32", "--steps", "2",
+         "--out", tmp_path / f"run_{name}", "--data", *paths]
+        for name, (paths, _) in cases.items()])
+    for name, proc in zip(cases, results):
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, (name, proc.returncode, proc.stderr)
+        assert lines[0].startswith("shardax train: error: --data "), (name, proc.stderr)
         for needle in cases[name][1]:
-            assert needle in lines[0], (name, needle, err)
+            assert needle in lines[0], (name, needle, proc.stderr)
         assert not (tmp_path / f"run_{name}").exists()

@@ -127,7 +127,8 @@ COVERED: dict[tuple[str, str], str] = {
         "tests/test_multiprocess.py::test_two_processes_train_like_one_process",
     ("docs/multi_host.md", "shardax launch --nproc 2 --devices-per-proc 4 -- shardax train "
                            "--mesh fsdp=-1 --steps 200 --out runs/mp --resume"):
-        "tests/test_multiprocess.py::test_killed_worker_stops_the_job_and_leaves_a_restorable_checkpoint",
+        "tests/test_multiprocess.py::"
+        "test_two_process_checkpoint_resumes_in_two_processes_on_another_mesh",
     ("docs/observability.md", "shardax train --out runs/a --log-to jsonl,tensorboard,wandb"):
         "tests/test_observability.py::test_tensorboard_event_file_holds_the_scalars",
     ("docs/observability.md", "shardax train --out runs/a --profile-steps 10:13"):

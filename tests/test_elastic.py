@@ -2,11 +2,11 @@
 
 `shardax launch --nproc 4 --devices-per-proc 2 --elastic -- shardax train ...` (4 processes
 x 2 emulated CPU devices) has worker 3 SIGKILLed once checkpoint step 4 is committed; the
-launcher stops the others and starts the job again on 3 processes (6 devices), where
-`shardax train` resumes from the newest checkpoint on mesh dp=3,fsdp=2 with --grad-accum 2
-(the global batch of 24 rows kept). Checked against the same 8 steps run uninterrupted in one
-process on 8 devices (in this pytest process; test_multiprocess.py shows that processes
-train like one process):
+launcher stops the others (none of them outlives it) and starts the job again on 3
+processes (6 devices), where `shardax train` resumes from the newest checkpoint on mesh
+dp=3,fsdp=2 with --grad-accum 2 (the global batch of 24 rows kept). Checked against the
+same 8 steps run uninterrupted in one process on 8 devices (in this pytest process;
+test_multiprocess.py shows that processes train like one process):
 
 - the token stream: every step's ``data_hash`` (a fingerprint of the step's global input
   tokens) equals the uninterrupted run's, before and after the restart;
@@ -66,6 +66,14 @@ def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(out)}
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, (f"exit status {proc.returncode}\n--- stdout\n"
                                   f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
@@ -102,6 +110,7 @@ def test_a_killed_worker_restarts_the_job_on_the_processes_left(env, uninterrupt
             proc.wait()
     stdout = log.read_text()
     assert proc.returncode == 0, f"{err[-3000:]}\n{stdout[-3000:]}"
+    assert not any(_alive(int(pid)) for pid in pids.values()), "a first-attempt worker lives on"
     assert (f"[launch] process 3 (pid {pids['3']}) was killed by SIGKILL; stopping the others"
             in err), err
     assert ("[launch] elastic restart 1 of at most 3: process 3 was killed by SIGKILL; "

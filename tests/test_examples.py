@@ -31,9 +31,9 @@ NEEDS = {"haliax_gpt2.py": "haliax"}  # example -> the optional extra's module i
 # examples with their own output (no fixed step count): example -> text the output must contain
 SELF_CHECKING = {
     "quickstart.py": ["step  29  loss"],
-    "pipeline_classifier.py": ["60 steps in"],
+    "pipeline_classifier.py": [f"{STEPS} steps in"],
     "ring_attention.py": ["collective-permute in HLO: True, all-gather: False"],
-    "moe_expert_parallel.py": ["300 steps in", "all-to-all"],
+    "moe_expert_parallel.py": [f"{STEPS} steps in", "all-to-all"],
     "tensor_parallel_async.py": [
         "all modes agree with each other and with the single-device result"],
 }

@@ -215,7 +215,10 @@ def test_param_count_counts_the_loaded_parameters(arch):
     assert models.param_count(config) == n
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# The MoE families' and NEW_ARCHS' KV-cache greedy tokens are checked against transformers'
+# on a mesh (above: the same model and decoding code, with the experts routed alike on a mesh
+# and without); one device for the others.
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in (*MOE, *NEW_ARCHS)])
 def test_kv_cache_greedy_tokens_equal_transformers(arch):
     ref = reference(arch)
     model = hf.load_model(FIXTURES / arch)

@@ -3,6 +3,7 @@ state is sharded by the rules like its parameters and a sharded step trains like
 step 1 trains at lr > 0; the flags reach the optimizer and bad values are one line."""
 
 import dataclasses
+import functools
 import json
 from functools import partial
 
@@ -34,15 +35,25 @@ def _batches(n):
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
+def _tx(name):
+    return make_optimizer(name, 0.02 if name == "sgd" else 1e-3, steps=10, warmup=1)
+
+
+@functools.cache
+def _one_device(name):
+    """An optimizer's one-device run, shared by the meshes it is compared on."""
+    return train_one_device(CONFIG, _tx(name), _batches(STEPS[name]))
+
+
 @pytest.mark.parametrize("name, mesh_spec, fsdp_mode", [
     *((name, "fsdp=4,tp=2", "xla") for name in OPTIMIZERS),
     # the boxed optimizers under explicit ZeRO-3 (what `shardax train` runs on a dense llama)
     ("adafactor", "fsdp=8", "explicit"), ("muon", "fsdp=8", "explicit")])
 def test_sharded_optimizer_state_follows_the_params_and_trains_like_one_device(
         name, mesh_spec, fsdp_mode):
-    tx = make_optimizer(name, 0.02 if name == "sgd" else 1e-3, steps=10, warmup=1)
+    tx = _tx(name)
     batches = _batches(STEPS[name])
-    want = train_one_device(CONFIG, tx, batches)
+    want = _one_device(name)
 
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.presets.resolve(

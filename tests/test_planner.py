@@ -199,12 +199,13 @@ def test_a_compiler_crash_costs_one_layout_also_with_one_job(tmp_path, monkeypat
                 os.abort()
             return real(*args)
         """)
-    result = search(TrainConfig(**SEARCHED), BARE, 1e12, max_compiles=3, jobs=1, cache=None)
+    # Two layouts: the first crashes its compile server, the second compiles in a new one.
+    result = search(TrainConfig(**SEARCHED), BARE, 1e12, max_compiles=2, jobs=1, cache=None)
     assert not list(tmp_path.glob("shardax-plan-*"))  # removed at the end
     assert marker.exists()
     assert len(result.failed) == 1 and "could not compile: killed by SIGABRT" in \
         result.failed[0], result.failed
-    assert result.compiled == 2 and len(result.ranked) == 2
+    assert result.compiled == 1 and len(result.ranked) == 1
 
 
 def test_a_compile_server_that_does_not_start_refuses_each_layout_saying_why(monkeypatch):
