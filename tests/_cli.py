@@ -271,6 +271,15 @@ def committed_steps(out: Path) -> list[int]:
     return list_steps(Path(out) / "checkpoints")[0]
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a zombie does too, until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def stopped_at(run: Path, dest: Path, step: int) -> Path:
     """A copy of a finished run directory as if it had stopped right after checkpoint
     ``step`` (the later checkpoints removed)."""

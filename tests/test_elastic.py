@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import cli_command, multiprocess_env, read_metrics
+from _cli import alive, cli_command, multiprocess_env, read_metrics
 
 from shardax.launch import launch
 from shardax.train.loop import TrainConfig, train
@@ -64,14 +64,6 @@ def _launch(out: Path, nproc: int, *launch_flags: str, train: list[str] = TRAIN)
 
 def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(out)}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -110,7 +102,7 @@ def test_a_killed_worker_restarts_the_job_on_the_processes_left(env, uninterrupt
             proc.wait()
     stdout = log.read_text()
     assert proc.returncode == 0, f"{err[-3000:]}\n{stdout[-3000:]}"
-    assert not any(_alive(int(pid)) for pid in pids.values()), "a first-attempt worker lives on"
+    assert not any(alive(int(pid)) for pid in pids.values()), "a first-attempt worker lives on"
     assert (f"[launch] process 3 (pid {pids['3']}) was killed by SIGKILL; stopping the others"
             in err), err
     assert ("[launch] elastic restart 1 of at most 3: process 3 was killed by SIGKILL; "

@@ -22,7 +22,6 @@ single-process ones run in this pytest process.
 """
 
 import io
-import os
 import re
 import shutil
 import signal
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _cli import cli_command, committed_steps, multiprocess_env, read_metrics
+from _cli import alive, cli_command, committed_steps, multiprocess_env, read_metrics
 from _reference import TINY_TRAIN
 
 from shardax.launch import free_port, launch
@@ -85,14 +84,6 @@ def _resume_copy(run: Path, dest: Path, keep: int) -> Path:
             shutil.rmtree(d)
     assert committed_steps(dest) == [keep]
     return dest
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _assert_close(got: dict[int, float], want: dict[int, float], rtol: float = REL) -> None:
@@ -343,7 +334,7 @@ def test_launch_stops_everything_when_one_process_fails(capsys, tmp_path):
             f"open({str(ready)!r}, 'w').close(); time.sleep(600)")
     assert launch(_py(code), 2, grace_s=1.0, out=out) == 3
     pids = [int(line.split()[1]) for line in out.getvalue().splitlines()]
-    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    assert len(pids) == 2 and not any(alive(p) for p in pids)
     assert "process 1 (pid" in capsys.readouterr().err
 
 
