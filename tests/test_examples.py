@@ -28,7 +28,8 @@ EXAMPLES = {
                        "Adam mu of c_fc: P(None, 'model', 'data')", "(equal within 1e-5: True)"],
 }
 NEEDS = {"haliax_gpt2.py": "haliax"}  # example -> the optional extra's module it imports
-# examples with their own output (no fixed step count): example -> text the output must contain
+# examples with their own output (no loss line per step; those with a step count run STEPS):
+# example -> text the output must contain
 SELF_CHECKING = {
     "quickstart.py": ["step  29  loss"],
     "pipeline_classifier.py": [f"{STEPS} steps in"],

@@ -3,9 +3,8 @@ state is sharded by the rules like its parameters and a sharded step trains like
 step 1 trains at lr > 0; the flags reach the optimizer and bad values are one line."""
 
 import dataclasses
-import functools
 import json
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,7 @@ def _tx(name):
     return make_optimizer(name, 0.02 if name == "sgd" else 1e-3, steps=10, warmup=1)
 
 
-@functools.cache
+@cache
 def _one_device(name):
     """An optimizer's one-device run, shared by the meshes it is compared on."""
     return train_one_device(CONFIG, _tx(name), _batches(STEPS[name]))
