@@ -4,7 +4,7 @@ step 1 trains at lr > 0; the flags reach the optimizer and bad values are one li
 
 import dataclasses
 import json
-from functools import cache, partial
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +38,18 @@ def _tx(name):
     return make_optimizer(name, 0.02 if name == "sgd" else 1e-3, steps=10, warmup=1)
 
 
-@cache
-def _one_device(name):
-    """An optimizer's one-device run, shared by the meshes it is compared on."""
-    return train_one_device(CONFIG, _tx(name), _batches(STEPS[name]))
+@pytest.fixture(scope="module")
+def one_device():
+    """Per optimizer name: its one-device run, made on first use and shared by the meshes it
+    is compared on."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            runs[name] = train_one_device(CONFIG, _tx(name), _batches(STEPS[name]))
+        return runs[name]
+
+    return get
 
 
 @pytest.mark.parametrize("name, mesh_spec, fsdp_mode", [
@@ -49,10 +57,10 @@ def _one_device(name):
     # the boxed optimizers under explicit ZeRO-3 (what `shardax train` runs on a dense llama)
     ("adafactor", "fsdp=8", "explicit"), ("muon", "fsdp=8", "explicit")])
 def test_sharded_optimizer_state_follows_the_params_and_trains_like_one_device(
-        name, mesh_spec, fsdp_mode):
+        name, mesh_spec, fsdp_mode, one_device):
     tx = _tx(name)
     batches = _batches(STEPS[name])
-    want = _one_device(name)
+    want = one_device(name)
 
     mesh = MeshShardingHelper.from_string(mesh_spec)
     rules = LogicalAxisRules(layout.presets.resolve(
