@@ -95,7 +95,7 @@ COVERED: dict[tuple[str, str], str] = {
     ("docs/hugging_face.md", "from shardax import hf"):
         "tests/test_hf.py::test_sharded_load_reads_each_device_slice_once_and_nothing_else",
     ("docs/hugging_face.md", "from shardax.models import decode"):
-        "tests/test_hf.py::test_generate_pads_a_prompt_batch_the_mesh_does_not_divide",
+        "tests/test_hf.py::test_kv_cache_equals_full_recompute_sharded_with_ragged_prompts",
     ("docs/hugging_face.md", "shardax train --init-from hf:models/Llama-3.2-1B --mesh fsdp=4,tp=2 "
                              "--seq-len 1024 --batch-size 16 --lr 2e-5 --steps 1000 "
                              "--out runs/llama-ft"):
@@ -309,6 +309,15 @@ def test_doc_snippets_run(doc, tmp_path):
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, (
             f"{doc}:{line}: {command}\n{result.stdout}\n{result.stderr}")
+
+
+def test_covered_snippets_name_tests_that_exist():
+    """Every test `COVERED` names is defined in its file (a renamed or merged test leaves a
+    snippet run by nothing)."""
+    missing = [test for test in COVERED.values()
+               if not re.search(rf"^def {test.split('::')[1]}\(",
+                                (ROOT / test.split("::")[0]).read_text(), re.MULTILINE)]
+    assert not missing, missing
 
 
 # Hugging Face model_type (the importer's `HF_MODEL_TYPES`) -> its name in the README's list of

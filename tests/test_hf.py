@@ -251,20 +251,9 @@ def test_kv_cache_equals_full_recompute_sharded_with_ragged_prompts(arch):
     single = hf.load_model(FIXTURES / arch)
     for prompt, row in zip(prompts, greedy):
         assert decode.generate(single, [prompt], 12).tokens[0] == row
-
-
-def test_generate_pads_a_prompt_batch_the_mesh_does_not_divide():
-    """Two prompts on fsdp=4,tp=2 (the batch is split 4 ways): padded to four rows inside,
-    two rows out, each with the greedy tokens it gets alone on one device."""
-    ref = reference("llama_gqa")
-    prompts = [ref["tokens"][0][:3].tolist(), ref["tokens"][1][:2].tolist()]
-    mesh = MeshShardingHelper.from_string("fsdp=4,tp=2")
-    config = hf.load_config(FIXTURES / "llama_gqa")
-    rules = hf.default_rules(config, mesh.mesh)
-    model = nnx.merge(*hf.load_params(FIXTURES / "llama_gqa", config, mesh, rules))
-    out = decode.generate(model, prompts, 6, mesh=mesh, rules=rules)
-    single = hf.load_model(FIXTURES / "llama_gqa")
-    assert out.tokens == [decode.generate(single, [p], 6).tokens[0] for p in prompts]
+    # A batch the mesh does not divide (two prompts, the batch split 4 ways): padded to four
+    # rows inside, two rows out, each with the tokens it gets alone on one device.
+    assert decode.generate(model, prompts[1:3], 12, mesh=mesh, rules=rules).tokens == greedy[1:3]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
