@@ -4,7 +4,7 @@ step 1 trains at lr > 0; the flags reach the optimizer and bad values are one li
 
 import dataclasses
 import json
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -42,14 +42,7 @@ def _tx(name):
 def one_device():
     """Per optimizer name: its one-device run, made on first use and shared by the meshes it
     is compared on."""
-    runs = {}
-
-    def get(name):
-        if name not in runs:
-            runs[name] = train_one_device(CONFIG, _tx(name), _batches(STEPS[name]))
-        return runs[name]
-
-    return get
+    return cache(lambda name: train_one_device(CONFIG, _tx(name), _batches(STEPS[name])))
 
 
 @pytest.mark.parametrize("name, mesh_spec, fsdp_mode", [
